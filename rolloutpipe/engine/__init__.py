@@ -1,0 +1,1 @@
+"""Rollout engines: the ``Engine`` protocol and its implementations."""

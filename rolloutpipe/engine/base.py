@@ -1,0 +1,39 @@
+"""The seam between the rollout manager and whatever generates tokens.
+
+An engine takes one request at a time and hands each back, finished, to the completion callback
+given at construction, from its own thread. It runs at most ``concurrency`` requests at once; the
+others wait inside the engine in submission order (what an SGLang server does with its waiting
+queue). Weights change only between steps, when the rollout manager calls
+``update_weights_from_disk`` with no request in flight.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+from rolloutpipe.types import GenerationRequest, GenerationResult
+
+OnResult = Callable[[GenerationResult], None]
+
+
+class Engine(Protocol):
+    name: str
+    concurrency: int
+
+    @property
+    def policy_version(self) -> int: ...
+
+    def submit(self, request: GenerationRequest) -> None:
+        """Queue one request; its result reaches the completion callback exactly once."""
+
+    def abort(self, request_id: str) -> None:
+        """Finish a queued or running request now with FinishReason.ABORT (no-op if it already finished)."""
+
+    def update_weights_from_disk(self, path: str, policy_version: int) -> None:
+        """Load a safetensors file (HF parameter names) and serve ``policy_version`` from now on."""
+
+    def num_in_flight(self) -> int:
+        """Requests submitted and not yet handed back."""
+
+    def shutdown(self) -> None:
+        """Stop the engine thread; requests still queued are aborted."""

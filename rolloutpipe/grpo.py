@@ -1,0 +1,98 @@
+"""GRPO advantages and the clipped policy-gradient loss: pure torch, no process or store.
+
+Variant. Advantages are per group (Shao et al., 2024): A_i = r_i - mean(r), divided by the group's
+unbiased standard deviation (+ 1e-6) when ``normalize_advantage_std`` (Dr. GRPO turns it off). There is
+no KL term and no reference model (as in DAPO and Slime's GRPO default). The token loss is PPO's
+clipped surrogate with separate lower and upper clip ranges (DAPO's clip-higher when they differ):
+    loss_t = max(-A * ratio_t, -A * clip(ratio_t, 1 - eps_low, 1 + eps_high)),
+    ratio_t = exp(logp_t - old_logp_t).
+
+Normalisation. ``token_mean`` divides the sum of token losses over the whole training batch by the
+batch's token count; ``seq_mean_token_mean`` averages tokens within each sample, then divides by the
+batch's sample count. Either way the micro-batches backpropagate raw *sums* and the trainer scales
+the accumulated gradient once, by ``1 / normaliser``, right before the optimizer step. The
+normaliser is a property of the whole batch, so it is only needed once the batch is complete: that
+is why a pipelined update (micro-batches as groups arrive, in any order) equals the synchronous one
+up to the order of floating-point accumulation.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class LossAggregation(enum.Enum):
+    token_mean = "token_mean"
+    seq_mean_token_mean = "seq_mean_token_mean"
+
+
+@dataclass(kw_only=True, slots=True)
+class GRPOConfig:
+    normalize_advantage_std: bool = True
+    eps_clip: float = 0.2
+    """Lower clip range: ratio >= 1 - eps_clip."""
+    eps_clip_high: float = 0.2
+    """Upper clip range: ratio <= 1 + eps_clip_high (0.28 is DAPO's clip-higher)."""
+    loss_agg: LossAggregation = LossAggregation.token_mean
+
+    def __post_init__(self) -> None:
+        for key in ("eps_clip", "eps_clip_high"):
+            if not 0.0 < getattr(self, key) < 1.0:
+                raise ValueError(f"grpo.{key}={getattr(self, key)} must be in (0, 1); 0.2 is the usual value.")
+
+
+def group_advantages(rewards: list[float], *, normalize_std: bool) -> list[float]:
+    """Advantages of one group from its own rewards only; a group with one reward value gets zeros."""
+    r = torch.tensor(rewards, dtype=torch.float64)
+    centered = r - r.mean()
+    if normalize_std and len(rewards) > 1:
+        centered = centered / (r.std() + 1e-6)
+    return centered.tolist()
+
+
+@dataclass(kw_only=True, slots=True)
+class LossSums:
+    """What one micro-batch contributes to its training batch, as sums (see module docstring)."""
+
+    loss: torch.Tensor
+    """Scalar with grad: sum of the aggregated losses, to be divided by the batch normaliser."""
+    num_tokens: int
+    num_samples: int
+    num_clipped_tokens: int
+    ratio_sum: float
+
+
+def policy_loss_sums(
+    logprobs: torch.Tensor,  # [B, T] log p of response tokens under the current weights
+    old_logprobs: torch.Tensor,  # [B, T] under policy_version k (the weights that generated them)
+    advantages: torch.Tensor,  # [B]
+    mask: torch.Tensor,  # [B, T] 1.0 on response tokens, 0.0 on padding
+    cfg: GRPOConfig,
+) -> LossSums:
+    ratio = torch.exp(logprobs - old_logprobs)
+    adv = advantages[:, None]
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - cfg.eps_clip, 1.0 + cfg.eps_clip_high)
+    token_loss = torch.maximum(unclipped, clipped) * mask
+    if cfg.loss_agg is LossAggregation.token_mean:
+        loss = token_loss.sum()
+    else:
+        loss = (token_loss.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).sum()
+    with torch.no_grad():
+        num_clipped = int(((clipped > unclipped) & (mask > 0)).sum())
+        ratio_sum = float((ratio * mask).sum())
+    return LossSums(
+        loss=loss,
+        num_tokens=int(mask.sum()),
+        num_samples=int(mask.shape[0]),
+        num_clipped_tokens=num_clipped,
+        ratio_sum=ratio_sum,
+    )
+
+
+def normaliser(cfg: GRPOConfig, *, num_tokens: int, num_samples: int) -> int:
+    """The divisor of a whole training batch's loss sum (known once the batch is complete)."""
+    return max(num_tokens if cfg.loss_agg is LossAggregation.token_mean else num_samples, 1)

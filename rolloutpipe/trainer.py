@@ -1,0 +1,206 @@
+"""The PyTorch trainer: micro-batch forward/backward as groups arrive, one optimizer step per training batch.
+
+Gradient accumulation works on loss *sums* (see ``grpo``): each micro-batch backpropagates the sum of
+its samples' losses; when a training batch is complete, ``finish_batch`` all-reduces the gradients
+and the token and sample counts over the data-parallel ranks (gloo on CPU), divides the gradients by
+the batch normaliser, clips and steps. Which rank trained which group, and in what order, changes
+only the order of floating-point additions.
+
+Old log-probs. With one optimizer step per rollout the weights at training time are the rollout's
+policy_version k, so the old log-probs are the current ones, detached (ratio = 1, exact). With
+``num_steps_per_rollout > 1`` the trainer keeps a copy of version k's parameters taken at the start of
+the step and recomputes old log-probs with it, so batches trained after the first optimizer step
+still clip against version k. ``old_logprobs=engine`` uses the engine's log-probs instead (cheaper on
+large models; differs from the trainer's by the numerics of the two implementations).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from rolloutpipe.grpo import GRPOConfig, LossSums, normaliser, policy_loss_sums
+from rolloutpipe.types import CompleteGroup
+
+
+class TrainerBackend(enum.Enum):
+    torch = "torch"
+
+
+class OldLogprobSource(enum.Enum):
+    trainer = "trainer"
+    engine = "engine"
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    backend: TrainerBackend = TrainerBackend.torch
+    num_ranks: int = 1
+    """Data-parallel trainer processes (gloo on CPU)."""
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    max_grad_norm: float = 1.0
+    old_logprobs: OldLogprobSource = OldLogprobSource.trainer
+    num_threads: int | None = None
+    """torch intra-op threads per rank; null: the CPUs the launcher gave this rank."""
+
+    def __post_init__(self) -> None:
+        if self.num_ranks < 1:
+            raise ValueError(f"trainer.num_ranks={self.num_ranks} must be >= 1.")
+        if self.lr <= 0:
+            raise ValueError(f"trainer.lr={self.lr} must be > 0.")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainSample:
+    """One sample as the trainer sees it."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    engine_logprobs: list[float]
+    advantage: float
+
+
+def train_samples(group: CompleteGroup) -> list[TrainSample]:
+    return [
+        TrainSample(prompt_ids=group.prompt_ids, response_ids=s.response_ids, engine_logprobs=s.logprobs,
+                    advantage=a)
+        for s, a in zip(group.samples, group.advantages, strict=True)
+    ]
+
+
+@dataclass(kw_only=True, slots=True)
+class BatchResult:
+    loss: float
+    grad_norm: float
+    num_tokens: int
+    num_clipped_tokens: int
+
+
+class PolicyTrainer:
+    def __init__(self, *, model: torch.nn.Module, cfg: TrainerConfig, grpo: GRPOConfig, temperature: float,
+                 pad_id: int, multi_step: bool, process_group_active: bool) -> None:
+        self.model = model.train()
+        self.cfg = cfg
+        self.grpo = grpo
+        self.temperature = temperature
+        self.pad_id = pad_id
+        self.multi_step = multi_step
+        self.distributed = process_group_active
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay
+        )
+        self._snapshot: dict[str, torch.Tensor] | None = None
+        self._loss_sum = 0.0
+        self._num_tokens = 0
+        self._num_samples = 0
+        self._num_clipped = 0
+
+    def begin_step(self) -> None:
+        """Remember policy_version k's parameters when later batches must clip against them."""
+        if self.multi_step and self.cfg.old_logprobs is OldLogprobSource.trainer:
+            self._snapshot = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def forward_backward(self, samples: list[TrainSample], *, first_batch_of_step: bool) -> LossSums:
+        input_ids, targets, mask = self._pack(samples)  # [B, L], [B, L-1], [B, L-1]
+        attention = _real_tokens(samples, input_ids.shape[1])  # [B, L]
+        logits = self.model(input_ids=input_ids, attention_mask=attention.long()).logits[:, :-1]
+        logprobs = _token_logprobs(logits, targets, self.temperature)  # [B, L-1]
+        old = self._old_logprobs(samples, input_ids, attention, targets, logprobs, mask, first_batch_of_step)
+        advantages = torch.tensor([s.advantage for s in samples], dtype=logprobs.dtype)
+        sums = policy_loss_sums(logprobs, old, advantages, mask, self.grpo)
+        sums.loss.backward()
+        self._loss_sum += float(sums.loss.detach())
+        self._num_tokens += sums.num_tokens
+        self._num_samples += sums.num_samples
+        self._num_clipped += sums.num_clipped_tokens
+        return sums
+
+    def finish_batch(self) -> BatchResult:
+        """All-reduce, normalise once, clip and step: the batch's one optimizer update."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        counts = torch.tensor([self._num_tokens, self._num_samples, self._num_clipped], dtype=torch.float64)
+        loss = torch.tensor([self._loss_sum], dtype=torch.float64)
+        if self.distributed:
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(flat)
+            offset = 0
+            for p in params:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+            dist.all_reduce(counts)
+            dist.all_reduce(loss)
+        num_tokens, num_samples, num_clipped = (int(c) for c in counts.tolist())
+        scale = 1.0 / normaliser(self.grpo, num_tokens=num_tokens, num_samples=num_samples)
+        for p in params:
+            p.grad.mul_(scale)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._loss_sum, self._num_tokens, self._num_samples, self._num_clipped = 0.0, 0, 0, 0
+        return BatchResult(loss=float(loss) * scale, grad_norm=grad_norm, num_tokens=num_tokens,
+                           num_clipped_tokens=num_clipped)
+
+    def save_weights(self, path: Path) -> float:
+        """Write the policy as one safetensors file (HF names) atomically; returns seconds spent."""
+        start = time.time()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        state = {k: v.detach().contiguous() for k, v in self.model.state_dict().items()}
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp), metadata={"format": "pt"})
+        tmp.rename(path)
+        return time.time() - start
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _pack(self, samples: list[TrainSample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        seqs = [s.prompt_ids + s.response_ids for s in samples]
+        length = max(len(s) for s in seqs)
+        input_ids = torch.full((len(seqs), length), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), length - 1), dtype=self._dtype())
+        for b, (s, seq) in enumerate(zip(samples, seqs)):
+            input_ids[b, : len(seq)] = torch.tensor(seq)
+            # logits at position j predict token j + 1: response tokens are predicted from P - 1 .. P + R - 2
+            mask[b, len(s.prompt_ids) - 1 : len(seq) - 1] = 1.0
+        return input_ids, input_ids[:, 1:], mask
+
+    def _old_logprobs(self, samples, input_ids, attention, targets, logprobs, mask, first_batch_of_step):
+        if self.cfg.old_logprobs is OldLogprobSource.engine:
+            old = torch.zeros_like(logprobs)
+            for b, s in enumerate(samples):
+                start = len(s.prompt_ids) - 1
+                old[b, start : start + len(s.engine_logprobs)] = torch.tensor(s.engine_logprobs, dtype=old.dtype)
+            return old
+        if first_batch_of_step or self._snapshot is None:
+            return logprobs.detach()
+        with torch.no_grad():
+            logits = torch.func.functional_call(
+                self.model, self._snapshot, (), {"input_ids": input_ids, "attention_mask": attention.long()}
+            ).logits[:, :-1]
+            return _token_logprobs(logits, targets, self.temperature) * mask
+
+    def _dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+
+def _real_tokens(samples: list[TrainSample], length: int) -> torch.Tensor:
+    """True on every real token (padding is on the right), whatever its id."""
+    lens = torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples])
+    return torch.arange(length)[None, :] < lens[:, None]
+
+
+def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)

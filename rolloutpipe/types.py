@@ -1,0 +1,144 @@
+"""The nouns of RolloutPipe, named once.
+
+One id scheme is used by logs, store keys and traces: ``step=<k>/group=<g>/sample=<s>``.
+``step`` is one RL step (one rollout batch and the training on it, policy_version k -> k+1),
+``group`` is one prompt and its ``n_samples_per_prompt`` samples, ``sample`` is one completion.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def sample_id(step: int, group: int, sample: int) -> str:
+    return f"step={step}/group={group}/sample={sample}"
+
+
+def group_id(step: int, group: int) -> str:
+    return f"step={step}/group={group}"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    """A stop token was generated (it is kept as the last output token)."""
+    LENGTH = "length"
+    """``max_new_tokens`` was reached."""
+    ABORT = "abort"
+    """The request was aborted before it finished; its output is partial and must not be trained."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Prompt:
+    """One row of the data set, validated and tokenized."""
+
+    index: int
+    """Position of the row in the data source (its line number minus one for jsonl)."""
+    text: str
+    """The prompt as the model sees it (after the chat template, if any)."""
+    input_ids: list[int]
+    label: Any
+    """The verifiable answer, handed to the reward function as it appears in the row."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True, slots=True)
+class GenerationRequest:
+    """One sample to generate. Engines see only this, never groups or steps."""
+
+    request_id: str
+    """``step=<k>/group=<g>/sample=<s>``."""
+    input_ids: list[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float = 1.0
+    sampling_seed: int
+    """Seeds the request's own random stream, so its tokens do not depend on its batch-mates."""
+    stop_token_ids: list[int]
+    priority: int = 0
+    """Lower runs first where the engine schedules by priority (SGLang's convention)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class GenerationResult:
+    request_id: str
+    output_ids: list[int]
+    output_logprobs: list[float]
+    """log p(token) under softmax(logits / temperature) of the serving policy, one per output token."""
+    finish_reason: FinishReason
+    policy_version: int
+    """The weights that generated every token of this result."""
+    submitted_s: float
+    """Wall time (time.time()) when the engine received the request."""
+    started_s: float
+    """Wall time when the request entered the running batch."""
+    finished_s: float
+
+
+@dataclass(kw_only=True, slots=True)
+class Sample:
+    """One completion with its reward."""
+
+    group: int
+    index: int
+    """Sample index within its group, 0 .. n_samples_per_prompt - 1."""
+    response_ids: list[int]
+    logprobs: list[float]
+    """Engine log-probs of ``response_ids`` (see GenerationResult.output_logprobs)."""
+    response_text: str
+    finish_reason: FinishReason
+    reward: float
+    reward_error: str | None = None
+    """Why the reward function failed (exception or timeout); the reward is then 0."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CompleteGroup:
+    """A prompt with all its samples generated and rewarded: trainable on its own under GRPO."""
+
+    step: int
+    group: int
+    """Index of the group within the step, 0 .. rollout_batch_size - 1, in prompt order."""
+    policy_version: int
+    prompt_index: int
+    prompt_ids: list[int]
+    samples: list[Sample]
+    advantages: list[float]
+    """One per sample, computed from this group's rewards only."""
+    completed_s: float
+    """Wall time at which the last sample's reward was known."""
+
+
+@dataclass(kw_only=True, slots=True)
+class GroupHandle:
+    """What crosses the store for one complete group: small, signed, never pickled."""
+
+    run_id: str
+    step: int
+    seq: int
+    """Publish order within the step, 0, 1, 2, ...; the trainer consumes in this order."""
+    group: int
+    policy_version: int
+    location: str
+    """``inline`` (payload under its own store key) or ``file:<path relative to the run dir>``."""
+    num_bytes: int
+    digest: str
+    """sha256 hex of the payload bytes."""
+    published_s: float
+    signature: str = ""
+    """HMAC-SHA256 (per-run secret) of every other field."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Span:
+    """One timed stage of one process; names are listed in DESIGN.md (``rollout/request``, ``train/wait``, ...)."""
+
+    name: str
+    role: str
+    """``rollout`` or ``trainer``."""
+    rank: int
+    step: int
+    start_s: float
+    end_s: float
+    attrs: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,58 @@
+"""Helpers for tests that run the real job: ``launch.py`` or the node entry point as real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# A small, fast workload: 4 prompts x 4 samples per step; every run of it takes a few seconds.
+SMALL = [
+    "num_rollout=2",
+    "rollout_batch_size=4",
+    "n_samples_per_prompt=4",
+    "global_batch_size=16",
+    "micro_batch_size=4",
+    "rollout_max_response_len=6",
+    "pipeline.peer_timeout_s=10",
+    "pipeline.heartbeat_s=0.5",
+]
+
+
+def node_environ() -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_CPP_LOG_LEVEL": "ERROR"}
+    env.pop("RP_ROLE", None)
+    return env
+
+
+def run_job(run_dir: Path, *overrides: str, timeout_s: float = 240) -> subprocess.CompletedProcess:
+    """``python launch.py run.dir=<run_dir> <overrides>``, to completion."""
+    return subprocess.run(
+        [sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", *overrides],
+        cwd=run_dir.parent, env=node_environ(), capture_output=True, text=True, timeout=timeout_s,
+    )
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def read_samples(run_dir: Path) -> list[dict]:
+    rows = []
+    for path in sorted((run_dir / "rollouts").glob("step=*.jsonl")):
+        rows.extend(json.loads(line) for line in path.read_text().splitlines())
+    return rows
+
+
+@pytest.fixture
+def job_dir(tmp_path: Path):
+    def make(name: str) -> Path:
+        return tmp_path / name
+
+    return make

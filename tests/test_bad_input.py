@@ -1,0 +1,149 @@
+"""Bad input and dead processes: a clear error that says what is wrong, never a hang or a silent loss."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import REPO, SMALL, node_environ, read_metrics, run_job
+
+pytestmark = pytest.mark.multiprocess
+
+
+def test_unknown_config_key_is_named_before_anything_starts(job_dir):
+    run_dir = job_dir("typo")
+    result = run_job(run_dir, "trainer.lrr=1e-3", timeout_s=60)
+    assert result.returncode != 0
+    assert "lrr" in result.stderr
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_impossible_batch_arithmetic_says_how_to_fix_it(job_dir):
+    result = run_job(job_dir("arith"), "rollout_batch_size=3", "n_samples_per_prompt=4", "global_batch_size=8",
+                     timeout_s=60)
+    assert result.returncode == 2
+    assert "global_batch_size=8" in result.stderr and "divisor of 12" in result.stderr
+
+
+def test_malformed_row_stops_the_run_with_file_and_line(job_dir, tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps({"prompt": "abc=", "label": "cba"}) + "\n" + '{"prompt": "abd=", "label": \n')
+    result = run_job(job_dir("bad-row"), *SMALL, f"data.path={data}", timeout_s=120)
+    assert result.returncode != 0
+    assert f"{data}:2" in result.stderr
+    assert "rollout rank 0" in result.stderr
+
+
+def _rows_with_labels(path: Path, labels: list[str]) -> Path:
+    letters = "abcd"
+    with path.open("w") as f:
+        for i, label in enumerate(labels):
+            f.write(json.dumps({"prompt": f"{letters[i % 4]}{letters[(i // 4) % 4]}a=", "label": label}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("reward,bad_label,error", [("raises", "fail", "ValueError"), ("hangs", "hang", "timeout")])
+def test_failing_reward_gives_zero_and_is_counted_without_stopping_the_run(job_dir, tmp_path, reward, bad_label,
+                                                                           error):
+    data = _rows_with_labels(tmp_path / "rows.jsonl", ["ok", bad_label, "ok", "ok"])
+    run_dir = job_dir(reward)
+    result = run_job(run_dir, *SMALL, "num_rollout=1", f"data.path={data}", "data.shuffle=false",
+                     f"reward.name={reward}", "reward.timeout_s=1", "reward.import_modules=[tests.fixtures.faulty_rewards]",
+                     "run.save_samples=true", timeout_s=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [metrics] = read_metrics(run_dir)
+    assert metrics["rollout/num_reward_errors"] == 4  # the 4 samples of the one bad prompt
+    samples = [json.loads(line) for line in (run_dir / "rollouts" / "step=0.jsonl").read_text().splitlines()]
+    failed = [s for s in samples if s["reward_error"]]
+    assert len(failed) == 4 and all(s["reward"] == 0.0 and error in s["reward_error"] for s in failed)
+    assert all(s["reward"] == 1.0 for s in samples if not s["reward_error"])
+
+
+def _start_nodes(run_dir: Path, *overrides: str) -> dict[str, subprocess.Popen]:
+    """Start the two node groups by hand with the launcher's environment contract (no launcher watching)."""
+    from omegaconf import OmegaConf
+
+    from rolloutpipe.config import load_config, save_config
+    from rolloutpipe.env import NodeEnv, Role
+    from rolloutpipe.launcher import free_port
+
+    cfg = load_config(OmegaConf.from_dotlist([*overrides, f"run.dir={run_dir}", "run.id=killtest"]))
+    save_config(cfg, run_dir / "config.yaml")
+    port = free_port()
+    procs = {}
+    for role in (Role.rollout, Role.trainer):
+        env = NodeEnv(role=role, rank=0, world_size=1, store_host="127.0.0.1", store_port=port, run_id="killtest",
+                      secret=b"k" * 32, run_dir=run_dir)
+        procs[role.value] = subprocess.Popen([sys.executable, "-m", "rolloutpipe.node"], cwd=REPO,
+                                             env={**node_environ(), **env.to_environ()}, stdout=subprocess.PIPE,
+                                             stderr=subprocess.PIPE, text=True)
+    return procs
+
+
+def _wait_for_first_step(run_dir: Path, procs, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not (run_dir / "metrics.jsonl").exists():
+        assert time.monotonic() < deadline, "the job never finished a step"
+        assert all(p.poll() is None for p in procs.values()), {k: p.communicate() for k, p in procs.items()}
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("victim,survivor,message", [
+    ("trainer", "rollout", "trainer rank 0 stopped heart-beating"),
+    ("rollout", "trainer", "lost the TCPStore"),
+])
+def test_killed_node_group_makes_the_other_exit_with_a_clear_error(tmp_path, victim, survivor, message):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    procs = _start_nodes(run_dir, *SMALL, "num_rollout=1000", "pipeline.peer_timeout_s=3")
+    try:
+        _wait_for_first_step(run_dir, procs)
+        os.kill(procs[victim].pid, signal.SIGKILL)
+        _, stderr = procs[survivor].communicate(timeout=30)
+        assert procs[survivor].returncode == 1
+        assert message in stderr, stderr[-2000:]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+
+
+def test_launcher_names_the_process_that_died(job_dir):
+    run_dir = job_dir("launcher-kill")
+    launcher = subprocess.Popen([sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", *SMALL,
+                                 "num_rollout=1000", "pipeline.peer_timeout_s=3"],
+                                cwd=run_dir.parent, env=node_environ(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists():
+            assert time.monotonic() < deadline and launcher.poll() is None
+            time.sleep(0.2)
+        children = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+        trainer = next(pid for pid in children
+                       if b"RP_ROLE=trainer" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+        os.kill(int(trainer), signal.SIGKILL)
+        _, stderr = launcher.communicate(timeout=60)
+        assert launcher.returncode == 1
+        assert "trainer rank 0 exited with signal SIGKILL" in stderr
+        assert "trainer rank 0 stopped heart-beating" in stderr  # the rollout said why it stopped, too
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+
+
+def test_core_import_pulls_no_heavy_backend():
+    code = ("import sys, rolloutpipe, rolloutpipe.pipeline, rolloutpipe.config, rolloutpipe.launcher; "
+            "heavy = [m for m in ('sglang', 'megatron', 'wandb', 'submitit') if m in sys.modules]; "
+            "print(heavy); sys.exit(bool(heavy))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr

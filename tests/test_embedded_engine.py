@@ -1,0 +1,284 @@
+"""The embedded engine against its contract: batch-independent tokens, exact log-probs, scheduling, weights."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from rolloutpipe.engine.embedded import EmbeddedEngine, sample_tokens
+from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
+from rolloutpipe.types import FinishReason, GenerationRequest, GenerationResult
+
+VOCAB_SIZE = len(build_tiny_tokenizer())
+EOS = 1
+
+
+class Results:
+    """Collects results from the engine thread; fails the test if one request is reported twice."""
+
+    def __init__(self, on_result=None) -> None:
+        self.by_id: dict[str, GenerationResult] = {}
+        self.order: list[str] = []
+        self._changed = threading.Condition()
+        self._then = on_result
+
+    def __call__(self, result: GenerationResult) -> None:
+        with self._changed:
+            assert result.request_id not in self.by_id, f"{result.request_id} reported twice"
+            self.by_id[result.request_id] = result
+            self.order.append(result.request_id)
+            self._changed.notify_all()
+        if self._then is not None:
+            self._then(result)
+
+    def wait_for(self, n: int, timeout_s: float = 20.0) -> dict[str, GenerationResult]:
+        with self._changed:
+            assert self._changed.wait_for(lambda: len(self.by_id) >= n, timeout_s), f"{len(self.by_id)}/{n} results"
+        return self.by_id
+
+
+def tiny_model(dtype: DType = DType.float32, init_seed: int = 0) -> torch.nn.Module:
+    return load_model(ModelConfig(dtype=dtype, init_seed=init_seed), vocab_size=VOCAB_SIZE)
+
+
+def request(i: int, *, prompt_len: int = 6, max_new_tokens: int = 16, temperature: float = 1.0, **kw):
+    prompt = [4 + (i * 7 + j * 3) % (VOCAB_SIZE - 4) for j in range(prompt_len)]
+    fields = dict(
+        request_id=f"step=0/group={i}/sample=0",
+        input_ids=prompt,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        sampling_seed=1000 + i,
+        stop_token_ids=[],
+    )
+    return GenerationRequest(**(fields | kw))
+
+
+def run_all(model, requests, *, concurrency: int, on_result=None) -> dict[str, GenerationResult]:
+    results = Results(on_result)
+    engine = EmbeddedEngine(name="test", model=model, concurrency=concurrency, on_result=results)
+    try:
+        for r in requests:
+            engine.submit(r)
+        return results.wait_for(len(requests))
+    finally:
+        engine.shutdown()
+
+
+def test_request_tokens_do_not_depend_on_batch_mates():
+    model = tiny_model()
+    target = request(7, prompt_len=9, max_new_tokens=40, top_p=0.9)
+    alone = run_all(model, [target], concurrency=1)[target.request_id]
+
+    # 15 batch-mates with other seeds, prompt lengths and lengths; concurrency 4 makes the target wait for a slot
+    # and join a batch already decoding, with rows of other widths joining and leaving around it.
+    mates = [
+        request(i, prompt_len=2 + i % 11, max_new_tokens=5 + 3 * i, temperature=0.5 + 0.1 * i)
+        for i in range(16)
+        if i != 7
+    ]
+    crowd = run_all(model, mates[:7] + [target] + mates[7:], concurrency=4)
+    among = crowd[target.request_id]
+
+    assert among.started_s > min(r.started_s for r in crowd.values())
+    assert among.output_ids == alone.output_ids
+    assert among.output_logprobs == pytest.approx(alone.output_logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(DType.float32, 1e-4), (DType.float64, 1e-9)])
+def test_logprobs_match_a_full_forward(dtype, tolerance):
+    model = tiny_model(dtype)
+    temperatures, top_ps = [1.0, 0.7, 0.0, 1.3], [1.0, 0.8]
+    requests = [
+        request(i, prompt_len=3 + 2 * i, max_new_tokens=12 + i, temperature=temperatures[i % 4], top_p=top_ps[i % 2])
+        for i in range(8)
+    ]
+    results = run_all(model, requests, concurrency=3)
+    with torch.inference_mode():
+        for r in requests:
+            out = results[r.request_id]
+            assert len(out.output_logprobs) == len(out.output_ids) == r.max_new_tokens
+            ids = torch.tensor([r.input_ids + out.output_ids])
+            logits = model(input_ids=ids).logits[0, len(r.input_ids) - 1 : -1].double()
+            logprobs = (logits / (r.temperature or 1.0)).log_softmax(-1)
+            expected = logprobs.gather(-1, torch.tensor(out.output_ids)[:, None]).squeeze(-1)
+            actual = torch.tensor(out.output_logprobs, dtype=torch.float64)
+            torch.testing.assert_close(actual, expected, atol=tolerance, rtol=0)
+            if r.temperature == 0:
+                assert out.output_ids == logits.argmax(-1).tolist()
+
+
+def test_concurrency_limit_is_respected():
+    results = run_all(tiny_model(), [request(i, max_new_tokens=4 + 5 * (i % 3)) for i in range(12)], concurrency=3)
+    # Sweep start/finish events; at equal times a finish comes first (it happened first in the engine thread).
+    events = sorted([(r.started_s, 1) for r in results.values()] + [(r.finished_s, -1) for r in results.values()])
+    running, most = 0, 0
+    for _, delta in events:
+        running += delta
+        most = max(most, running)
+    assert most == 3
+
+
+def test_waiting_request_joins_when_a_slot_frees():
+    long, short, waiting = request(0, max_new_tokens=120), request(1, max_new_tokens=2), request(2, max_new_tokens=2)
+    results = run_all(tiny_model(), [long, short, waiting], concurrency=2)
+    assert results[waiting.request_id].finished_s < results[long.request_id].finished_s
+
+
+def test_waiting_requests_start_by_priority_then_submission_order():
+    requests = [request(0, priority=0), request(1, priority=1), request(2, priority=0), request(3, priority=-1)]
+    results = Results()
+    engine = EmbeddedEngine(name="test", model=tiny_model(), concurrency=1, on_result=results)
+    for r in requests:
+        engine.submit(r)
+    results.wait_for(4)
+    engine.shutdown()
+    # The first one may start before the others arrive; the rest wait and go by (priority, submission order).
+    assert results.order[1:] == [requests[i].request_id for i in (3, 2, 1)] or results.order == [
+        requests[i].request_id for i in (3, 0, 2, 1)
+    ]
+
+
+def test_finish_reasons_stop_and_length():
+    model = tiny_model()
+    greedy = run_all(model, [request(0, max_new_tokens=30, temperature=0.0)], concurrency=1)
+    free_run = greedy["step=0/group=0/sample=0"].output_ids
+    stop_at = 5
+    stop_token = free_run[stop_at]
+    first = free_run.index(stop_token)
+
+    stopped = run_all(
+        model, [request(0, max_new_tokens=30, temperature=0.0, stop_token_ids=[EOS, stop_token])], concurrency=1
+    )["step=0/group=0/sample=0"]
+    assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.output_ids == free_run[: first + 1]
+    assert len(stopped.output_logprobs) == len(stopped.output_ids)
+
+    # Sampled requests against a stop set of common tokens: each result is STOP exactly when its last token is the
+    # first stop token, else LENGTH at max_new_tokens; both happen.
+    stop_set = [EOS] + free_run[:3]
+    sampled = run_all(model, [request(i, max_new_tokens=20, stop_token_ids=stop_set) for i in range(16)], concurrency=8)
+    for out in sampled.values():
+        hits = [i for i, t in enumerate(out.output_ids) if t in stop_set]
+        if out.finish_reason is FinishReason.STOP:
+            assert hits == [len(out.output_ids) - 1]
+        else:
+            assert out.finish_reason is FinishReason.LENGTH
+            assert hits == [] and len(out.output_ids) == 20
+    assert {out.finish_reason for out in sampled.values()} == {FinishReason.STOP, FinishReason.LENGTH}
+
+
+def test_abort_returns_partial_result():
+    model = tiny_model()
+    short, long, queued = request(0, max_new_tokens=5), request(1, max_new_tokens=400), request(2)
+    full_long = run_all(model, [long], concurrency=1)[long.request_id]
+
+    engine_box = []
+
+    def abort_others_when_short_finishes(result):
+        if result.request_id == short.request_id:
+            engine_box[0].abort(long.request_id)
+            engine_box[0].abort(queued.request_id)
+            engine_box[0].abort("step=9/group=9/sample=9")  # unknown: ignored
+
+    results = Results(abort_others_when_short_finishes)
+    engine = EmbeddedEngine(name="test", model=model, concurrency=2, on_result=results)
+    engine_box.append(engine)
+    for r in (short, long, queued):
+        engine.submit(r)
+    out = results.wait_for(3)
+    engine.abort(long.request_id)  # already finished: ignored
+    assert engine.num_in_flight() == 0
+    engine.shutdown()
+
+    aborted = out[long.request_id]
+    assert aborted.finish_reason is FinishReason.ABORT
+    assert 5 <= len(aborted.output_ids) < 400
+    assert aborted.output_ids == full_long.output_ids[: len(aborted.output_ids)]
+    assert len(aborted.output_logprobs) == len(aborted.output_ids)
+    assert out[queued.request_id].finish_reason is FinishReason.ABORT
+    assert out[queued.request_id].output_ids == []
+    assert out[short.request_id].finish_reason is FinishReason.LENGTH
+
+
+def test_shutdown_aborts_and_reports_every_request():
+    results = Results()
+    engine = EmbeddedEngine(name="test", model=tiny_model(), concurrency=2, on_result=results)
+    requests = [request(i, max_new_tokens=400) for i in range(5)]
+    for r in requests:
+        engine.submit(r)
+    engine.shutdown()
+    assert sorted(results.by_id) == sorted(r.request_id for r in requests)
+    assert all(r.finish_reason is FinishReason.ABORT for r in results.by_id.values())
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.submit(request(9))
+
+
+def test_update_weights_changes_the_policy_version_and_outputs(tmp_path):
+    new_policy = tiny_model(init_seed=1)
+    new_policy.save_pretrained(tmp_path)  # tied embeddings: lm_head.weight is not in the file
+    probe = request(0, max_new_tokens=24)
+    expected = run_all(new_policy, [probe], concurrency=1)[probe.request_id]
+
+    model = tiny_model(init_seed=0)
+    results = Results()
+    engine = EmbeddedEngine(name="test", model=model, concurrency=2, on_result=results)
+    engine.submit(probe)
+    before = results.wait_for(1)[probe.request_id]
+    engine.update_weights_from_disk(str(tmp_path / "model.safetensors"), policy_version=1)
+    assert engine.policy_version == 1
+    engine.submit(request(0, max_new_tokens=24, request_id="after"))
+    after = results.wait_for(2)["after"]
+    engine.shutdown()
+
+    assert before.policy_version == 0 and after.policy_version == 1
+    assert after.output_ids == expected.output_ids != before.output_ids
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_update_weights_refused_while_requests_are_in_flight(tmp_path):
+    model = tiny_model()
+    model.save_pretrained(tmp_path)
+    results = Results()
+    engine = EmbeddedEngine(name="test", model=model, concurrency=1, on_result=results)
+    engine.submit(request(0, max_new_tokens=400))
+    with pytest.raises(RuntimeError, match="in flight"):
+        engine.update_weights_from_disk(str(tmp_path / "model.safetensors"), policy_version=1)
+    assert engine.policy_version == 0
+    engine.shutdown()
+
+
+def test_scheduler_crash_is_raised_not_swallowed():
+    calls = []
+
+    def broken_consumer(result):
+        calls.append(result.request_id)
+        raise ValueError("consumer bug")
+
+    engine = EmbeddedEngine(name="e0", model=tiny_model(), concurrency=2, on_result=broken_consumer)
+    for i in range(3):
+        engine.submit(request(i, max_new_tokens=3))
+    deadline = time.monotonic() + 20
+    while engine.error is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert isinstance(engine.error, ValueError)
+    with pytest.raises(RuntimeError, match="engine e0 crashed: ValueError"):
+        engine.submit(request(5))
+    with pytest.raises(RuntimeError, match="engine e0 crashed"):
+        engine.num_in_flight()
+    engine.shutdown()
+    assert len(calls) == 1
+
+
+def test_sampling_keeps_only_the_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 4))
+    uniforms = torch.tensor([0.0, 0.6, 0.99, 0.999999])
+    tokens, logprobs = sample_tokens(logits, torch.ones(4), torch.full((4,), 0.75), uniforms)
+    # Nucleus {0, 1}: the shortest prefix with mass >= 0.75; renormalised to 5/8, 3/8.
+    assert tokens.tolist() == [0, 0, 1, 1]
+    assert logprobs.tolist() == pytest.approx(torch.log(torch.tensor([0.5, 0.5, 0.3, 0.3])).tolist())
+    greedy, _ = sample_tokens(logits, torch.zeros(4), torch.ones(4), uniforms)
+    assert greedy.tolist() == [0, 0, 0, 0]
