@@ -23,6 +23,7 @@ SMALL = [
     "pipeline.peer_timeout_s=10",
     "pipeline.heartbeat_s=0.5",
 ]
+DENSE_REWARD = ["reward.name=letter_fraction", "reward.import_modules=[tests.fixtures.dense_rewards]"]
 
 
 def node_environ() -> dict[str, str]:

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 from rolloutpipe.metrics import read_spans
 from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
 
-from .conftest import SMALL, read_metrics, read_samples, run_job
+from .conftest import DENSE_REWARD, SMALL, read_metrics, read_samples, run_job
 
 pytestmark = pytest.mark.multiprocess
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.multiprocess
 # additions (micro-batch composition, rank split, all-reduce), ~1e-16 relative per operation. After two
 # Adam steps on 77k parameters that stays far below 1e-9, while a real difference in the update (another
 # sample, another normaliser, stale log-probs) moves parameters by ~lr = 1e-3. 1e-9 separates the two.
-PARITY = [*SMALL, "model.dtype=float64", "micro_batch_size=3", "run.save_samples=true", "rollout.concurrency=6"]
+PARITY = [*SMALL, *DENSE_REWARD, "model.dtype=float64", "micro_batch_size=3", "run.save_samples=true", "rollout.concurrency=6"]
 
 
 def final_weights(run_dir):
