@@ -9,9 +9,9 @@ Dispatcher thread
                the exception in ``error`` and drops further groups; the rollout loop checks ``error``
                while it waits and stops the run with it.
 
-Release policy. ``cgp`` publishes each group as soon as it is complete, so the trainer starts on the
-first one. ``sync`` holds the step's groups back until all of them are complete, then publishes them
-in completion order: that is Slime's synchronous schedule (generate the whole batch, then train), with
+Release policy. ``cgp`` (and ``async_one_step``) publish each group as soon as it is complete and
+placed in its training batch, so the trainer starts on the first one. ``sync`` holds the step's groups
+back until all of them are complete, then publishes them in completion order: that is Slime's synchronous schedule (generate the whole batch, then train), with
 the same trainer code on the other side, so the two modes differ only in when groups are released.
 """
 
@@ -32,6 +32,13 @@ class PipelineMode(enum.Enum):
     """Train only once the whole rollout batch is in (Slime's behaviour; the baseline)."""
     cgp = "cgp"
     """Complete-group pipelining: train each group as soon as all its samples are rewarded."""
+    async_one_step = "async_one_step"
+    """A baseline, not a default: step k+1 is generated with policy k while step k trains (one step stale,
+    like Slime's train_async.py and veRL's one-step-off policy); groups are released as in cgp."""
+
+    def policy_version_for(self, step: int) -> int:
+        """The weights that generate step ``step``'s samples."""
+        return max(step - 1, 0) if self is PipelineMode.async_one_step else step
 
 
 _CLOSE = object()
@@ -88,7 +95,7 @@ class Dispatcher:
                     self._published.notify_all()
 
     def _release(self, group: CompleteGroup) -> None:
-        if self.mode is PipelineMode.cgp:
+        if self.mode is not PipelineMode.sync:
             self._publish(group)
             return
         self._held.append(group)

@@ -11,35 +11,71 @@ rollout node and t_end the end of its last optimizer step:
     perf/ideal_rollout_to_train_end_s rollout_s + the compute no pipeline can hide: the forward/backward
                                       of the last micro-batch (it holds the last group) and the last
                                       optimizer step
+    perf/pipeline_efficiency          (T_sync - T) / (T_sync - T_ideal), T = rollout_to_train_end,
+                                      T_sync = rollout_s + train_compute_s (what a synchronous schedule would
+                                      take), T_ideal as above: 0 for no overlap, 1 for the ideal
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rolloutpipe.clock import ClockSync
 from rolloutpipe.types import Span
+
+SPAN_FLUSH = "spans/flush"
+"""The span each flush records of itself; its ``record_s`` attribute is the time spent in ``add`` since the
+previous flush, so a run's recording overhead is measured from its own span files."""
 
 
 class SpanRecorder:
-    """Collects one process's spans in memory; ``flush`` appends them as JSONL. Thread-safe, cheap."""
+    """One process's spans, kept in memory and appended to ``path`` as JSONL by ``flush``. Thread-safe.
 
-    def __init__(self, *, role: str, rank: int, path: Path) -> None:
+    File format (``spans/<role>-<rank>.jsonl``): a header line ``{"header": {role, rank, host, pid, clock}}``
+    written at construction, then one Span per line. Span times are on the run's clock: the caller passes
+    this process's ``time.time()`` values and ``add`` adds the clock offset (clock.py), so the files of
+    different nodes merge as they are; the header keeps the offset and its uncertainty.
+
+    Cost. ``add`` builds one small object and appends it under a lock (about 2 us); ``flush`` serialises
+    (about 5 us a span) and runs between steps. Each flush records a ``spans/flush`` span of itself (see
+    SPAN_FLUSH), which ``trace.recording_overhead`` turns into a fraction of the run's step time.
+    """
+
+    def __init__(self, *, role: str, rank: int, path: Path, clock: ClockSync | None = None) -> None:
         self.role = role
         self.rank = rank
         self.path = path
+        self.clock = clock or ClockSync.local()
+        self._offset_s = self.clock.offset_s
         self._spans: list[Span] = []
+        self._record_s = 0.0
         self._lock = threading.Lock()
+        header = {"role": role, "rank": rank, "host": socket.gethostname(), "pid": os.getpid(),
+                  "clock": asdict(self.clock)}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write(json.dumps({"header": header}) + "\n")
+
+    def now(self) -> float:
+        """time.time() on the run's clock: for timestamps that are compared across processes."""
+        return time.time() + self._offset_s
 
     def add(self, name: str, *, step: int, start_s: float, end_s: float, **attrs: object) -> Span:
-        span = Span(name=name, role=self.role, rank=self.rank, step=step, start_s=start_s, end_s=end_s, attrs=attrs)
+        """Record a finished stage; ``start_s`` and ``end_s`` are this process's time.time() values."""
+        t = time.perf_counter()
+        span = Span(name=name, role=self.role, rank=self.rank, step=step, start_s=start_s + self._offset_s,
+                    end_s=end_s + self._offset_s, attrs=attrs)
         with self._lock:
             self._spans.append(span)
+            self._record_s += time.perf_counter() - t
         return span
 
     @contextlib.contextmanager
@@ -53,21 +89,60 @@ class SpanRecorder:
             self.add(name, step=step, start_s=start, end_s=time.time(), **attrs, **extra)
 
     def flush(self) -> None:
+        start, t = time.time(), time.perf_counter()
         with self._lock:
             spans, self._spans = self._spans, []
+            record_s, self._record_s = self._record_s, 0.0
         if not spans:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        lines = [json.dumps(_span_record(s), default=str) for s in spans]
         with self.path.open("a") as f:
-            for s in spans:
-                f.write(json.dumps(asdict(s)) + "\n")
+            f.write("\n".join(lines) + "\n")
+            own = Span(name=SPAN_FLUSH, role=self.role, rank=self.rank, step=max(s.step for s in spans),
+                       start_s=start + self._offset_s, end_s=start + time.perf_counter() - t + self._offset_s,
+                       attrs={"num_spans": len(spans), "record_s": record_s})
+            f.write(json.dumps(_span_record(own)) + "\n")
+
+
+def _span_record(span: Span) -> dict:
+    return {"name": span.name, "role": span.role, "rank": span.rank, "step": span.step, "start_s": span.start_s,
+            "end_s": span.end_s, "attrs": span.attrs}
+
+
+@dataclass(kw_only=True, slots=True)
+class SpanFile:
+    """One process's span file: its header (process and clock) and its spans."""
+
+    path: Path
+    header: dict
+    spans: list[Span]
+
+
+def read_span_files(run_dir: Path) -> list[SpanFile]:
+    """Every ``spans/*.jsonl`` of a run. A last line cut short (its process was killed mid-write) is skipped."""
+    files = []
+    for path in sorted((run_dir / "spans").glob("*.jsonl")):
+        header: dict = {}
+        spans = []
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                if i == len(lines) - 1:
+                    break
+                raise ValueError(f"{path}:{i + 1}: not a span record: {line[:80]!r}") from None
+            if "header" in record:
+                header = header or record["header"]
+            else:
+                spans.append(Span(**record))
+        files.append(SpanFile(path=path, header=header, spans=spans))
+    return files
 
 
 def read_spans(run_dir: Path) -> list[Span]:
-    spans = []
-    for path in sorted((run_dir / "spans").glob("*.jsonl")):
-        spans.extend(Span(**json.loads(line)) for line in path.read_text().splitlines())
-    return spans
+    """All spans of a run, every process, on the run's clock, by start time."""
+    return sorted((s for f in read_span_files(run_dir) for s in f.spans), key=lambda s: s.start_s)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -86,6 +161,9 @@ class RolloutStats:
     num_tokens: int
     num_truncated: int
     num_reward_errors: int
+    num_filtered_groups: int
+    num_returned_prompts: int
+    num_aborted_samples: int
     reward_mean: float
     reward_std: float
     response_len_mean: float
@@ -117,6 +195,8 @@ def reduce_step(rollout: RolloutStats, train: TrainStats, *, mean_compute_s: flo
     """The metrics.jsonl record of one step (``mean_*`` are means over trainer ranks)."""
     window = train.end_s - rollout.start_s
     rollout_s = rollout.last_group_s - rollout.start_s
+    sync_estimate = rollout_s + mean_compute_s
+    ideal = rollout_s + mean_tail_compute_s
     return {
         "step": rollout.step,
         "policy_version": rollout.policy_version,
@@ -126,6 +206,10 @@ def reduce_step(rollout: RolloutStats, train: TrainStats, *, mean_compute_s: flo
         "rollout/num_samples": rollout.num_samples,
         "rollout/truncated_ratio": rollout.num_truncated / max(rollout.num_samples, 1),
         "rollout/num_reward_errors": rollout.num_reward_errors,
+        "rollout/num_filtered_groups": rollout.num_filtered_groups,
+        "rollout/num_returned_prompts": rollout.num_returned_prompts,
+        "rollout/num_aborted_samples": rollout.num_aborted_samples,
+        "rollout/policy_lag": rollout.step - rollout.policy_version,
         "train/loss": sum(train.losses) / max(len(train.losses), 1),
         "train/grad_norm": sum(train.grad_norms) / max(len(train.grad_norms), 1),
         "train/clip_fraction": train.clip_fraction,
@@ -136,7 +220,8 @@ def reduce_step(rollout: RolloutStats, train: TrainStats, *, mean_compute_s: flo
         "perf/train_compute_s": mean_compute_s,
         "perf/trainer_wait_ratio": max(window - mean_compute_s, 0.0) / window if window > 0 else 0.0,
         "perf/rollout_to_train_end_s": window,
-        "perf/ideal_rollout_to_train_end_s": rollout_s + mean_tail_compute_s,
+        "perf/ideal_rollout_to_train_end_s": ideal,
+        "perf/pipeline_efficiency": (sync_estimate - window) / (sync_estimate - ideal) if sync_estimate > ideal else 0.0,
         "perf/weight_sync_s": train.weight_sync_s,
         "perf/weight_load_s": rollout.weight_load_s,
         "perf/tokens_per_s": rollout.num_tokens / rollout_s if rollout_s > 0 else 0.0,

@@ -122,6 +122,9 @@ def load_model(cfg: ModelConfig, vocab_size: int) -> torch.nn.Module:
 
 def save_hf_checkpoint(model: torch.nn.Module, tokenizer, directory: Path) -> None:
     """Weights (safetensors), config and tokenizer in the HF layout, loadable by transformers."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)

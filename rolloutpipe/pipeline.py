@@ -30,6 +30,7 @@ Main loops
 from __future__ import annotations
 
 import json
+import queue
 import statistics
 import sys
 import time
@@ -41,14 +42,16 @@ import torch.distributed as dist
 
 from rolloutpipe.config import Config
 from rolloutpipe.data import PromptSource, load_prompts, prepare_data_path
-from rolloutpipe.dispatcher import Dispatcher
+from rolloutpipe.dispatcher import Dispatcher, PipelineMode
 from rolloutpipe.engine.embedded import EmbeddedEngine
 from rolloutpipe.env import NodeEnv, Role
 from rolloutpipe.metrics import RolloutStats, SpanRecorder, TrainStats, reduce_step, summary_line
 from rolloutpipe.model import load_model, load_tokenizer, save_hf_checkpoint
 from rolloutpipe.rewards import RewardPool
-from rolloutpipe.rollout import GroupAssembler, InFlight, RewardThreads, admit, is_truncated, make_requests
-from rolloutpipe.trainer import PolicyTrainer, train_samples
+from rolloutpipe.admission import StepSlots
+from rolloutpipe.rollout import Admission, GroupAssembler, InFlight, RewardThreads, is_truncated, make_requests
+from rolloutpipe.types import CompleteGroup, Prompt
+from rolloutpipe.trainer import OldLogprobSource, PolicyTrainer, train_samples
 from rolloutpipe.transport import Liveness, StoreAddress, Transport
 
 POLL_S = 0.5
@@ -86,16 +89,21 @@ class RolloutNode:
                                      num_threads=cfg.reward.num_workers, spans=self.spans)
         self.engines = [
             EmbeddedEngine(name=f"engine{i}", model=load_model(cfg.model, len(self.tokenizer)),
-                           concurrency=cfg.rollout.concurrency, on_result=self.rewards.on_result)
+                           concurrency=cfg.rollout.concurrency, on_result=self.on_result)
             for i in range(cfg.rollout.num_engines)
         ]
+        self.events: queue.Queue = queue.Queue()
+        """Complete groups (from the reward threads) and None (an engine slot freed) for the rollout loop."""
         self.dispatcher = Dispatcher(transport=transport.connect_another(), mode=cfg.pipeline.mode,
                                      inline_max_bytes=cfg.pipeline.inline_payload_max_bytes, spans=self.spans)
 
     def run(self) -> None:
+        serving = 0
         for step in range(self.cfg.num_rollout):
-            weight_load_s = self.load_weights(step) if step > 0 else 0.0
-            stats = self.rollout_step(step, weight_load_s)
+            version = self.cfg.pipeline.mode.policy_version_for(step)
+            weight_load_s = self.load_weights(version) if version != serving else 0.0
+            serving = version
+            stats = self.rollout_step(step, version, weight_load_s)
             self.transport.put_json(self.transport.key(f"step={step}", "rollout_stats"), asdict(stats))
             self.spans.flush()
         self.transport.wait_get(self.transport.key("trainer", "done"), what="the trainer to finish")
@@ -111,42 +119,85 @@ class RolloutNode:
         self.spans.add("sync/weights", step=version, start_s=start, end_s=time.time())
         return time.time() - start
 
-    def rollout_step(self, step: int, weight_load_s: float) -> RolloutStats:
-        cfg = self.cfg
-        prompts = self.source.next_batch(cfg.rollout_batch_size)
-        assembler = GroupAssembler(step=step, policy_version=step, prompts=prompts, n_samples=cfg.n_samples_per_prompt,
+    def on_result(self, result) -> None:
+        """Engine completion callback (engine thread): reward it, and wake the loop for a free slot."""
+        self.rewards.in_flight[result.request_id].finished = True
+        self.rewards.on_result(result)
+        self.events.put(None)
+
+    def rollout_step(self, step: int, version: int, weight_load_s: float) -> RolloutStats:
+        """Admit groups until rollout_batch_size trainable ones are placed in their batches; publish each."""
+        cfg, n = self.cfg, self.cfg.n_samples_per_prompt
+        slots = StepSlots(rollout_batch_size=cfg.rollout_batch_size, groups_per_batch=cfg.groups_per_batch)
+        prompts: list[Prompt] = []  # by group
+        in_flight: dict[str, InFlight] = {}
+        assembler = GroupAssembler(step=step, policy_version=version, prompts=prompts, n_samples=n,
                                    normalize_std=cfg.grpo.normalize_advantage_std)
-        requests = make_requests(
-            step=step, prompts=prompts, n_samples=cfg.n_samples_per_prompt, run_seed=cfg.seed,
-            max_new_tokens=cfg.rollout_max_response_len, temperature=cfg.rollout_temperature,
-            top_p=cfg.rollout_top_p, stop_token_ids=[self.tokenizer.eos_token_id],
-        )
-        in_flight = {r.request_id: InFlight(prompt=prompts[i // cfg.n_samples_per_prompt],
-                                            group=i // cfg.n_samples_per_prompt, sample=i % cfg.n_samples_per_prompt)
-                     for i, r in enumerate(requests)}
-        self.dispatcher.begin_step(step, len(prompts))
-        self.rewards.begin_step(assembler, in_flight, on_group=self.dispatcher.put)
+        admission = Admission(policy=cfg.rollout.admission, engines=self.engines,
+                              concurrency=cfg.rollout.concurrency, in_flight=in_flight)
+        self.dispatcher.begin_step(step, cfg.rollout_batch_size)
+        self.rewards.begin_step(assembler, in_flight, on_group=self.events.put)
+
+        def admit(num_groups: int) -> None:
+            for prompt in self.source.next_batch(num_groups) if num_groups else []:
+                group = slots.admit()
+                prompts.append(prompt)
+                requests = make_requests(
+                    step=step, group=group, prompt=prompt, n_samples=n, run_seed=cfg.seed,
+                    max_new_tokens=cfg.rollout_max_response_len, temperature=cfg.rollout_temperature,
+                    top_p=cfg.rollout_top_p, stop_token_ids=[self.tokenizer.eos_token_id],
+                )
+                for sample, r in enumerate(requests):
+                    in_flight[r.request_id] = InFlight(prompt=prompt, group=group, sample=sample)
+                admission.add_group(group, requests)
 
         start_s = time.time()
-        admit(requests, self.engines, cfg.rollout.admission, cfg.n_samples_per_prompt, in_flight)
-        while not assembler.wait_all(POLL_S):
-            self.check_health(f"step {step}'s rollout")
+        admit(cfg.rollout_batch_size + (cfg.rollout.over_sampling_groups if cfg.rollout.filter_zero_variance else 0))
+        admission.pump(slots.frontier())
+        complete: dict[int, CompleteGroup] = {}
+        num_filtered = 0
+        while not slots.full():
+            try:
+                group = self.events.get(timeout=POLL_S)
+            except queue.Empty:
+                self.check_health(f"step {step}'s rollout")
+                continue
+            if group is not None:  # a group is complete: filter it, place what can be placed, publish
+                complete[group.group] = group
+                trainable = not (cfg.rollout.filter_zero_variance and len({s.reward for s in group.samples}) == 1)
+                num_filtered += not trainable
+                for placed in slots.resolve(group.group, trainable=trainable):
+                    complete[placed.group].batch = placed.batch
+                    self.dispatcher.put(complete[placed.group])
+                admit(slots.num_to_admit())
+            admission.pump(slots.frontier())
+        last_group_s = time.time()
+
+        unused = slots.unused()  # over-sampled groups past the last selected one: abort, return their prompts
+        num_aborted = admission.abort_groups(unused)
+        self.source.give_back([prompts[g] for g in unused])
+        while admission.num_in_flight() or not self.rewards.idle():
+            self.check_health(f"step {step}'s aborted requests to come back")
+            time.sleep(0.01)
         while not self.dispatcher.wait_all_published(step, POLL_S):
             self.check_health(f"step {step}'s groups to be published")
         self.check_health(f"step {step}'s groups to be published")
+        while not self.events.empty():
+            self.events.get()
 
-        groups = assembler.completed
-        samples = [s for g in groups for s in g.samples]
+        selected = [complete[g] for g in slots.selected()]
+        samples = [s for g in complete.values() for s in g.samples]
         rewards = [s.reward for s in samples]
         if cfg.run.save_samples:
-            self.save_samples(step, prompts, groups)
+            self.save_samples(step, prompts, selected)
         return RolloutStats(
-            step=step, policy_version=step, start_s=start_s,
-            first_group_s=min(g.completed_s for g in groups), last_group_s=max(g.completed_s for g in groups),
-            weight_load_s=weight_load_s, num_groups=len(groups), num_samples=len(samples),
+            step=step, policy_version=version, start_s=start_s,
+            first_group_s=min(g.completed_s for g in selected), last_group_s=last_group_s,
+            weight_load_s=weight_load_s, num_groups=len(selected), num_samples=len(samples),
             num_tokens=sum(len(s.response_ids) for s in samples),
             num_truncated=sum(map(is_truncated, samples)),
             num_reward_errors=sum(s.reward_error is not None for s in samples),
+            num_filtered_groups=num_filtered, num_returned_prompts=len(unused), num_aborted_samples=num_aborted,
             reward_mean=statistics.fmean(rewards), reward_std=statistics.pstdev(rewards),
             response_len_mean=statistics.fmean(len(s.response_ids) for s in samples),
         )
@@ -165,7 +216,8 @@ class RolloutNode:
             for g in sorted(groups, key=lambda g: g.group):
                 for s, adv in zip(g.samples, g.advantages):
                     f.write(json.dumps({
-                        "id": f"step={step}/group={g.group}/sample={s.index}", "prompt_index": g.prompt_index,
+                        "id": f"step={step}/group={g.group}/sample={s.index}", "batch": g.batch,
+                        "prompt_index": g.prompt_index,
                         "prompt": prompts[g.group].text, "response": s.response_text, "response_ids": s.response_ids,
                         "reward": s.reward, "advantage": adv, "finish_reason": s.finish_reason.value,
                         "reward_error": s.reward_error,
@@ -198,6 +250,9 @@ class TrainerNode:
             model=load_model(cfg.model, len(self.tokenizer)), cfg=cfg.trainer, grpo=cfg.grpo,
             temperature=cfg.rollout_temperature, pad_id=self.tokenizer.pad_token_id,
             multi_step=cfg.num_steps_per_rollout > 1, process_group_active=self.distributed,
+            # async_one_step trains on samples of the previous policy, which only the engine's log-probs describe
+            old_logprobs=OldLogprobSource.engine if cfg.pipeline.mode is PipelineMode.async_one_step
+            else cfg.trainer.old_logprobs,
         )
         self.metrics_path = env.run_dir / "metrics.jsonl"
 
@@ -230,6 +285,7 @@ class TrainerNode:
     def train_step(self, step: int) -> TrainStats:
         """Consume the step's groups in publish order and train each batch as soon as it is complete."""
         cfg, trainer, rank, world = self.cfg, self.trainer, self.env.rank, self.env.world_size
+        version = cfg.pipeline.mode.policy_version_for(step)
         groups_per_batch, num_batches = cfg.groups_per_batch, cfg.num_steps_per_rollout
         stats = TrainStats(step=step, end_s=0.0, compute_s=0.0, tail_compute_s=0.0, wait_s=0.0, first_forward_s=0.0)
         arrived: list[list] = [[] for _ in range(num_batches)]  # handles per training batch, arrival order
@@ -252,10 +308,10 @@ class TrainerNode:
         for seq in range(cfg.rollout_batch_size):
             with self.spans.span("train/wait", step=step, seq=seq) as extra:
                 start = time.time()
-                handle = self.transport.wait_handle(step=step, seq=seq, policy_version=step)
+                handle = self.transport.wait_handle(step=step, seq=seq, policy_version=version)
                 stats.wait_s += time.time() - start
                 extra["group"] = handle.group
-            arrived[handle.group // groups_per_batch].append(handle)
+            arrived[handle.batch].append(handle)
             while current < num_batches and next_in_batch < len(arrived[current]):
                 handle = arrived[current][next_in_batch]
                 if next_in_batch % world == rank:  # groups of a batch are dealt round-robin in arrival order
@@ -291,7 +347,7 @@ class TrainerNode:
             self.trainer.save_weights(self.env.run_dir / relative)
             self.transport.put_json(self.transport.key("weights", f"policy_version={version}"),
                                     {"path": relative.as_posix(), "policy_version": version})
-            if version < self.cfg.num_rollout:
+            if version < self.cfg.num_rollout and self.cfg.pipeline.mode is not PipelineMode.async_one_step:
                 self.transport.wait_get(self.transport.key("serving", f"policy_version={version}"),
                                         what=f"the engines to serve policy_version {version}")
         (self.env.run_dir / "weights" / f"policy_v{version - 1}.safetensors").unlink(missing_ok=True)

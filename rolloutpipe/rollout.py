@@ -21,6 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from rolloutpipe.admission import fgd_order
 from rolloutpipe.engine.base import Engine
 from rolloutpipe.grpo import group_advantages
 from rolloutpipe.metrics import SpanRecorder
@@ -43,7 +44,11 @@ class EngineKind(enum.Enum):
 
 class AdmissionPolicy(enum.Enum):
     fifo = "fifo"
-    """Submit every request of the step in prompt order and let the engines interleave them (Slime)."""
+    """Submit every request of the step at once in prompt order, spread over the engines request by request
+    (a router's round robin), and let the engines interleave them: Slime's behaviour, the baseline."""
+    fgd = "fgd"
+    """Frontier-group dispatch: hold requests on the rollout node and fill free engine slots with the
+    frontier groups first, all samples of a group together, on the engine with the most free slots."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -53,6 +58,10 @@ class RolloutConfig:
     concurrency: int = 64
     """Requests one engine runs at once (SGLang's max_running_requests)."""
     admission: AdmissionPolicy = AdmissionPolicy.fifo
+    filter_zero_variance: bool = False
+    """Dynamic sampling (DAPO): drop groups whose rewards are all equal and admit replacements."""
+    over_sampling_groups: int = 0
+    """Extra groups admitted at the start of each step when filtering, so replacements are already running."""
 
     def __post_init__(self) -> None:
         if self.num_engines < 1:
@@ -61,6 +70,8 @@ class RolloutConfig:
             raise ValueError(
                 f"rollout.concurrency={self.concurrency} must be >= 1: it is how many requests an engine runs at once."
             )
+        if self.over_sampling_groups < 0:
+            raise ValueError(f"rollout.over_sampling_groups={self.over_sampling_groups} must be >= 0.")
 
 
 def sampling_seed(run_seed: int, step: int, group: int, sample: int) -> int:
@@ -70,7 +81,10 @@ def sampling_seed(run_seed: int, step: int, group: int, sample: int) -> int:
 
 
 class GroupAssembler:
-    """Collects rewarded samples; a group is complete when all ``n_samples`` are in. Thread-safe."""
+    """Collects rewarded samples; a group is complete when all ``n_samples`` are in. Thread-safe.
+
+    ``prompts`` is the step's list of admitted prompts, indexed by group; it grows as groups are admitted.
+    """
 
     def __init__(self, *, step: int, policy_version: int, prompts: list[Prompt], n_samples: int,
                  normalize_std: bool) -> None:
@@ -80,12 +94,12 @@ class GroupAssembler:
         self.n_samples = n_samples
         self.normalize_std = normalize_std
         self.completed: list[CompleteGroup] = []
-        self._pending: dict[int, dict[int, Sample]] = {g: {} for g in range(len(prompts))}
-        self._lock = threading.Condition()
+        self._pending: dict[int, dict[int, Sample]] = {}
+        self._lock = threading.Lock()
 
     def add(self, sample: Sample) -> CompleteGroup | None:
         with self._lock:
-            samples = self._pending[sample.group]
+            samples = self._pending.setdefault(sample.group, {})
             samples[sample.index] = sample
             if len(samples) < self.n_samples:
                 return None
@@ -103,12 +117,7 @@ class GroupAssembler:
                 completed_s=time.time(),
             )
             self.completed.append(group)
-            self._lock.notify_all()
             return group
-
-    def wait_all(self, timeout_s: float) -> bool:
-        with self._lock:
-            return self._lock.wait_for(lambda: not self._pending, timeout_s)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -119,6 +128,7 @@ class InFlight:
     group: int
     sample: int
     engine: str = ""
+    finished: bool = False
 
 
 class RewardThreads:
@@ -130,9 +140,11 @@ class RewardThreads:
         self.spans = spans
         self.error: BaseException | None = None
         self.results: queue.Queue = queue.Queue()
-        self._in_flight: dict[str, InFlight] = {}
+        self.in_flight: dict[str, InFlight] = {}
         self._assembler: GroupAssembler | None = None
         self._on_group = None
+        self._outstanding = 0
+        self._count_lock = threading.Lock()
         self._threads = [
             threading.Thread(target=self._run, name=f"reward-{i}", daemon=True) for i in range(num_threads)
         ]
@@ -141,12 +153,19 @@ class RewardThreads:
 
     def begin_step(self, assembler: GroupAssembler, in_flight: dict[str, InFlight], on_group) -> None:
         self._assembler = assembler
-        self._in_flight = in_flight
+        self.in_flight = in_flight
         self._on_group = on_group
 
     def on_result(self, result: GenerationResult) -> None:
         """The engines' completion callback: never blocks an engine thread."""
+        with self._count_lock:
+            self._outstanding += 1
         self.results.put(result)
+
+    def idle(self) -> bool:
+        """Every result handed in so far has been rewarded (or skipped, if aborted)."""
+        with self._count_lock:
+            return self._outstanding == 0
 
     def close(self) -> None:
         for _ in self._threads:
@@ -160,16 +179,20 @@ class RewardThreads:
                 self._reward(result)
             except BaseException as err:  # noqa: BLE001 - kept for the rollout loop, which stops the run
                 self.error = err
+            with self._count_lock:
+                self._outstanding -= 1
 
     def _reward(self, result: GenerationResult) -> None:
-        ctx = self._in_flight[result.request_id]
+        ctx = self.in_flight[result.request_id]
         assert self._assembler is not None
         step = self._assembler.step
         self.spans.add(
             "rollout/request", step=step, start_s=result.started_s, end_s=result.finished_s, engine=ctx.engine,
             group=ctx.group, sample=ctx.sample, num_tokens=len(result.output_ids),
-            queued_s=result.started_s - result.submitted_s,
+            queued_s=result.started_s - result.submitted_s, aborted=result.finish_reason is FinishReason.ABORT,
         )
+        if result.finish_reason is FinishReason.ABORT:  # over-sampling's leftovers: never rewarded or trained
+            return
         text = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
         start = time.time()
         outcome = self.pool.score(text, ctx.prompt.label, ctx.prompt.metadata)
@@ -194,35 +217,77 @@ class RewardThreads:
             self._on_group(group)
 
 
-def make_requests(*, step: int, prompts: list[Prompt], n_samples: int, run_seed: int, max_new_tokens: int,
+def make_requests(*, step: int, group: int, prompt: Prompt, n_samples: int, run_seed: int, max_new_tokens: int,
                   temperature: float, top_p: float, stop_token_ids: list[int]) -> list[GenerationRequest]:
-    """The step's requests in prompt order, all samples of a group together."""
+    """One group's requests, seeded by their ids."""
     return [
         GenerationRequest(
-            request_id=sample_id(step, g, s),
+            request_id=sample_id(step, group, s),
             input_ids=prompt.input_ids,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_p=top_p,
-            sampling_seed=sampling_seed(run_seed, step, g, s),
+            sampling_seed=sampling_seed(run_seed, step, group, s),
             stop_token_ids=stop_token_ids,
         )
-        for g, prompt in enumerate(prompts)
         for s in range(n_samples)
     ]
 
 
-def admit(requests: list[GenerationRequest], engines: list[Engine], policy: AdmissionPolicy, n_samples: int,
-          in_flight: dict[str, InFlight]) -> None:
-    """Submit the step's requests, recording each one's engine in ``in_flight`` before it can finish.
+class Admission:
+    """Hands the step's requests to the engines under FIFO or FGD (see AdmissionPolicy).
 
-    FIFO: everything at once in prompt order; each engine queues what it cannot run yet. Groups go to
-    engines round-robin, all samples of a group to one engine (their prompt is shared).
+    Called from the rollout loop only: ``add_group`` when a group is admitted, ``pump`` whenever an
+    engine may have a free slot (a request finished) or the frontier moved, ``abort_groups`` when the
+    step is full. Engines count their own in-flight requests (``Engine.num_in_flight``).
     """
-    assert policy is AdmissionPolicy.fifo
-    for i, request in enumerate(requests):
-        engine = engines[(i // n_samples) % len(engines)]
-        in_flight[request.request_id].engine = engine.name
+
+    def __init__(self, *, policy: AdmissionPolicy, engines: list[Engine], concurrency: int,
+                 in_flight: dict[str, InFlight]) -> None:
+        self.policy = policy
+        self.engines = engines
+        self.concurrency = concurrency
+        self.in_flight = in_flight
+        self._waiting: dict[int, list[GenerationRequest]] = {}
+        self._submitted: dict[int, list[GenerationRequest]] = {}
+        self._next_engine = 0
+
+    def add_group(self, group: int, requests: list[GenerationRequest]) -> None:
+        if self.policy is AdmissionPolicy.fifo:
+            for request in requests:
+                engine = self.engines[self._next_engine % len(self.engines)]
+                self._next_engine += 1
+                self._submit(group, request, engine)
+        else:
+            self._waiting[group] = requests
+
+    def pump(self, frontier: list[int]) -> None:
+        """FGD: fill free engine slots, frontier groups first, a whole group at a time."""
+        for group in fgd_order(list(self._waiting), frontier):
+            engine = max(self.engines, key=lambda e: self.concurrency - e.num_in_flight())
+            if engine.num_in_flight() >= self.concurrency:
+                return
+            for request in self._waiting.pop(group):
+                self._submit(group, request, engine)
+
+    def abort_groups(self, groups: list[int]) -> int:
+        """Drop waiting requests and abort submitted ones of ``groups``; returns how many were aborted."""
+        num_aborted = 0
+        for group in groups:
+            num_aborted += len(self._waiting.pop(group, []))
+            for request in self._submitted.get(group, []):
+                ctx = self.in_flight[request.request_id]
+                if not ctx.finished:
+                    next(e for e in self.engines if e.name == ctx.engine).abort(request.request_id)
+                    num_aborted += 1
+        return num_aborted
+
+    def num_in_flight(self) -> int:
+        return sum(e.num_in_flight() for e in self.engines)
+
+    def _submit(self, group: int, request: GenerationRequest, engine: Engine) -> None:
+        self.in_flight[request.request_id].engine = engine.name
+        self._submitted.setdefault(group, []).append(request)
         engine.submit(request)
 
 

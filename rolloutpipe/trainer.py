@@ -11,7 +11,10 @@ policy_version k, so the old log-probs are the current ones, detached (ratio = 1
 ``num_steps_per_rollout > 1`` the trainer keeps a copy of version k's parameters taken at the start of
 the step and recomputes old log-probs with it, so batches trained after the first optimizer step
 still clip against version k. ``old_logprobs=engine`` uses the engine's log-probs instead (cheaper on
-large models; differs from the trainer's by the numerics of the two implementations).
+large models; differs from the trainer's by the numerics of the two implementations). The trainer's
+own recomputation is the default because it is exact: the ratio is 1 to the last bit on the first
+batch, so the clipped objective sees no engine/trainer mismatch. ``async_one_step`` always uses the
+engine's log-probs, the only record of the stale policy that generated its samples.
 """
 
 from __future__ import annotations
@@ -87,13 +90,14 @@ class BatchResult:
 
 class PolicyTrainer:
     def __init__(self, *, model: torch.nn.Module, cfg: TrainerConfig, grpo: GRPOConfig, temperature: float,
-                 pad_id: int, multi_step: bool, process_group_active: bool) -> None:
+                 pad_id: int, multi_step: bool, process_group_active: bool, old_logprobs: OldLogprobSource) -> None:
         self.model = model.train()
         self.cfg = cfg
         self.grpo = grpo
         self.temperature = temperature
         self.pad_id = pad_id
         self.multi_step = multi_step
+        self.old_logprobs = old_logprobs
         self.distributed = process_group_active
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay
@@ -106,8 +110,9 @@ class PolicyTrainer:
 
     def begin_step(self) -> None:
         """Remember policy_version k's parameters when later batches must clip against them."""
-        if self.multi_step and self.cfg.old_logprobs is OldLogprobSource.trainer:
-            self._snapshot = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        if self.multi_step and self.old_logprobs is OldLogprobSource.trainer:
+            # named_parameters lists tied weights once; functional_call re-ties them
+            self._snapshot = {k: v.detach().clone() for k, v in self.model.named_parameters()}
 
     def forward_backward(self, samples: list[TrainSample], *, first_batch_of_step: bool) -> LossSums:
         input_ids, targets, mask = self._pack(samples)  # [B, L], [B, L-1], [B, L-1]
@@ -177,7 +182,7 @@ class PolicyTrainer:
         return input_ids, input_ids[:, 1:], mask
 
     def _old_logprobs(self, samples, input_ids, attention, targets, logprobs, mask, first_batch_of_step):
-        if self.cfg.old_logprobs is OldLogprobSource.engine:
+        if self.old_logprobs is OldLogprobSource.engine:
             old = torch.zeros_like(logprobs)
             for b, s in enumerate(samples):
                 start = len(s.prompt_ids) - 1

@@ -198,6 +198,7 @@ class Transport:
             step=group.step,
             seq=seq,
             group=group.group,
+            batch=group.batch,
             policy_version=group.policy_version,
             location=location,
             num_bytes=len(payload),
@@ -224,7 +225,9 @@ class Transport:
         if hashlib.sha256(payload).hexdigest() != handle.digest:
             raise HandleRejected(f"{where}: the payload does not match the handle's digest; refusing it.")
         group = decode_group(payload)
-        if (group.step, group.group, group.policy_version) != (handle.step, handle.group, handle.policy_version):
+        if (group.step, group.group, group.batch, group.policy_version) != (
+            handle.step, handle.group, handle.batch, handle.policy_version
+        ):
             raise HandleRejected(f"{where}: the payload names another group than its handle; refusing it.")
         return group
 
@@ -355,6 +358,7 @@ def encode_group(group: CompleteGroup) -> bytes:
     header = {
         "step": group.step,
         "group": group.group,
+        "batch": group.batch,
         "policy_version": group.policy_version,
         "prompt_index": group.prompt_index,
         "completed_s": group.completed_s,
@@ -395,6 +399,7 @@ def decode_group(payload: bytes) -> CompleteGroup:
         samples=samples,
         advantages=tensors["advantages"].tolist(),
         completed_s=header["completed_s"],
+        batch=header["batch"],
     )
 
 

@@ -108,6 +108,8 @@ class CompleteGroup:
     """One per sample, computed from this group's rewards only."""
     completed_s: float
     """Wall time at which the last sample's reward was known."""
+    batch: int = -1
+    """The training batch (0 .. num_steps_per_rollout - 1) the group belongs to; set when it is placed."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -119,6 +121,8 @@ class GroupHandle:
     seq: int
     """Publish order within the step, 0, 1, 2, ...; the trainer consumes in this order."""
     group: int
+    batch: int
+    """Training batch within the step (see admission.StepSlots)."""
     policy_version: int
     location: str
     """``inline`` (payload under its own store key) or ``file:<path relative to the run dir>``."""
@@ -142,3 +146,54 @@ class Span:
     start_s: float
     end_s: float
     attrs: dict[str, Any] = field(default_factory=dict)
+
+
+class LifecycleState(enum.Enum):
+    """How far a group got; a healthy group goes through every state but DROPPED, in this order."""
+
+    ADMITTED = "admitted"
+    """Its first request went to an engine."""
+    GENERATED = "generated"
+    """Every sample generated."""
+    REWARDED = "rewarded"
+    """Every sample rewarded."""
+    COMPLETE = "complete"
+    """Advantages computed; handed to the dispatcher."""
+    PUBLISHED = "published"
+    """Its handle is in the store."""
+    CONSUMED = "consumed"
+    """A trainer rank received its handle."""
+    TRAINED = "trained"
+    """The optimizer step of its training batch is done."""
+    DROPPED = "dropped"
+    """Filtered (dynamic sampling) or aborted (an over-sampled group the step did not need): never trained."""
+
+
+@dataclass(kw_only=True, slots=True)
+class GroupLifecycle:
+    """One group's life across both node groups, built from every process's spans (``trace.group_lifecycles``).
+
+    Times are on the run's clock (clock.py); None means the group never reached that state.
+    """
+
+    step: int
+    group: int
+    state: LifecycleState
+    """The last state reached."""
+    engine: str = ""
+    admitted_s: float | None = None
+    generated_s: float | None = None
+    rewarded_s: float | None = None
+    complete_s: float | None = None
+    published_s: float | None = None
+    consumed_s: float | None = None
+    trained_s: float | None = None
+    dropped_s: float | None = None
+    drop_reason: str | None = None
+    """``filtered``, ``aborted`` or ``not published``."""
+    policy_version_admitted: int | None = None
+    """The weights that generated its samples."""
+    policy_version_trained: int | None = None
+    """The trainer's policy version when its gradient was applied."""
+    batch: int | None = None
+    """Its training batch within the step."""

@@ -23,20 +23,31 @@ def final_weights(run_dir):
     return load_file(str(run_dir / "checkpoints" / "final" / "model.safetensors"))
 
 
-@pytest.mark.parametrize("num_ranks", [1, 2])
-def test_pipelined_update_equals_synchronous_update(job_dir, num_ranks):
+# Two optimizer steps per rollout (batches of 2 groups), with dynamic sampling dropping about a quarter of
+# the groups (reward constant for labels starting with 'a') and replacing them; FGD admission.
+MULTI_STEP_FILTERED = ["global_batch_size=8", "reward.name=sometimes_flat", "rollout.filter_zero_variance=true",
+                       "rollout.over_sampling_groups=1", "rollout.admission=fgd"]
+
+
+@pytest.mark.parametrize("num_ranks,extra", [(1, []), (2, []), (1, MULTI_STEP_FILTERED)],
+                         ids=["1-rank", "2-ranks", "2-optimizer-steps-per-rollout-filtered"])
+def test_pipelined_update_equals_synchronous_update(job_dir, num_ranks, extra):
     runs = {}
     for mode in ("sync", "cgp"):
         run_dir = job_dir(f"{mode}-{num_ranks}")
-        result = run_job(run_dir, *PARITY, f"pipeline.mode={mode}", f"trainer.num_ranks={num_ranks}")
+        result = run_job(run_dir, *PARITY, f"pipeline.mode={mode}", f"trainer.num_ranks={num_ranks}", *extra)
         assert result.returncode == 0, result.stderr[-3000:]
         runs[mode] = run_dir
 
     sync_samples, cgp_samples = read_samples(runs["sync"]), read_samples(runs["cgp"])
     assert len(sync_samples) == 2 * 4 * 4
-    assert [(s["id"], s["response_ids"], s["reward"]) for s in sync_samples] == [
-        (s["id"], s["response_ids"], s["reward"]) for s in cgp_samples
-    ], "same seed must give the same samples in both modes"
+    assert [(s["id"], s["batch"], s["response_ids"], s["reward"]) for s in sync_samples] == [
+        (s["id"], s["batch"], s["response_ids"], s["reward"]) for s in cgp_samples
+    ], "same seed must give the same samples in the same batches in both modes"
+    if extra:
+        metrics = read_metrics(runs["cgp"])
+        assert sum(m["rollout/num_filtered_groups"] for m in metrics) > 0, "the workload must exercise filtering"
+        assert {s["batch"] for s in cgp_samples} == {0, 1}
 
     sync_w, cgp_w = final_weights(runs["sync"]), final_weights(runs["cgp"])
     difference = max((sync_w[k] - cgp_w[k]).abs().max().item() for k in sync_w)

@@ -1,0 +1,121 @@
+"""Which groups form the step's training batches, and which request an engine gets next: pure logic.
+
+Batch membership (``StepSlots``). A step admits groups in order, group 0, 1, 2, ... (group g carries
+the g-th prompt the step drew from the source, and its samples are seeded by their ids, so a group's
+content never depends on timing). Without filtering every group is trainable and group g belongs to
+training batch g // groups_per_batch. With dynamic sampling, a group whose rewards have zero variance
+is dropped, and the rule becomes: *the j-th trainable group in group order fills slot j; slot j belongs
+to batch j // groups_per_batch; the step is full when slot rollout_batch_size - 1 is filled.* A dropped
+group is replaced by admitting one more group, and every later group moves up one slot: the
+replacement lands in the last batch, while the frontier (below) moves on to the next group in line.
+This rule makes membership a function of the samples alone, so ``sync`` and ``cgp`` (and two runs
+with the same seed) train the same groups in the same batches.
+
+A trainable group can be published before every group below it is resolved, as soon as its batch
+is certain: with t trainable and p pending groups below it, its slot lies in [t, t + p], so it is in
+the step when t + p < rollout_batch_size and its batch is known when t and t + p fall in one batch.
+
+Frontier (FGD). The frontier is the set of unresolved groups the next incomplete training batch still
+needs: the first ``k`` pending groups in group order, where k is the number of that batch's slots not
+yet filled. Frontier-group dispatch admits the frontier's requests first, all samples of a group
+together, then the other pending groups in group order (the next batch's first).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class GroupState(enum.Enum):
+    PENDING = "pending"
+    """Admitted, not all samples rewarded yet."""
+    TRAINABLE = "trainable"
+    FILTERED = "filtered"
+    """Dropped by dynamic sampling (zero reward variance)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Placement:
+    group: int
+    batch: int
+
+
+class StepSlots:
+    """Batch membership of one step's groups (see module docstring). Not thread-safe; one owner."""
+
+    def __init__(self, *, rollout_batch_size: int, groups_per_batch: int) -> None:
+        self.rollout_batch_size = rollout_batch_size
+        self.groups_per_batch = groups_per_batch
+        self.states: list[GroupState] = []
+        self.placed: dict[int, int] = {}
+        """group -> batch, for groups whose batch is known."""
+
+    def admit(self) -> int:
+        self.states.append(GroupState.PENDING)
+        return len(self.states) - 1
+
+    def resolve(self, group: int, *, trainable: bool) -> list[Placement]:
+        """Record a complete group; returns the groups whose batch became known (this one or later ones)."""
+        self.states[group] = GroupState.TRAINABLE if trainable else GroupState.FILTERED
+        return self._place_new()
+
+    def _place_new(self) -> list[Placement]:
+        new = []
+        trainable_below = pending_below = 0
+        for g, state in enumerate(self.states):
+            if trainable_below >= self.rollout_batch_size:
+                break
+            if state is GroupState.TRAINABLE and g not in self.placed:
+                lo, hi = trainable_below, trainable_below + pending_below
+                if hi < self.rollout_batch_size and lo // self.groups_per_batch == hi // self.groups_per_batch:
+                    self.placed[g] = lo // self.groups_per_batch
+                    new.append(Placement(group=g, batch=self.placed[g]))
+            trainable_below += state is GroupState.TRAINABLE
+            pending_below += state is GroupState.PENDING
+        return new
+
+    def num_to_admit(self) -> int:
+        """Groups to admit now so that trainable + pending groups can still fill the step (replacements)."""
+        live = sum(s is not GroupState.FILTERED for s in self.states)
+        return max(self.rollout_batch_size - live, 0)
+
+    def full(self) -> bool:
+        return len(self.placed) == self.rollout_batch_size
+
+    def selected(self) -> list[int]:
+        return sorted(self.placed)
+
+    def unused(self) -> list[int]:
+        """Once full: every group after the last selected one (to abort, and whose prompts go back)."""
+        last = max(self.placed)
+        return list(range(last + 1, len(self.states)))
+
+    def frontier(self) -> list[int]:
+        """Pending groups the next incomplete training batch still needs, in group order."""
+        start = self._prefix_end()
+        filled = sum(s is GroupState.TRAINABLE for s in self.states[:start])  # slots filled for certain
+        if filled >= self.rollout_batch_size:
+            return []
+        budget = self.groups_per_batch - filled % self.groups_per_batch  # slots left in that batch
+        frontier = []
+        for g in range(start, len(self.states)):
+            if budget == 0:
+                break
+            if self.states[g] is not GroupState.FILTERED:
+                budget -= 1
+                if self.states[g] is GroupState.PENDING:
+                    frontier.append(g)
+        return frontier
+
+    def _prefix_end(self) -> int:
+        for g, state in enumerate(self.states):
+            if state is GroupState.PENDING:
+                return g
+        return len(self.states)
+
+
+def fgd_order(pending_groups: list[int], frontier: list[int]) -> list[int]:
+    """Frontier groups first (in group order), then every other pending group in group order."""
+    in_frontier = set(frontier)
+    return sorted(pending_groups, key=lambda g: (g not in in_frontier, g))

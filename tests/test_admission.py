@@ -1,0 +1,111 @@
+"""Admission and batch membership: pure logic, no processes."""
+
+import random
+
+import pytest
+
+from rolloutpipe.admission import GroupState, StepSlots, fgd_order
+from rolloutpipe.data import PromptSource
+from rolloutpipe.types import Prompt
+
+
+def test_fgd_admits_frontier_groups_first_then_the_rest_in_group_order():
+    assert fgd_order([9, 3, 7, 4, 12], frontier=[7, 9]) == [7, 9, 3, 4, 12]
+    assert fgd_order([5, 2], frontier=[]) == [2, 5]
+
+
+def test_frontier_is_what_the_next_incomplete_batch_still_needs():
+    slots = StepSlots(rollout_batch_size=6, groups_per_batch=2)
+    for _ in range(6):
+        slots.admit()
+    assert slots.frontier() == [0, 1]
+    slots.resolve(1, trainable=True)
+    assert slots.frontier() == [0]  # group 1 already holds one of batch 0's two slots
+    slots.resolve(0, trainable=True)
+    assert slots.frontier() == [2, 3]
+
+
+def test_frontier_moves_past_a_filtered_group():
+    slots = StepSlots(rollout_batch_size=4, groups_per_batch=2)
+    for _ in range(4):
+        slots.admit()
+    slots.resolve(0, trainable=True)
+    assert slots.frontier() == [1]
+    slots.resolve(1, trainable=False)  # dropped: batch 0 now needs group 2
+    assert slots.frontier() == [2]
+    assert slots.num_to_admit() == 1  # and one replacement group is admitted to keep the step fillable
+    slots.admit()
+    slots.resolve(2, trainable=True)
+    assert slots.frontier() == [3, 4]
+
+
+def test_batch_membership_is_the_jth_trainable_group_in_group_order_whatever_the_completion_order():
+    rng = random.Random(0)
+    trainable = [rng.random() > 0.3 for _ in range(40)]
+    expected_selected = [g for g, t in enumerate(trainable) if t][:8]
+    for trial in range(50):
+        slots = StepSlots(rollout_batch_size=8, groups_per_batch=2)
+        placements = {}
+        order = list(range(40))
+        random.Random(trial).shuffle(order)
+        for _ in range(8):
+            slots.admit()
+        while not slots.full():
+            pending = [g for g in order if g < len(slots.states) and slots.states[g] is GroupState.PENDING]
+            g = pending[0]
+            order.remove(g)
+            for p in slots.resolve(g, trainable=trainable[g]):
+                assert p.group not in placements
+                placements[p.group] = p.batch
+            for _ in range(slots.num_to_admit()):
+                slots.admit()
+        assert slots.selected() == expected_selected
+        assert placements == {g: j // 2 for j, g in enumerate(expected_selected)}
+
+
+def test_a_group_is_placed_as_soon_as_its_batch_is_certain():
+    slots = StepSlots(rollout_batch_size=4, groups_per_batch=2)
+    for _ in range(4):
+        slots.admit()
+    assert [p.group for p in slots.resolve(3, trainable=True)] == []  # slot 1..3: batch unknown
+    assert [(p.group, p.batch) for p in slots.resolve(1, trainable=True)] == [(1, 0)]  # slot 0 or 1
+    # group 0 fills batch 0; group 3 now has slot 2 or 3 (group 2 pending): batch 1 either way
+    assert [(p.group, p.batch) for p in slots.resolve(0, trainable=True)] == [(0, 0), (3, 1)]
+    assert [(p.group, p.batch) for p in slots.resolve(2, trainable=False)] == []
+    assert slots.placed == {0: 0, 1: 0, 3: 1} and not slots.full()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_over_sampling_loses_no_prompt(seed):
+    """Over several steps, every prompt drawn is trained once, filtered once, or returned and drawn again."""
+    prompts = [Prompt(index=i, text=str(i), input_ids=[i], label=str(i)) for i in range(200)]
+    source = PromptSource(prompts, shuffle=True, seed=seed)
+    rng = random.Random(seed)
+    trainable = {i: rng.random() > 0.25 for i in range(200)}
+    trained, filtered, drawn = [], [], []
+    for _step in range(6):
+        slots = StepSlots(rollout_batch_size=8, groups_per_batch=4)
+        step_prompts = []
+
+        def admit(k):
+            for p in source.next_batch(k):
+                slots.admit()
+                step_prompts.append(p)
+                drawn.append(p.index)
+
+        admit(8 + 3)  # over-sampling
+        while not slots.full():
+            pending = [g for g, s in enumerate(slots.states) if s is GroupState.PENDING]
+            g = rng.choice(pending)
+            slots.resolve(g, trainable=trainable[step_prompts[g].index])
+            admit(slots.num_to_admit())
+        unused = slots.unused()
+        trained += [step_prompts[g].index for g in slots.selected()]
+        filtered += [step_prompts[g].index for g in range(len(step_prompts))
+                     if slots.states[g] is GroupState.FILTERED and g not in unused]
+        source.give_back([step_prompts[g] for g in unused])
+    assert len(trained) == 6 * 8 and len(set(trained)) == len(trained)
+    assert not set(trained) & set(filtered)
+    returned_now = set(drawn) - set(trained) - set(filtered)
+    assert returned_now == {p.index for p in source.next_batch(len(returned_now))}  # handed out first
+    assert all(trainable[i] for i in trained) and not any(trainable[i] for i in filtered)

@@ -1,0 +1,68 @@
+"""The trainer's old log-probs: they describe the policy that generated the samples, for every batch."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from rolloutpipe.grpo import GRPOConfig
+from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
+from rolloutpipe.trainer import OldLogprobSource, PolicyTrainer, TrainerConfig, TrainSample
+
+from .test_embedded_engine import request, run_all
+
+TEMPERATURE = 0.8
+
+
+def generated_samples(model, num: int) -> list[TrainSample]:
+    """Samples from the embedded engine at the model's current weights, with the engine's log-probs."""
+    requests = [request(i, prompt_len=3 + i % 4, max_new_tokens=6, temperature=TEMPERATURE) for i in range(num)]
+    results = run_all(model, requests, concurrency=4)
+    return [
+        TrainSample(prompt_ids=r.input_ids, response_ids=results[r.request_id].output_ids,
+                    engine_logprobs=results[r.request_id].output_logprobs, advantage=(-1.0) ** i)
+        for i, r in enumerate(requests)
+    ]
+
+
+def make_trainer(model, *, multi_step: bool) -> PolicyTrainer:
+    return PolicyTrainer(model=model, cfg=TrainerConfig(lr=1e-2), grpo=GRPOConfig(), temperature=TEMPERATURE,
+                         pad_id=0, multi_step=multi_step, process_group_active=False,
+                         old_logprobs=OldLogprobSource.trainer)
+
+
+def test_engine_and_trainer_agree_on_the_log_probs_of_the_serving_policy():
+    model = load_model(ModelConfig(dtype=DType.float64), len(build_tiny_tokenizer()))
+    samples = generated_samples(copy.deepcopy(model), 6)
+    trainer = make_trainer(model, multi_step=False)
+    input_ids, targets, mask = trainer._pack(samples)
+    logits = model(input_ids=input_ids).logits[:, :-1]
+    logprobs = torch.log_softmax(logits / TEMPERATURE, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    for b, s in enumerate(samples):
+        start = len(s.prompt_ids) - 1
+        torch.testing.assert_close(logprobs[b, start:start + len(s.response_ids)],
+                                   torch.tensor(s.engine_logprobs, dtype=torch.float64), rtol=0, atol=1e-9)
+
+
+def test_batches_after_the_first_optimizer_step_clip_against_the_rollout_policy():
+    model = load_model(ModelConfig(dtype=DType.float64), len(build_tiny_tokenizer()))
+    rollout_policy = copy.deepcopy(model)
+    samples = generated_samples(copy.deepcopy(model), 8)
+    trainer = make_trainer(model, multi_step=True)
+    trainer.begin_step()
+    trainer.forward_backward(samples[:4], first_batch_of_step=True)
+    trainer.finish_batch()  # the weights move away from the rollout policy
+    moved = max((p - q).abs().max().item() for p, q in zip(model.parameters(), rollout_policy.parameters()))
+    assert moved > 1e-4
+
+    second = samples[4:]
+    input_ids, targets, mask = trainer._pack(second)
+    attention = torch.ones_like(input_ids, dtype=torch.bool)
+    for b, s in enumerate(second):
+        attention[b, len(s.prompt_ids) + len(s.response_ids):] = False
+    current = trainer._old_logprobs(second, input_ids, attention, targets, None, mask, first_batch_of_step=False)
+    for b, s in enumerate(second):
+        start = len(s.prompt_ids) - 1
+        torch.testing.assert_close(current[b, start:start + len(s.response_ids)],
+                                   torch.tensor(s.engine_logprobs, dtype=torch.float64), rtol=0, atol=1e-9)
