@@ -1,35 +1,72 @@
-"""Launch a RolloutPipe job: ``python launch.py [overrides]`` (Hydra; see conf/ and README.md)."""
+"""Launch a RolloutPipe job: ``python launch.py [overrides]`` (Hydra; see conf/ and README.md).
+
+    python launch.py                              both node groups as processes on this machine
+    python launch.py launcher=slurm               one heterogeneous Slurm job (submitit); waits for it
+    python launch.py -m pipeline.mode=sync,cgp    a sweep: each point its own run directory and run id
+        [hydra/launcher=submitit_slurm]           ... each point as a Slurm job (which, with
+                                                  launcher=slurm, submits its own het job)
+    launcher=sbatch                               used by slurm/rolloutpipe.sbatch inside its allocation
+"""
 
 from __future__ import annotations
 
+import shlex
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from rolloutpipe.config import ConfigError, load_config, register_hydra_schema, save_config
-from rolloutpipe.launcher import LocalLauncher, new_run_id
+from rolloutpipe.config import Config, ConfigError, load_config, register_hydra_schema
+from rolloutpipe.launcher import Launcher, LauncherKind, LocalLauncher, prepare_run
 
 register_hydra_schema()
 
 
+def make_launcher(cfg: Config) -> Launcher:
+    if cfg.launcher.kind is LauncherKind.slurm:
+        from rolloutpipe.slurm import SlurmLauncher
+
+        return SlurmLauncher()
+    return LocalLauncher()
+
+
 @hydra.main(version_base=None, config_path="conf", config_name="config")
 def main(raw: DictConfig) -> None:
+    # In a sweep a failed point raises (Hydra reports it and runs the other points); sys.exit would end the sweep.
+    sweep = HydraConfig.get().mode is RunMode.MULTIRUN
     try:
         cfg = load_config(raw)
+        if sweep and (cfg.run.dir or cfg.run.id):
+            raise ConfigError("run.dir and run.id name one run, but a sweep makes several: drop them (each point gets "
+                              "<hydra.sweep.dir>/<job number> and its own run id), or set hydra.sweep.dir=... instead.")
+        run_dir = Path(cfg.run.dir or HydraConfig.get().runtime.output_dir).resolve()
+        if cfg.launcher.kind is not LauncherKind.local:
+            from rolloutpipe.slurm import check_launch
+
+            check_launch(cfg)
+        cfg = prepare_run(cfg, run_dir)
     except ConfigError as err:
+        if sweep:
+            raise
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    run_dir = Path(cfg.run.dir or HydraConfig.get().runtime.output_dir).resolve()
-    cfg.run = replace(cfg.run, dir=str(run_dir), id=cfg.run.id or new_run_id(run_dir))
-    save_config(cfg, run_dir / "config.yaml")
-    print(f"run {cfg.run.id}: {cfg.pipeline.mode.value} mode, outputs in {run_dir}", flush=True)
-    code = LocalLauncher().launch(cfg, run_dir)
+    inside_sbatch = cfg.launcher.kind is LauncherKind.sbatch
+    print(f"run {cfg.run.id}: {cfg.pipeline.mode.value} mode, outputs in {run_dir}", flush=True,
+          file=sys.stderr if inside_sbatch else sys.stdout)
+    if inside_sbatch:  # slurm/rolloutpipe.sbatch evaluates this line, then starts the step itself
+        port = f" RP_STORE_PORT={cfg.launcher.store_port}" if cfg.launcher.store_port else ""
+        print(f"export RP_RUN_DIR={shlex.quote(str(run_dir))} RP_RUN_ID={shlex.quote(cfg.run.id)}{port}")
+        return
+    code = make_launcher(cfg).launch(cfg, run_dir)
     if code == 0:
-        print(f"done: metrics in {run_dir / 'metrics.jsonl'}, final weights in {run_dir / 'checkpoints' / 'final'}")
+        if not cfg.launcher.dry_run:
+            print(f"done: metrics in {run_dir / 'metrics.jsonl'}, final weights in {run_dir / 'checkpoints' / 'final'}")
+        return
+    if sweep:
+        raise RuntimeError(f"run {cfg.run.id} failed (exit code {code}); see the messages above and {run_dir}")
     sys.exit(code)
 
 

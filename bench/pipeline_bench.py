@@ -37,11 +37,11 @@ MODES = {
 }
 
 COMMON = ["rollout_batch_size=16", "n_samples_per_prompt=8", "global_batch_size=128", "trainer.lr=1e-7",
-          "rollout.num_engines=2", "rollout.concurrency=16"]
+          "rollout.num_engines=2", "rollout.concurrency=32"]
 
 WORKLOADS = {
     "long_tail": [*COMMON, "micro_batch_size=16"],
-    "balanced": [*COMMON, "micro_batch_size=2"],
+    "balanced": [*COMMON, "micro_batch_size=1"],
 }
 
 COLUMNS = [

@@ -12,6 +12,7 @@ arithmetic, with Slime's knob names at the top level so that a Slime user types 
 from __future__ import annotations
 
 import difflib
+import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,10 +22,12 @@ from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, Omega
 from rolloutpipe.data import DataConfig
 from rolloutpipe.dispatcher import PipelineMode
 from rolloutpipe.grpo import GRPOConfig
+from rolloutpipe.launcher import LauncherConfig
 from rolloutpipe.model import ModelConfig
 from rolloutpipe.rewards import RewardConfig
 from rolloutpipe.rollout import RolloutConfig
 from rolloutpipe.trainer import TrainerConfig
+from rolloutpipe.tracking import WandbConfig
 
 
 class ConfigError(ValueError):
@@ -50,6 +53,11 @@ class PipelineConfig:
             )
 
 
+class ResumeMode(enum.Enum):
+    never = "never"
+    auto = "auto"
+
+
 @dataclass(kw_only=True, slots=True)
 class RunConfig:
     dir: str | None = None
@@ -58,6 +66,15 @@ class RunConfig:
     """Names the run's store keys. Null: derived from the run directory plus a random suffix."""
     save_samples: bool = False
     """Write every sample of every step to run_dir/rollouts/step=<k>.jsonl."""
+    resume: ResumeMode = ResumeMode.never
+    """``auto``: continue from the run directory's last complete checkpoint (start fresh if there is none)."""
+    checkpoint_every: int = 100
+    """Write a step-atomic checkpoint every N steps (and after the last); 0: only the final weights."""
+    keep_last_checkpoints: int = 2
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_every < 0 or self.keep_last_checkpoints < 1:
+            raise ValueError("run.checkpoint_every must be >= 0 and run.keep_last_checkpoints >= 1.")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -86,6 +103,8 @@ class Config:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self) -> None:
         for key in ("num_rollout", "rollout_batch_size", "global_batch_size", "micro_batch_size",
@@ -119,6 +138,11 @@ class Config:
             raise ValueError(
                 f"num_steps_per_rollout={self.num_steps_per_rollout} but rollout_batch_size * n_samples_per_prompt "
                 f"/ global_batch_size = {derived}; drop num_steps_per_rollout (it is derived) or fix the batch sizes."
+            )
+        if self.run.resume is ResumeMode.auto and self.pipeline.mode is PipelineMode.async_one_step:
+            raise ValueError(
+                "run.resume=auto is not supported with pipeline.mode=async_one_step yet (its rollout runs a step "
+                "ahead on the previous weights, which a checkpoint does not keep); use sync or cgp."
             )
         if self.rollout.num_engines > self.rollout_batch_size:
             raise ValueError(

@@ -190,6 +190,7 @@ class RewardThreads:
             "rollout/request", step=step, start_s=result.started_s, end_s=result.finished_s, engine=ctx.engine,
             group=ctx.group, sample=ctx.sample, num_tokens=len(result.output_ids),
             queued_s=result.started_s - result.submitted_s, aborted=result.finish_reason is FinishReason.ABORT,
+            policy_version=result.policy_version,
         )
         if result.finish_reason is FinishReason.ABORT:  # over-sampling's leftovers: never rewarded or trained
             return

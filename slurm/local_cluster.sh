@@ -91,6 +91,9 @@ write_configs() {
     fi
     local db_password; db_password=$(as_root cat "$STATE_DIR/secrets/db_password")
     local controller; controller=$(hostname -s)
+    # Every virtual node offers (almost) the whole machine's memory: memory is not a consumable here
+    # (CR_CPU), but requests larger than RealMemory are refused.
+    local memory_mb; memory_mb=$(awk '/MemTotal/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)
     local tmp; tmp=$(mktemp)
     {
         echo "$MARKER: a one-machine test cluster."
@@ -123,7 +126,7 @@ write_configs() {
         echo "SlurmctldTimeout=30"
         echo "SlurmdTimeout=60"
         for k in $(seq 1 "$NUM_NODES"); do
-            echo "NodeName=node$k NodeHostname=localhost NodeAddr=127.0.0.1 Port=$((17000 + k)) CPUs=$CPUS_PER_NODE RealMemory=4000 State=UNKNOWN"
+            echo "NodeName=node$k NodeHostname=localhost NodeAddr=127.0.0.1 Port=$((17000 + k)) CPUs=$CPUS_PER_NODE RealMemory=$memory_mb State=UNKNOWN"
         done
         echo "PartitionName=debug Nodes=node[1-$NUM_NODES] Default=YES MaxTime=INFINITE State=UP"
     } > "$tmp"

@@ -1,0 +1,293 @@
+"""W&B tracking: the only module that imports ``wandb``, and only inside ``open_tracker``.
+
+Who writes. Trainer rank 0 opens one W&B run per job (``open_tracker(enabled=rank == 0)``); every other
+process gets a tracker that does nothing. The rollout node's per-step numbers reach W&B through rank 0's
+metrics record (``rollout/*`` keys), so the rollout manager needs a run of its own only for metrics that
+never reach the trainer; ``open_tracker(..., job_type="rollout")`` gives it one in the same W&B group.
+
+What is logged.
+    every step     the metrics.jsonl record, same names (``perf/trainer_wait_ratio``, ``train/loss``, ...),
+                   at W&B step = RL step
+    end of run     ``timeline/spans`` (the span table), ``timeline/groups`` (one lifecycle row per group),
+                   ``timeline/picture`` (timeline.png), ``timeline/gantt`` (a Gantt panel: a table drawn by
+                   the custom chart preset ``wandb.gantt_spec``; create it once per W&B entity from
+                   ``wandb_gantt.vega.json`` beside this file, see README "Timelines and W&B")
+
+Never in the way of training.
+    ``offline`` (the default) writes ``<run_dir>/wandb/offline-run-*`` and needs no network; ``wandb sync``
+    uploads it later. ``online`` waits at most ``wandb.init_timeout_s`` at start; if W&B cannot be reached
+    (no network, no API key) it warns and falls back to offline, so nothing is lost. ``disabled`` logs
+    nothing. A logging error warns once and turns the tracker off; ``finish`` waits at most
+    ``wandb.finish_timeout_s`` for the upload and then leaves it to ``wandb sync``.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rolloutpipe.trace import MergedRun
+
+GANTT_SPEC_PATH = Path(__file__).with_name("wandb_gantt.vega.json")
+MAX_TABLE_ROWS = 10_000
+"""W&B truncates a logged table beyond this (wandb.Table.MAX_ROWS); we keep whole, latest steps instead."""
+
+
+class WandbMode(enum.Enum):
+    offline = "offline"
+    """Write the W&B run under the run directory; ``wandb sync <dir>`` uploads it later. No network."""
+    online = "online"
+    """Stream to the W&B server (needs an API key); falls back to offline with a warning if unreachable."""
+    disabled = "disabled"
+
+
+@dataclass(kw_only=True, slots=True)
+class WandbConfig:
+    mode: WandbMode = WandbMode.offline
+    project: str = "rolloutpipe"
+    entity: str | None = None
+    name: str | None = None
+    """The W&B run name. Null: the run id."""
+    group: str | None = None
+    """Groups runs in the W&B UI (e.g. the runs of one sweep). Null: none."""
+    tags: list[str] = field(default_factory=list)
+    init_timeout_s: float = 30.0
+    """Longest wait for the W&B server at start (online only); then the run goes on offline."""
+    finish_timeout_s: float = 60.0
+    """Longest wait for W&B to finish uploading at the end; what is left is in the offline directory."""
+    gantt_spec: str = "rolloutpipe-gantt"
+    """Name of the W&B custom chart preset (made from wandb_gantt.vega.json) that draws timeline/gantt."""
+    system_metrics: bool = True
+    """Let W&B sample CPU/GPU/memory use every 15 s."""
+
+    def __post_init__(self) -> None:
+        for key in ("init_timeout_s", "finish_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"wandb.{key}={getattr(self, key)} must be > 0.")
+
+
+def _warn(message: str) -> None:
+    print(f"warning: W&B: {message}", file=sys.stderr, flush=True)
+
+
+class Tracker:
+    """Logs to one W&B run, or does nothing. Never raises into training.
+
+    W&B thread (``wandb-start``): starts the run (``start``, which may take seconds: wandb.init spawns its
+    service, and online it talks to the server) while training goes on; records logged meanwhile wait in
+    ``_pending`` and follow in order. It ends once the run is open or has failed (then the tracker turns
+    itself off). ``finish`` waits for it at most ``wait_start_s``.
+    """
+
+    def __init__(self, start: Callable[[], Any] | None = None, *, finish_timeout_s: float = 60.0,
+                 wait_start_s: float = 60.0, gantt_spec: str = "") -> None:
+        self.run: Any = None
+        self.finish_timeout_s = finish_timeout_s
+        self.wait_start_s = wait_start_s
+        self.gantt_spec = gantt_spec
+        self.last_step = 0
+        self._lock = threading.Lock()
+        self._pending: list[dict] = []
+        self._starting: threading.Thread | None = None
+        if start is not None:
+            self._starting = threading.Thread(target=self._start, args=(start,), name="wandb-start", daemon=True)
+            self._starting.start()
+
+    @property
+    def directory(self) -> Path | None:
+        """The W&B run's local directory (``.../wandb/offline-run-*`` or ``run-*``), once started."""
+        return Path(self.run.dir).parent if self.run is not None else None
+
+    def log_step(self, record: dict) -> None:
+        """One metrics.jsonl record, at W&B step = its RL step."""
+        with self._lock:
+            if self.run is not None:
+                self._log(record)
+            elif self._starting is not None and self._starting.is_alive():
+                self._pending.append(record)
+
+    def finish(self, merged: MergedRun | None, picture: Path | None) -> None:
+        """Log the timeline (tables, picture, Gantt panel), then close the run within finish_timeout_s."""
+        if self._starting is not None:
+            self._starting.join(self.wait_start_s)
+            if self._starting.is_alive():
+                _warn(f"the W&B run did not start within {self.wait_start_s:.0f} s; nothing more is logged.")
+                return
+        if self.run is None:
+            return
+        try:
+            if merged is not None:
+                self.run.log(timeline_payload(merged, picture, gantt_spec=self.gantt_spec), step=self.last_step)
+        except Exception as err:  # noqa: BLE001 - W&B must never stop training
+            _warn(f"could not log the timeline: {type(err).__name__}: {err}")
+        self._close()
+
+    def _start(self, start: Callable[[], Any]) -> None:
+        run = start()
+        with self._lock:
+            self.run = run
+            pending, self._pending = self._pending, []
+            for record in pending:
+                self._log(record)
+
+    def _log(self, record: dict) -> None:
+        try:
+            self.last_step = int(record["step"])
+            self.run.log({k: v for k, v in record.items() if k != "step"}, step=self.last_step)
+        except Exception as err:  # noqa: BLE001 - W&B must never stop training
+            _warn(f"logging a step failed ({type(err).__name__}: {err}); W&B is off for the rest of this run.")
+            self._close(wait=False)
+
+    def _close(self, *, wait: bool = True) -> None:
+        run, self.run = self.run, None
+        if run is None:
+            return
+        closer = threading.Thread(target=run.finish, name="wandb-finish", daemon=True)
+        closer.start()
+        if not wait:
+            return
+        closer.join(self.finish_timeout_s)
+        if closer.is_alive():
+            _warn(f"W&B did not finish within wandb.finish_timeout_s={self.finish_timeout_s:.0f} s; "
+                  f"the rest is in {Path(run.dir).parent} ('wandb sync' uploads it).")
+
+
+def open_tracker(cfg: WandbConfig, *, run_dir: Path, run_id: str, config: Any, enabled: bool,
+                 job_type: str = "train") -> Tracker:
+    """A tracker for this process: a W&B run when ``enabled`` and ``cfg.mode`` is not disabled.
+
+    ``config`` is the job's Config (logged as the W&B run config) or a plain dict. Returns at once; the
+    run starts on the tracker's own thread.
+    """
+    if not enabled or cfg.mode is WandbMode.disabled:
+        return Tracker()
+    if importlib.util.find_spec("wandb") is None:
+        _warn(f"wandb.mode={cfg.mode.value} but wandb is not installed; logging to W&B is off. "
+              "pip install 'rolloutpipe[wandb]', or set wandb.mode=disabled to silence this.")
+        return Tracker()
+    if not isinstance(config, dict):
+        from omegaconf import OmegaConf
+
+        config = OmegaConf.to_container(OmegaConf.structured(config), enum_to_str=True)
+
+    def start() -> Any:
+        import wandb  # here, on the tracker's thread: importing wandb takes a second of CPU
+
+        mode = cfg.mode
+        while True:
+            try:
+                return wandb.init(
+                    mode=mode.value, dir=str(run_dir), project=cfg.project, entity=cfg.entity,
+                    name=cfg.name or run_id, group=cfg.group, tags=list(cfg.tags) or None, job_type=job_type,
+                    config=config,
+                    settings=wandb.Settings(init_timeout=cfg.init_timeout_s, console="off", quiet=True,
+                                            save_code=False, x_disable_stats=not cfg.system_metrics),
+                )
+            except Exception as err:  # noqa: BLE001 - W&B must never stop training
+                if mode is WandbMode.online:
+                    _warn(f"could not start an online run ({type(err).__name__}: {str(err).splitlines()[0]}); "
+                          f"logging offline under {run_dir / 'wandb'} instead ('wandb sync' uploads it later).")
+                    mode = WandbMode.offline
+                    continue
+                _warn(f"could not start a {mode.value} run ({type(err).__name__}: {err}); logging to W&B is off.")
+                return None
+
+    # online may take init_timeout_s (W&B waits about twice that) before the offline fallback starts
+    return Tracker(start, finish_timeout_s=cfg.finish_timeout_s, wait_start_s=3 * cfg.init_timeout_s + 30,
+                   gantt_spec=cfg.gantt_spec)
+
+
+# ------------------------------------------------------------------------------------------------
+# The end-of-run timeline, as W&B objects
+# ------------------------------------------------------------------------------------------------
+SPAN_COLUMNS = ["name", "role", "rank", "step", "start_s", "end_s", "duration_s", "group", "sample", "engine",
+                "batch"]
+GROUP_COLUMNS = ["step", "group", "state", "engine", "batch", "admitted_s", "generated_s", "rewarded_s",
+                 "complete_s", "published_s", "consumed_s", "trained_s", "dropped_s", "drop_reason",
+                 "policy_version_admitted", "policy_version_trained"]
+GANTT_COLUMNS = ["lane", "lane_order", "kind", "name", "step", "start_s", "end_s"]
+
+
+def span_rows(merged: MergedRun) -> tuple[list[list], float]:
+    """The span table (times relative to the run's first span), and that first span's time."""
+    spans = merged.spans
+    t0 = spans[0].start_s if spans else 0.0
+    rows = [[s.name, s.role, s.rank, s.step, s.start_s - t0, s.end_s - t0, s.end_s - s.start_s,
+             s.attrs.get("group"), s.attrs.get("sample"), s.attrs.get("engine"), s.attrs.get("batch")]
+            for s in spans]
+    return rows, t0
+
+
+def gantt_rows(merged: MergedRun, t0: float) -> list[list]:
+    """Rows for the Gantt panel: per engine one bar per step, and every dispatcher and trainer span."""
+    from rolloutpipe.trace import FORWARD_BACKWARD, GROUP_COMPLETE, OPTIMIZER_STEP, PUBLISH, REQUEST, SYNC_WEIGHTS
+
+    rows: list[list] = []
+    busy: dict[tuple[str, int], list[float]] = {}
+    for s in merged.spans:
+        if s.name == REQUEST:
+            key = (str(s.attrs.get("engine", "engine")), s.step)
+            lo_hi = busy.setdefault(key, [s.start_s, s.end_s])
+            lo_hi[0], lo_hi[1] = min(lo_hi[0], s.start_s), max(lo_hi[1], s.end_s)
+        elif s.name == GROUP_COMPLETE:
+            rows.append(["groups", 1, "group complete", f"group={s.attrs.get('group')}", s.step, s.start_s, s.end_s])
+        elif s.name == PUBLISH:
+            rows.append(["dispatcher", 2, "publish", f"group={s.attrs.get('group')}", s.step, s.start_s, s.end_s])
+        elif s.name == SYNC_WEIGHTS and s.role == "rollout":
+            rows.append(["engine weights", 0, "weight load", s.name, s.step, s.start_s, s.end_s])
+        elif s.role == "trainer" and s.name in (FORWARD_BACKWARD, OPTIMIZER_STEP, SYNC_WEIGHTS):
+            kind = {FORWARD_BACKWARD: "forward_backward", OPTIMIZER_STEP: "optimizer_step",
+                    SYNC_WEIGHTS: "weight sync"}[s.name]
+            rows.append([f"trainer {s.rank}", 3 + s.rank, kind, s.name, s.step, s.start_s, s.end_s])
+    for (engine, step), (lo, hi) in busy.items():
+        rows.append([engine, 0, "generate", f"step={step}", step, lo, hi])
+    return [[*row[:5], row[5] - t0, row[6] - t0] for row in sorted(rows, key=lambda r: (r[1], r[5]))]
+
+
+def latest_steps(rows: list[list], step_column: int, max_rows: int = MAX_TABLE_ROWS) -> list[list]:
+    """The rows of the latest whole steps that fit in ``max_rows``."""
+    if len(rows) <= max_rows:
+        return rows
+    per_step: dict[int, int] = {}
+    for row in rows:
+        per_step[row[step_column]] = per_step.get(row[step_column], 0) + 1
+    kept, total = set(), 0
+    for step in sorted(per_step, reverse=True):
+        if total + per_step[step] > max_rows:
+            break
+        kept.add(step)
+        total += per_step[step]
+    return [row for row in rows if row[step_column] in kept]
+
+
+def timeline_payload(merged: MergedRun, picture: Path | None, *, gantt_spec: str) -> dict:
+    import wandb
+
+    from rolloutpipe.trace import lifecycle_record
+
+    spans, t0 = span_rows(merged)
+    groups = []
+    for g in merged.lifecycles:
+        record = lifecycle_record(g)
+        groups.append([record[c] - t0 if c.endswith("_s") and record[c] is not None else record[c]
+                       for c in GROUP_COLUMNS])
+    gantt = wandb.Table(columns=GANTT_COLUMNS, data=latest_steps(gantt_rows(merged, t0), 4))
+    payload = {
+        "timeline/spans": wandb.Table(columns=SPAN_COLUMNS, data=latest_steps(spans, 3)),
+        "timeline/groups": wandb.Table(columns=GROUP_COLUMNS, data=latest_steps(groups, 0)),
+        "timeline/gantt": wandb.plot_table(
+            gantt_spec, gantt,
+            fields={"lane": "lane", "lane_order": "lane_order", "kind": "kind", "name": "name",
+                    "start": "start_s", "end": "end_s"},
+            string_fields={"title": "RolloutPipe timeline (seconds from the run's first span)"}),
+    }
+    if picture is not None and picture.exists():
+        payload["timeline/picture"] = wandb.Image(str(picture), caption="timeline (tools/timeline.py)")
+    return payload
