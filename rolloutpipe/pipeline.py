@@ -48,7 +48,7 @@ from rolloutpipe.checkpoint import latest_checkpoint, load_optimizer, save_check
 from rolloutpipe.config import Config, ResumeMode
 from rolloutpipe.data import PromptSource, load_prompts, prepare_data_path
 from rolloutpipe.dispatcher import Dispatcher, PipelineMode
-from rolloutpipe.engine.embedded import EmbeddedEngine
+from rolloutpipe.engine import build_engines
 from rolloutpipe.env import NodeEnv, Role
 from rolloutpipe.clock import sync_clock
 from rolloutpipe.metrics import RolloutStats, SpanRecorder, TrainStats, reduce_step, summary_line
@@ -98,11 +98,7 @@ class RolloutNode:
             self.source.load_state_dict(self.resumed.source_state)
         self.rewards = RewardThreads(pool=RewardPool(cfg.reward), tokenizer=self.tokenizer,
                                      num_threads=cfg.reward.num_workers, spans=self.spans)
-        self.engines = [
-            EmbeddedEngine(name=f"engine{i}", model=load_model(cfg.model, len(self.tokenizer)),
-                           concurrency=cfg.rollout.concurrency, on_result=self.on_result)
-            for i in range(cfg.rollout.num_engines)
-        ]
+        self.engines = build_engines(cfg, vocab_size=len(self.tokenizer), on_result=self.on_result)
         self.events: queue.Queue = queue.Queue()
         """Complete groups (from the reward threads) and None (an engine slot freed) for the rollout loop."""
         self.dispatcher = Dispatcher(transport=transport.connect_another(), mode=cfg.pipeline.mode,
