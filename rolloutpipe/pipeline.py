@@ -110,6 +110,7 @@ class RolloutNode:
             for engine in self.engines:
                 engine.update_weights_from_disk(str(self.resumed.weights_path), self.resumed.policy_version)
             serving, first_step = self.resumed.policy_version, self.resumed.step + 1
+        self.transport.wait_get(self.transport.key("trainer", "ready"), what="the trainer to start")
         for step in range(first_step, self.cfg.num_rollout):
             version = self.cfg.pipeline.mode.policy_version_for(step)
             weight_load_s = self.load_weights(version) if version != serving else 0.0
@@ -176,6 +177,7 @@ class RolloutNode:
                 continue
             if group is not None:  # a group is complete: filter it, place what can be placed, publish
                 complete[group.group] = group
+                self.check_reward_failures(step, complete.values())
                 trainable = not (cfg.rollout.filter_zero_variance and len({s.reward for s in group.samples}) == 1)
                 num_filtered += not trainable
                 for placed in slots.resolve(group.group, trainable=trainable):
@@ -213,6 +215,18 @@ class RolloutNode:
             reward_mean=statistics.fmean(rewards), reward_std=statistics.pstdev(rewards),
             response_len_mean=statistics.fmean(len(s.response_ids) for s in samples),
         )
+
+    def check_reward_failures(self, step: int, groups) -> None:
+        """Stop before the failures reach the trainer's optimizer step once they pass the configured share."""
+        failed = [s for g in groups for s in g.samples if s.reward_error is not None]
+        expected = self.cfg.rollout_batch_size * self.cfg.n_samples_per_prompt
+        if len(failed) > self.cfg.reward.max_failure_fraction * expected:
+            raise RuntimeError(
+                f"step {step}: the reward function '{self.cfg.reward.name}' failed on {len(failed)} samples, more "
+                f"than reward.max_failure_fraction={self.cfg.reward.max_failure_fraction} of the step's {expected}; "
+                f"stopping instead of training on them. First error: {failed[0].reward_error}. Fix the reward "
+                "function (or its timeout, reward.timeout_s) and rerun."
+            )
 
     def check_health(self, waiting_for: str) -> None:
         for component in (*self.engines, self.rewards, self.dispatcher):
@@ -285,6 +299,9 @@ class TrainerNode:
         from tqdm import tqdm
 
         is_writer = self.env.rank == 0
+        if is_writer:  # the rollout starts its first step only now, so no step's timings include start-up
+            self.tracker.wait_started()
+            self.transport.set(self.transport.key("trainer", "ready"), "1")
         progress = tqdm(total=self.cfg.num_rollout, initial=self.first_step, desc="RL steps", unit="step",
                         disable=not (is_writer and sys.stderr.isatty()))
         for step in range(self.first_step, self.cfg.num_rollout):

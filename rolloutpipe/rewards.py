@@ -198,8 +198,13 @@ class RewardConfig:
     num_workers: int = 1
     import_modules: list[str] = field(default_factory=list)
     """Modules each worker imports before serving, so that their @register_reward rewards exist."""
+    max_failure_fraction: float = 0.5
+    """The run stops, rather than train on garbage, once more than this fraction of a step's samples
+    have failed rewards (exceptions, timeouts, non-numbers)."""
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.max_failure_fraction <= 1.0:
+            raise ValueError(f"reward.max_failure_fraction={self.max_failure_fraction} must be in [0, 1].")
         if not self.timeout_s > 0:
             raise ValueError(f"reward.timeout_s={self.timeout_s} must be positive (seconds per reward call).")
         if self.num_workers < 1:

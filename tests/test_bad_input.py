@@ -66,6 +66,16 @@ def test_failing_reward_gives_zero_and_is_counted_without_stopping_the_run(job_d
     assert all(s["reward"] == 1.0 for s in samples if not s["reward_error"])
 
 
+def test_mostly_failing_rewards_stop_the_run_before_training_on_them(job_dir, tmp_path):
+    data = _rows_with_labels(tmp_path / "rows.jsonl", ["fail"] * 4)
+    run_dir = job_dir("all-fail")
+    result = run_job(run_dir, *SMALL, "num_rollout=1", f"data.path={data}", "reward.name=raises",
+                     "reward.import_modules=[tests.fixtures.faulty_rewards]", timeout_s=180)
+    assert result.returncode != 0
+    assert "more than reward.max_failure_fraction=0.5" in result.stderr
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
 def _start_nodes(run_dir: Path, *overrides: str) -> dict[str, subprocess.Popen]:
     """Start the two node groups by hand with the launcher's environment contract (no launcher watching)."""
     from omegaconf import OmegaConf
