@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import REPO, SMALL, node_environ, read_metrics, run_job
+from .conftest import REPO, SMALL, node_environ, read_metrics, run_job, start_nodes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -76,27 +76,6 @@ def test_mostly_failing_rewards_stop_the_run_before_training_on_them(job_dir, tm
     assert not (run_dir / "metrics.jsonl").exists()
 
 
-def _start_nodes(run_dir: Path, *overrides: str) -> dict[str, subprocess.Popen]:
-    """Start the two node groups by hand with the launcher's environment contract (no launcher watching)."""
-    from omegaconf import OmegaConf
-
-    from rolloutpipe.config import load_config, save_config
-    from rolloutpipe.env import NodeEnv, Role
-    from rolloutpipe.launcher import free_port
-
-    cfg = load_config(OmegaConf.from_dotlist([*overrides, f"run.dir={run_dir}", "run.id=killtest"]))
-    save_config(cfg, run_dir / "config.yaml")
-    port = free_port()
-    procs = {}
-    for role in (Role.rollout, Role.trainer):
-        env = NodeEnv(role=role, rank=0, world_size=1, store_host="127.0.0.1", store_port=port, run_id="killtest",
-                      secret=b"k" * 32, run_dir=run_dir)
-        procs[role.value] = subprocess.Popen([sys.executable, "-m", "rolloutpipe.node"], cwd=REPO,
-                                             env={**node_environ(), **env.to_environ()}, stdout=subprocess.PIPE,
-                                             stderr=subprocess.PIPE, text=True)
-    return procs
-
-
 def _wait_for_first_step(run_dir: Path, procs, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while not (run_dir / "metrics.jsonl").exists():
@@ -112,7 +91,7 @@ def _wait_for_first_step(run_dir: Path, procs, timeout_s: float = 120) -> None:
 def test_killed_node_group_makes_the_other_exit_with_a_clear_error(tmp_path, victim, survivor, message):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    procs = _start_nodes(run_dir, *SMALL, "num_rollout=1000", "pipeline.peer_timeout_s=3")
+    procs = start_nodes(run_dir, *SMALL, "num_rollout=1000", "pipeline.peer_timeout_s=3")
     try:
         _wait_for_first_step(run_dir, procs)
         os.kill(procs[victim].pid, signal.SIGKILL)
