@@ -26,8 +26,8 @@ from rolloutpipe.launcher import LauncherConfig
 from rolloutpipe.model import ModelConfig
 from rolloutpipe.rewards import RewardConfig
 from rolloutpipe.rollout import RolloutConfig
-from rolloutpipe.trainer import TrainerConfig
 from rolloutpipe.tracking import WandbConfig
+from rolloutpipe.trainer import TrainerConfig
 
 
 class ConfigError(ValueError):

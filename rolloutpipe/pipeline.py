@@ -307,8 +307,6 @@ class TrainerNode:
         for step in range(self.first_step, self.cfg.num_rollout):
             stats = self.train_step(step)
             stats.weight_sync_s = self.sync_weights(step + 1) if is_writer else 0.0
-            if is_writer and self.checkpoint_due(step):
-                self.save_checkpoint(step)
             record = self.reduce(step, stats)
             if is_writer:
                 with self.metrics_path.open("a") as f:
@@ -317,6 +315,8 @@ class TrainerNode:
                 sys.stdout.flush()
                 progress.update()
                 self.tracker.log_step(record)
+                if self.checkpoint_due(step):  # after the record: a checkpoint of step k implies its metrics
+                    self.save_checkpoint(step)
             self.spans.flush()
         progress.close()
         if self.distributed:

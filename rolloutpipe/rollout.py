@@ -19,7 +19,7 @@ import hashlib
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rolloutpipe.admission import fgd_order
 from rolloutpipe.engine.base import Engine
@@ -40,6 +40,11 @@ from rolloutpipe.types import (
 class EngineKind(enum.Enum):
     embedded = "embedded"
     """The embedded CPU engine (a small request scheduler over the transformers model), in this process."""
+    embedded_http = "embedded_http"
+    """The embedded engine in its own process behind SGLang's HTTP API (engine/http_server.py), driven by the
+    SGLang client: the rollout node as on a cluster, on CPU."""
+    sglang = "sglang"
+    """SGLang servers: one ``python -m sglang.launch_server`` per engine on this node, or ``engine_urls``."""
 
 
 class AdmissionPolicy(enum.Enum):
@@ -62,6 +67,15 @@ class RolloutConfig:
     """Dynamic sampling (DAPO): drop groups whose rewards are all equal and admit replacements."""
     over_sampling_groups: int = 0
     """Extra groups admitted at the start of each step when filtering, so replacements are already running."""
+    engine_urls: list[str] = field(default_factory=list)
+    """With ``engine: sglang`` or ``embedded_http``: attach to these running servers (one per engine, started with
+    ``--weight-version 0`` and model.path's weights) instead of starting them. Empty: start them."""
+    sglang_launch_args: list[str] = field(default_factory=list)
+    """Extra arguments for every ``sglang.launch_server``, e.g. ``[--mem-fraction-static, "0.8"]``."""
+    sglang_gpus_per_engine: int = 1
+    """GPUs each started SGLang server uses (its --tp-size times --dp-size); engine i starts at GPU i * this."""
+    server_start_timeout_s: float = 900.0
+    """How long to wait for a started engine server to answer /health."""
 
     def __post_init__(self) -> None:
         if self.num_engines < 1:
@@ -72,6 +86,12 @@ class RolloutConfig:
             )
         if self.over_sampling_groups < 0:
             raise ValueError(f"rollout.over_sampling_groups={self.over_sampling_groups} must be >= 0.")
+        if self.engine_urls and self.engine is EngineKind.embedded:
+            raise ValueError("rollout.engine_urls is set but rollout.engine=embedded runs in-process; "
+                             "use rollout.engine=sglang (or embedded_http) to attach to servers.")
+        if self.engine_urls and len(self.engine_urls) != self.num_engines:
+            raise ValueError(f"rollout.engine_urls has {len(self.engine_urls)} URLs but rollout.num_engines="
+                             f"{self.num_engines}; give one URL per engine.")
 
 
 def sampling_seed(run_seed: int, step: int, group: int, sample: int) -> int:

@@ -174,7 +174,8 @@ class SlurmLauncher:
             return 0
         from rolloutpipe.slurm_submitit import HetSlurmExecutor
 
-        num_rollout, num_tasks = cfg.launcher.rollout.num_tasks, cfg.launcher.rollout.num_tasks + cfg.launcher.trainer.num_tasks
+        num_rollout_tasks = cfg.launcher.rollout.num_tasks
+        num_tasks = num_rollout_tasks + cfg.launcher.trainer.num_tasks
         environ = submission_environ(run_vars(cfg, run_dir, secrets.token_bytes(32).hex()))
         job = HetSlurmExecutor(folder, script=script, num_tasks=num_tasks, environ=environ).submit(run_task)
         print(f"submitted het job {job.job_id}; task logs: {folder}/{job.job_id}_<task>_log.{{out,err}}", flush=True)
@@ -190,7 +191,7 @@ class SlurmLauncher:
         how = "was cancelled" if state == "CANCELLED" else f"ended {state}"
         print(f"run failed: het job {job.job_id} {how} (het groups: {components or 'unknown'}).", file=sys.stderr)
         for task in range(num_tasks if state != "CANCELLED" else 0):  # after scancel, every task just got killed
-            o = _outcome(job, task, num_rollout)
+            o = _outcome(job, task, num_rollout_tasks)
             if not o.ok:
                 said = "".join(f"\n    {line}" for line in o.said) or " (nothing)"
                 print(f"  {o.label} {'failed' if o.ok is False else 'left no result'}; it said:{said}", file=sys.stderr)
@@ -276,7 +277,10 @@ def check_allocation(cfg: Config, environ: dict[str, str] | None = None) -> None
 
 
 def _task_main(folder: str) -> None:
-    """Entry of each task: its own log files (srun's %j and %t are not per-task in a het step), then submitit."""
+    """Entry of each task: its own log files, then submitit's job runner.
+
+    Not srun --output: in a het step srun's %j is the component's id and %t is not SLURM_PROCID.
+    """
     name = f"{os.environ['SLURM_JOB_ID']}_{os.environ['SLURM_PROCID']}_log"
     for fd, suffix in ((1, "out"), (2, "err")):
         log = os.open(os.path.join(folder, f"{name}.{suffix}"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

@@ -99,6 +99,7 @@ def step_windows(spans: list[Span], steps: list[int]) -> dict[int, tuple[float, 
 def draw_timeline(runs: list[RunTimeline], out: Path, *, steps: list[int] | None = None,
                   formats: tuple[str, ...] = ("png",), title: str | None = None) -> list[Path]:
     """Draw ``runs`` (one panel each) and write ``out`` with each suffix of ``formats``; returns the paths."""
+    import matplotlib
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
@@ -129,7 +130,8 @@ def draw_timeline(runs: list[RunTimeline], out: Path, *, steps: list[int] | None
     for fmt in formats:
         path = out.with_suffix(f".{fmt}")
         path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
+        with matplotlib.rc_context({"svg.fonttype": "none"}):  # SVG text stays text: small and searchable
+            fig.savefig(path, dpi=110)
         paths.append(path)
     return paths
 

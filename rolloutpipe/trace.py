@@ -270,7 +270,7 @@ def _life_end(g: GroupLifecycle) -> float:
 # ------------------------------------------------------------------------------------------------
 @dataclass(kw_only=True, slots=True)
 class RecordingOverhead:
-    """What recording spans cost one process: time in ``add`` plus time in ``flush``."""
+    """What recording spans cost one process: CPU time in ``add`` plus in ``flush`` (metrics.SpanRecorder)."""
 
     process: str
     num_spans: int
@@ -292,7 +292,8 @@ def recording_overhead(files: list[SpanFile]) -> list[RecordingOverhead]:
             continue
         result.append(RecordingOverhead(
             process=f.path.stem, num_spans=len(f.spans) - len(flushes),
-            record_s=sum(s.attrs["record_s"] for s in flushes), flush_s=sum(s.end_s - s.start_s for s in flushes),
+            record_s=sum(s.attrs["record_s"] for s in flushes),
+            flush_s=sum(s.attrs.get("cpu_s", s.end_s - s.start_s) for s in flushes),
             wall_s=max(s.end_s for s in f.spans) - min(s.start_s for s in f.spans),
         ))
     return result

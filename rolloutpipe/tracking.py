@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import enum
 import importlib.util
+import os
+import queue
 import sys
 import threading
 from collections.abc import Callable
@@ -77,13 +79,20 @@ def _warn(message: str) -> None:
     print(f"warning: W&B: {message}", file=sys.stderr, flush=True)
 
 
-class Tracker:
-    """Logs to one W&B run, or does nothing. Never raises into training.
+_CLOSE = object()
 
-    W&B thread (``wandb-start``): starts the run (``start``, which may take seconds: wandb.init spawns its
-    service, and online it talks to the server) while training goes on; records logged meanwhile wait in
-    ``_pending`` and follow in order. It ends once the run is open or has failed (then the tracker turns
-    itself off). ``finish`` waits for it at most ``wait_start_s``.
+
+class Tracker:
+    """Logs to one W&B run, or does nothing. Never raises into training, and never makes it wait.
+
+    W&B thread (``wandb``)
+        consumes  ``start`` (opens the run: wandb.init spawns its service and, online, talks to the server),
+                  then metrics records and the end-of-run timeline, in order, from a queue
+        produces  run.log calls, then run.finish()
+        waits for the next item; ``log_step`` only enqueues, so a slow W&B never delays a step
+        shuts down after the timeline (``finish``), which waits for it at most ``wait_start_s`` (the run
+                  never started) plus ``finish_timeout_s`` (the upload); a logging error warns once and
+                  the thread drops everything after it.
     """
 
     def __init__(self, start: Callable[[], Any] | None = None, *, finish_timeout_s: float = 60.0,
@@ -93,70 +102,79 @@ class Tracker:
         self.wait_start_s = wait_start_s
         self.gantt_spec = gantt_spec
         self.last_step = 0
-        self._lock = threading.Lock()
-        self._pending: list[dict] = []
-        self._starting: threading.Thread | None = None
+        self._queue: queue.Queue = queue.Queue()
+        self._started = threading.Event()
+        self._thread: threading.Thread | None = None
         if start is not None:
-            self._starting = threading.Thread(target=self._start, args=(start,), name="wandb-start", daemon=True)
-            self._starting.start()
+            self._thread = threading.Thread(target=self._work, args=(start,), name="wandb", daemon=True)
+            self._thread.start()
 
     @property
     def directory(self) -> Path | None:
         """The W&B run's local directory (``.../wandb/offline-run-*`` or ``run-*``), once started."""
         return Path(self.run.dir).parent if self.run is not None else None
 
+    def wait_started(self, timeout_s: float = 15.0) -> None:
+        """Wait (at most ``timeout_s``) for the run to start, so that its start-up CPU is not spent during a
+        step; an online start that takes longer goes on in the background."""
+        self._started.wait(timeout_s)
+
     def log_step(self, record: dict) -> None:
-        """One metrics.jsonl record, at W&B step = its RL step."""
-        with self._lock:
-            if self.run is not None:
-                self._log(record)
-            elif self._starting is not None and self._starting.is_alive():
-                self._pending.append(record)
+        """One metrics.jsonl record, logged at W&B step = its RL step (on the W&B thread)."""
+        if self._thread is not None:
+            self._queue.put(("step", record))
+
+    def log(self, payload: dict) -> None:
+        """Anything else W&B takes (tables, images), at the current step (on the W&B thread)."""
+        if self._thread is not None:
+            self._queue.put(("payload", payload))
 
     def finish(self, merged: MergedRun | None, picture: Path | None) -> None:
-        """Log the timeline (tables, picture, Gantt panel), then close the run within finish_timeout_s."""
-        if self._starting is not None:
-            self._starting.join(self.wait_start_s)
-            if self._starting.is_alive():
-                _warn(f"the W&B run did not start within {self.wait_start_s:.0f} s; nothing more is logged.")
-                return
-        if self.run is None:
+        """Log the timeline (tables, picture, Gantt panel) and close the run, waiting a bounded time."""
+        if self._thread is None:
             return
-        try:
-            if merged is not None:
-                self.run.log(timeline_payload(merged, picture, gantt_spec=self.gantt_spec), step=self.last_step)
-        except Exception as err:  # noqa: BLE001 - W&B must never stop training
-            _warn(f"could not log the timeline: {type(err).__name__}: {err}")
-        self._close()
-
-    def _start(self, start: Callable[[], Any]) -> None:
-        run = start()
-        with self._lock:
-            self.run = run
-            pending, self._pending = self._pending, []
-            for record in pending:
-                self._log(record)
-
-    def _log(self, record: dict) -> None:
-        try:
-            self.last_step = int(record["step"])
-            self.run.log({k: v for k, v in record.items() if k != "step"}, step=self.last_step)
-        except Exception as err:  # noqa: BLE001 - W&B must never stop training
-            _warn(f"logging a step failed ({type(err).__name__}: {err}); W&B is off for the rest of this run.")
-            self._close(wait=False)
-
-    def _close(self, *, wait: bool = True) -> None:
-        run, self.run = self.run, None
-        if run is None:
+        self._queue.put(("timeline", (merged, picture)))
+        self._queue.put(_CLOSE)
+        if not self._started.wait(self.wait_start_s):
+            _warn(f"the W&B run did not start within {self.wait_start_s:.0f} s; nothing more is logged.")
             return
-        closer = threading.Thread(target=run.finish, name="wandb-finish", daemon=True)
-        closer.start()
-        if not wait:
-            return
-        closer.join(self.finish_timeout_s)
-        if closer.is_alive():
+        self._thread.join(self.finish_timeout_s)
+        if self._thread.is_alive():
+            where = f" in {self.directory}" if self.directory else ""
             _warn(f"W&B did not finish within wandb.finish_timeout_s={self.finish_timeout_s:.0f} s; "
-                  f"the rest is in {Path(run.dir).parent} ('wandb sync' uploads it).")
+                  f"the rest is{where} ('wandb sync' uploads it).")
+
+    def _work(self, start: Callable[[], Any]) -> None:
+        self.run = start()
+        self._started.set()
+        while (item := self._queue.get()) is not _CLOSE:
+            if self.run is None:
+                continue
+            kind, payload = item
+            try:
+                if kind == "step":
+                    self.last_step = int(payload["step"])
+                    self.run.log({k: v for k, v in payload.items() if k != "step"}, step=self.last_step)
+                elif kind == "payload":
+                    self.run.log(payload, step=self.last_step)
+                else:
+                    merged, picture = payload
+                    if merged is not None:
+                        self.run.log(timeline_payload(merged, picture, gantt_spec=self.gantt_spec),
+                                     step=self.last_step)
+            except Exception as err:  # noqa: BLE001 - W&B must never stop training
+                _warn(f"logging {'a step' if kind == 'step' else 'the timeline'} failed ({type(err).__name__}: "
+                      f"{err}); W&B is off for the rest of this run.")
+                self._finish_run()
+        self._finish_run()
+
+    def _finish_run(self) -> None:
+        run, self.run = self.run, None
+        if run is not None:
+            try:
+                run.finish()
+            except Exception as err:  # noqa: BLE001
+                _warn(f"closing the run failed ({type(err).__name__}: {err}).")
 
 
 def open_tracker(cfg: WandbConfig, *, run_dir: Path, run_id: str, config: Any, enabled: bool,
@@ -180,6 +198,8 @@ def open_tracker(cfg: WandbConfig, *, run_dir: Path, run_id: str, config: Any, e
     def start() -> Any:
         import wandb  # here, on the tracker's thread: importing wandb takes a second of CPU
 
+        # Tables are staged as artifact files until synced; keep them with the run, not in ~/.local/share.
+        os.environ.setdefault("WANDB_DATA_DIR", str(run_dir / "wandb" / "data"))
         mode = cfg.mode
         while True:
             try:

@@ -69,9 +69,7 @@ check_owned() {  # refuse to overwrite a configuration this script did not write
     fi
 }
 
-write_hosts() {
-    grep -qE "^127\.0\.0\.1 .*\bnode1\b.*# rolloutpipe-local-slurm" /etc/hosts 2>/dev/null && \
-        grep -q " node${NUM_NODES} " /etc/hosts && return
+write_hosts() {  # the virtual nodes' names, on one line of our own (rewritten in place: /etc/hosts may be a mount)
     local tmp; tmp=$(mktemp)
     grep -v "# rolloutpipe-local-slurm" /etc/hosts > "$tmp" || true
     echo "127.0.0.1 $NODES # rolloutpipe-local-slurm" >> "$tmp"
@@ -161,9 +159,10 @@ start_munge() {
     if ! as_root test -s /etc/munge/munge.key; then
         as_root runuser -u munge -- mungekey --create
     fi
-    if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
+    if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then  # else a munged is running already: leave it be
         as_root runuser -u munge -- munged
         wait_for 20 sh -c 'munge -n | unmunge' || die "munged did not start"
+        as_root cp /run/munge/munged.pid "$STATE_DIR/run/munged.pid"
     fi
 }
 
@@ -173,7 +172,8 @@ start_mariadb() {
     if ! as_root test -d "$STATE_DIR/mysql/mysql"; then
         as_root install -d -o mysql -g mysql -m 0700 "$STATE_DIR/mysql"
         as_root mariadb-install-db --user=mysql --datadir="$STATE_DIR/mysql" \
-            --auth-root-authentication-method=socket >/dev/null
+            --auth-root-authentication-method=socket >"$STATE_DIR/log/mariadb-install.log" 2>&1 || \
+            die "mariadb-install-db failed; see $STATE_DIR/log/mariadb-install.log"
     fi
     if ! alive "$STATE_DIR/run/mariadb.pid"; then
         as_root install -d -o mysql -g mysql -m 0755 "$STATE_DIR/db-run"
@@ -216,6 +216,7 @@ nodes_up() {  # every node idle, mixed or allocated (not down, drained or unknow
 }
 
 check() {
+    head -1 "$SLURM_CONF" 2>/dev/null | grep -qF "$MARKER" || { say "$SLURM_CONF is not this script's"; return 1; }
     scontrol ping >/dev/null 2>&1 || { say "slurmctld does not answer"; return 1; }
     nodes_up || { say "not every node is up: $(sinfo -N -h -o '%N %t' | paste -sd' ')"; return 1; }
     sacct -n -X -S now >/dev/null 2>&1 || { say "sacct does not answer (slurmdbd)"; return 1; }
@@ -233,13 +234,14 @@ stop_pidfile() {
 }
 
 stop() {
-    command -v scancel >/dev/null && scontrol ping >/dev/null 2>&1 && as_root scancel --full --quiet --state=PENDING,RUNNING 2>/dev/null || true
+    if command -v squeue >/dev/null && scontrol ping >/dev/null 2>&1; then  # every job: this cluster is ours
+        squeue -h -o %A | xargs -r "${SUDO[@]}" scancel 2>/dev/null || true
+    fi
     for k in $(seq 1 "$NUM_NODES"); do stop_pidfile "$STATE_DIR/run/slurmd-node$k.pid"; done
     stop_pidfile "$STATE_DIR/run/slurmctld.pid"
     stop_pidfile "$STATE_DIR/run/slurmdbd.pid"
     stop_pidfile "$STATE_DIR/run/mariadb.pid"
-    local munge_pid; munge_pid=$(as_root cat /run/munge/munged.pid 2>/dev/null || true)
-    [ -n "$munge_pid" ] && as_root kill "$munge_pid" 2>/dev/null || true
+    stop_pidfile "$STATE_DIR/run/munged.pid"  # only if this script started it
     say "stopped"
 }
 

@@ -1,0 +1,212 @@
+"""Launchers without a cluster: the Slurm environment contract, the het-job batch script, sacct's ids,
+the config checks at the launch edge, a local Hydra sweep and TorchX's local_cwd scheduler."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+from rolloutpipe.config import ConfigError, load_config
+from rolloutpipe.env import NodeEnv, Role, expand_hostlist, slurm_store_port
+from rolloutpipe.launcher import LauncherKind
+from rolloutpipe.slurm import batch_script, check_allocation, check_launch, combine_states, submission_environ
+
+from .conftest import REPO, SMALL, node_environ, read_metrics
+
+RUN = {"RP_RUN_ID": "r1", "RP_RUN_SECRET": "ab" * 32, "RP_RUN_DIR": "/shared/run"}
+
+
+def het_step(proc_id: int, tasks_per_group: list[int], nodelist_0: str = "node[7-8]") -> dict[str, str]:
+    """The variables Slurm 22.05 sets in a task of ``srun --het-group=0 ... : --het-group=1 ...``."""
+    env = {**RUN, "SLURM_HET_SIZE": str(len(tasks_per_group)), "SLURM_PROCID": str(proc_id),
+           "SLURM_STEP_NUM_TASKS": str(sum(tasks_per_group)), "SLURM_JOB_ID": "4242",
+           "SLURM_JOB_NODELIST_HET_GROUP_0": nodelist_0}
+    env.update({f"SLURM_NTASKS_HET_GROUP_{k}": str(n) for k, n in enumerate(tasks_per_group)})
+    return env
+
+
+def test_het_group_0_is_the_rollout_and_later_tasks_are_trainer_ranks_in_procid_order():
+    envs = [NodeEnv.from_environ(het_step(p, [1, 4])) for p in range(5)]
+    assert [(e.role, e.rank, e.world_size) for e in envs] == [
+        (Role.rollout, 0, 1), *[(Role.trainer, r, 4) for r in range(4)]]
+    assert {(e.store_host, e.store_port) for e in envs} == {("node7", slurm_store_port(4242))}
+    assert all(e.run_id == "r1" and e.secret == bytes.fromhex("ab" * 32) for e in envs)
+
+
+def test_torchx_layout_of_one_het_group_per_trainer_replica_gives_the_same_ranks():
+    # TorchX on Slurm: het groups rollout-0, trainer-0, trainer-1 (one task each)
+    envs = [NodeEnv.from_environ(het_step(p, [1, 1, 1])) for p in range(3)]
+    assert [(e.role, e.rank, e.world_size) for e in envs] == [(Role.rollout, 0, 1), (Role.trainer, 0, 2),
+                                                             (Role.trainer, 1, 2)]
+
+
+def test_store_port_from_the_launcher_wins_over_the_job_id():
+    assert NodeEnv.from_environ({**het_step(1, [1, 1]), "RP_STORE_PORT": "23456"}).store_port == 23456
+
+
+def test_a_step_that_does_not_reach_the_trainer_het_group_is_refused():
+    with pytest.raises(RuntimeError, match="must span het group 0"):
+        NodeEnv.from_environ({**het_step(0, [1, 2]), "SLURM_STEP_NUM_TASKS": "1"})
+
+
+def test_missing_run_secret_says_how_the_launcher_passes_it():
+    env = het_step(0, [1, 1])
+    del env["RP_RUN_SECRET"]
+    with pytest.raises(RuntimeError, match=r"RP_RUN_SECRET.*--export=ALL"):
+        NodeEnv.from_environ(env)
+
+
+def test_explicit_role_with_store_host_taken_from_a_named_node_list():
+    env = {**RUN, "RP_ROLE": "trainer", "RP_RANK": "1", "RP_WORLD_SIZE": "2", "RP_STORE_PORT": "29999",
+           "RP_STORE_HOST_VAR": "SLURM_JOB_NODELIST_HET_GROUP_0", "SLURM_JOB_NODELIST_HET_GROUP_0": "gpu[012-013]",
+           "SLURM_HET_SIZE": "3"}  # RP_ROLE wins over the het-job derivation
+    node = NodeEnv.from_environ(env)
+    assert (node.role, node.rank, node.world_size, node.store_host, node.store_port) == (
+        Role.trainer, 1, 2, "gpu012", 29999)
+
+
+@pytest.mark.parametrize("hostlist,hosts", [
+    ("node1", ["node1"]),
+    ("node[2-3]", ["node2", "node3"]),
+    ("gpu[01-03,07],login1", ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]),
+    ("n[8-11]-ib", ["n8-ib", "n9-ib", "n10-ib", "n11-ib"]),
+])
+def test_slurm_host_lists_expand_in_order(hostlist, hosts):
+    assert expand_hostlist(hostlist) == hosts
+
+
+@pytest.mark.parametrize("states,combined", [
+    (["COMPLETED", "COMPLETED"], "COMPLETED"),
+    (["RUNNING", "FAILED"], "RUNNING"),  # not finished while a component still runs
+    (["PENDING", "PENDING"], "PENDING"),
+    (["CANCELLED by 0", "CANCELLED by 0"], "CANCELLED"),
+    (["FAILED", "CANCELLED by 1000"], "CANCELLED"),
+    (["COMPLETED", "TIMEOUT"], "TIMEOUT"),
+    (["FAILED", "NODE_FAIL"], "FAILED"),
+])
+def test_het_job_state_combines_its_components(states, combined):
+    assert combine_states(states) == combined
+
+
+def test_sacct_component_rows_map_back_to_the_het_job():
+    pytest.importorskip("submitit")
+    from rolloutpipe.slurm_submitit import read_sacct
+
+    text = "\n".join([
+        "JobID|State|NodeList",
+        "123+0|COMPLETED|node1", "123+0.batch|COMPLETED|node1", "123+0.0|COMPLETED|node1",
+        "123+1|FAILED|node[2-3]", "123+1.0|FAILED|node[2-3]",
+        "124|RUNNING|node4",
+    ])
+    info = read_sacct(text)
+    assert set(info) == {"123", "124"}
+    assert info["123"]["State"] == "FAILED" and info["123"]["HetStates"] == "COMPLETED|FAILED"
+    assert info["124"]["State"] == "RUNNING"
+
+
+def cfg_of(*overrides: str):
+    return load_config(OmegaConf.from_dotlist(["run.id=readme", *overrides]))
+
+
+GPU_NODES = ["launcher.kind=slurm", "launcher.partition=gpu", "launcher.account=rl", "launcher.time_min=240",
+             "launcher.rollout.gpus_per_node=8", "launcher.rollout.cpus_per_task=64",
+             "launcher.trainer.tasks_per_node=8", "launcher.trainer.gpus_per_node=8",
+             "launcher.trainer.cpus_per_task=12", "launcher.trainer.sbatch=[--exclusive]", "trainer.num_ranks=8",
+             "launcher.setup=[source .venv/bin/activate]"]
+
+
+def test_batch_script_has_one_hetjob_section_per_node_group_and_one_step_over_both(tmp_path):
+    script = batch_script(cfg_of(*GPU_NODES), folder=tmp_path, python="python")
+    head, body = script.split("\n\n", 1)
+    rollout, trainer = head.split("#SBATCH hetjob\n")
+    assert "#SBATCH --job-name=rolloutpipe" in rollout and "--job-name" not in trainer
+    for section in (rollout, trainer):
+        assert "#SBATCH --partition=gpu" in section and "#SBATCH --account=rl" in section
+        assert "#SBATCH --time=240" in section and "#SBATCH --gpus-per-node=8" in section
+    assert "#SBATCH --ntasks-per-node=1" in rollout and "#SBATCH --cpus-per-task=64" in rollout
+    assert "#SBATCH --ntasks-per-node=8" in trainer and "#SBATCH --exclusive" in trainer
+    assert body.count("srun ") == 1 and "--het-group=0 --cpus-per-task=64" in body
+    assert "--het-group=1 --cpus-per-task=12" in body and "source .venv/bin/activate" in body
+    assert "SECRET" not in script
+
+
+def test_trainer_het_group_must_have_one_task_per_trainer_rank():
+    with pytest.raises(ConfigError, match=r"launcher.trainer.nodes \* launcher.trainer.tasks_per_node.*num_ranks=2"):
+        check_launch(cfg_of("launcher.kind=slurm", "trainer.num_ranks=2"))
+    check_launch(cfg_of("launcher.kind=slurm", "trainer.num_ranks=4", "launcher.trainer.nodes=2",
+                        "launcher.trainer.tasks_per_node=2"))
+
+
+def test_rollout_het_group_is_one_process():
+    with pytest.raises(ConfigError, match="launcher.rollout.*one process"):
+        cfg_of("launcher.rollout.nodes=2")
+
+
+def test_sbatch_mode_checks_the_allocation_against_the_config():
+    cfg = cfg_of("launcher.kind=sbatch", "trainer.num_ranks=2")
+    assert cfg.launcher.kind is LauncherKind.sbatch
+    with pytest.raises(ConfigError, match="inside slurm/rolloutpipe.sbatch"):
+        check_allocation(cfg, {})
+    with pytest.raises(ConfigError, match=r"\[1, 1\] tasks.*trainer.num_ranks=2"):
+        check_allocation(cfg, {"SLURM_HET_SIZE": "2", "SLURM_NTASKS_HET_GROUP_0": "1", "SLURM_NTASKS_HET_GROUP_1": "1"})
+    check_allocation(cfg, {"SLURM_HET_SIZE": "2", "SLURM_NTASKS_HET_GROUP_0": "1", "SLURM_NTASKS_HET_GROUP_1": "2"})
+
+
+def test_submission_from_inside_a_job_does_not_leak_that_jobs_slurm_options(monkeypatch):
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "1")
+    monkeypatch.setenv("SLURM_CONF", "/etc/slurm/slurm.conf")
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    env = submission_environ({"RP_RUN_ID": "x"})
+    assert "SLURM_CPUS_PER_TASK" not in env and "SUBMITIT_EXECUTOR" not in env
+    assert env["SLURM_CONF"] == "/etc/slurm/slurm.conf" and env["RP_RUN_ID"] == "x"
+
+
+def test_local_sweep_gives_each_point_its_own_run_directory_and_run_id(tmp_path):
+    # Hydra's basic launcher; each point prints its het-job script instead of submitting it (the real
+    # sweep runs in tests/test_slurm.py), so this checks the sweep's bookkeeping in seconds.
+    sweep = tmp_path / "sweep"
+    result = subprocess.run([sys.executable, str(REPO / "launch.py"), "-m", f"hydra.sweep.dir={sweep}",
+                             "launcher=slurm", "launcher.dry_run=true", "pipeline.mode=sync,cgp", *SMALL],
+                            cwd=tmp_path, env=node_environ(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dirs = sorted(p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert [p.name for p in run_dirs] == ["0", "1"]
+    configs = [OmegaConf.load(p / "config.yaml") for p in run_dirs]
+    assert [c.pipeline.mode for c in configs] == ["sync", "cgp"]
+    assert configs[0].run.id != configs[1].run.id and [c.run.dir for c in configs] == [str(p) for p in run_dirs]
+    for run_dir, cfg in zip(run_dirs, configs):
+        assert f"# RolloutPipe run {cfg.run.id}:" in result.stdout
+        assert f"-m rolloutpipe.slurm {run_dir / 'slurm'}" in result.stdout
+
+
+def test_a_sweep_refuses_one_run_dir_for_all_its_points(tmp_path):
+    result = subprocess.run([sys.executable, str(REPO / "launch.py"), "-m", f"hydra.sweep.dir={tmp_path / 's'}",
+                             f"run.dir={tmp_path / 'one'}", "pipeline.mode=sync,cgp"], cwd=tmp_path,
+                            env=node_environ(), capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "run.dir and run.id name one run" in result.stderr
+    assert not (tmp_path / "one" / "config.yaml").exists()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(importlib.util.find_spec("torchx") is None, reason="needs TorchX: pip install -e .[slurm]")
+def test_torchx_component_runs_the_default_with_the_local_cwd_scheduler(tmp_path):
+    run_dir = tmp_path / "run"
+    result = subprocess.run(["torchx", "run", "-s", "local_cwd", str(REPO / "launchers" / "components.py") + ":grpo",
+                             f"run.dir={run_dir}", *SMALL], cwd=tmp_path, env=node_environ(),
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Job finished: SUCCEEDED" in result.stderr
+    assert len(read_metrics(run_dir)) == 2
+
+
+def test_slurm_modules_import_without_submitit_or_torchx():
+    code = ("import sys, rolloutpipe.slurm, rolloutpipe.launcher, rolloutpipe.env; "
+            "heavy = [m for m in ('submitit', 'torchx', 'hydra_plugins') if m in sys.modules]; "
+            "print(heavy); sys.exit(bool(heavy))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr

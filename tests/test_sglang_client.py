@@ -1,0 +1,196 @@
+"""The SGLang client against the embedded engine's HTTP server, end to end, and a whole run with embedded_http.
+
+One server process (float64, so log-probs match the in-process engine to ~1e-12) serves every client test; the
+weight-update test runs last because it changes the served policy.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import save_file
+
+from rolloutpipe.engine import server_process, sglang_api
+from rolloutpipe.engine.embedded import EmbeddedEngine
+from rolloutpipe.engine.http_client import SGLangEngine
+from rolloutpipe.metrics import read_spans
+from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
+from rolloutpipe.types import FinishReason, GenerationRequest, GenerationResult
+from tests.conftest import SMALL, read_metrics, run_job
+
+VOCAB_SIZE = len(build_tiny_tokenizer())
+MODEL = ModelConfig(dtype=DType.float64)
+CONCURRENCY = 4
+
+
+class Results:
+    def __init__(self) -> None:
+        self.by_id: dict[str, GenerationResult] = {}
+        self._changed = threading.Condition()
+
+    def __call__(self, result: GenerationResult) -> None:
+        with self._changed:
+            assert result.request_id not in self.by_id, f"{result.request_id} reported twice"
+            self.by_id[result.request_id] = result
+            self._changed.notify_all()
+
+    def wait_for(self, n: int, timeout_s: float = 30.0) -> dict[str, GenerationResult]:
+        with self._changed:
+            assert self._changed.wait_for(lambda: len(self.by_id) >= n, timeout_s), f"{len(self.by_id)}/{n} results"
+        return self.by_id
+
+
+def request(i: int, *, max_new_tokens: int = 12, stop_token_ids=(), **kw) -> GenerationRequest:
+    fields = {"request_id": f"step=0/group={i}/sample=0", "input_ids": [4 + (i * 7 + j * 3) % 40 for j in range(3 + i)],
+              "max_new_tokens": max_new_tokens, "temperature": 0.7 + 0.1 * i, "top_p": 0.95, "sampling_seed": 77 + i,
+              "stop_token_ids": list(stop_token_ids)}
+    return GenerationRequest(**(fields | kw))
+
+
+def in_process(model_cfg: ModelConfig, requests: list[GenerationRequest], policy_version: int = 0):
+    results = Results()
+    engine = EmbeddedEngine(name="local", model=load_model(model_cfg, VOCAB_SIZE), concurrency=CONCURRENCY,
+                            on_result=results, policy_version=policy_version)
+    try:
+        for r in requests:
+            engine.submit(r)
+        return results.wait_for(len(requests))
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("engines")
+    model_yaml = log_dir / "model.yaml"
+    model_yaml.write_text(OmegaConf.to_yaml(OmegaConf.structured(MODEL)))
+    proc = server_process.embedded_server(name="engine0", model_config_yaml=model_yaml, concurrency=CONCURRENCY,
+                                          log_dir=log_dir, num_threads=1).start()
+    proc.wait_ready(timeout_s=120)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def client(server):
+    results = Results()
+    engine = SGLangEngine(name="engine0", url=server.url, concurrency=CONCURRENCY, on_result=results,
+                          server_error=server.exit_reason)
+    engine.results = results
+    yield engine
+    engine.shutdown()
+
+
+def test_client_returns_the_in_process_engines_tokens_and_logprobs(client):
+    requests = [request(i, stop_token_ids=[1]) for i in range(6)]  # 6 > concurrency: some wait in the client
+    for r in requests:
+        client.submit(r)
+    remote = client.results.wait_for(len(requests))
+    local = in_process(MODEL, requests)
+    for r in requests:
+        got, want = remote[r.request_id], local[r.request_id]
+        assert got.output_ids == want.output_ids
+        assert got.finish_reason is want.finish_reason
+        assert got.policy_version == 0
+        torch.testing.assert_close(torch.tensor(got.output_logprobs), torch.tensor(want.output_logprobs),
+                                   rtol=0, atol=1e-10)
+        assert got.submitted_s <= got.started_s <= got.finished_s
+    assert client.num_in_flight() == 0
+
+
+def test_same_request_same_seed_same_tokens(client, server):
+    twin = request(2, max_new_tokens=20)
+    client.submit(twin)
+    first = client.results.wait_for(1)[twin.request_id]
+    again = sglang_api.generate(server.url, twin, timeout_s=30)
+    assert again.output_ids == first.output_ids
+    other_seed = sglang_api.generate(server.url, request(2, max_new_tokens=20, sampling_seed=5), timeout_s=30)
+    assert other_seed.output_ids != first.output_ids
+
+
+def test_abort_returns_a_running_request_early_and_a_waiting_one_at_once(server):
+    results = Results()
+    engine = SGLangEngine(name="engine0", url=server.url, concurrency=1, on_result=results)
+    try:
+        long, queued = request(0, max_new_tokens=480), request(1, max_new_tokens=480)
+        engine.submit(long)
+        engine.submit(queued)  # concurrency 1: waits in the client, never sent
+        engine.abort(queued.request_id)
+        assert results.wait_for(1, timeout_s=1)[queued.request_id].output_ids == []
+        time.sleep(0.2)
+        engine.abort(long.request_id)
+        aborted = results.wait_for(2)[long.request_id]
+        assert aborted.finish_reason is FinishReason.ABORT
+        assert 0 < len(aborted.output_ids) < long.max_new_tokens
+        assert len(aborted.output_logprobs) == len(aborted.output_ids)
+        assert engine.num_in_flight() == 0
+    finally:
+        engine.shutdown()
+
+
+def test_weight_update_outside_a_session_is_refused_as_sglang_0_5_23_does(server, tmp_path):
+    with pytest.raises(sglang_api.SGLangError, match="HTTP 400"):
+        sglang_api.call(server.url, sglang_api.UPDATE_WEIGHTS_FROM_DISK,
+                        sglang_api.update_weights_from_disk_body(str(tmp_path), 9))
+    assert sglang_api.served_weight_version(sglang_api.call(server.url, sglang_api.MODEL_INFO)) == "0"
+
+
+def test_unreachable_server_is_an_engine_error_naming_its_url():
+    url = f"http://127.0.0.1:{server_process.free_port()}"
+    results = Results()
+    engine = SGLangEngine(name="engine9", url=url, concurrency=1, on_result=results)
+    engine.submit(request(0))
+    deadline = time.monotonic() + 10
+    while engine.error is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert url in str(engine.error)
+    with pytest.raises(RuntimeError, match="engine9 crashed"):
+        engine.submit(request(1))
+    assert results.by_id == {}
+    engine.shutdown()
+
+
+def test_a_server_that_dies_is_reported_with_its_log(tmp_path):
+    dying = server_process.ServerProcess(name="engine3", command=[sys.executable, "-c", "print('boom'); exit(3)"],
+                                         log_path=tmp_path / "engine3.log", url="http://127.0.0.1:9").start()
+    with pytest.raises(RuntimeError, match=r"engine3 .* exited with code 3(.|\n)*boom"):
+        dying.wait_ready(timeout_s=30)
+
+
+def test_weight_update_serves_the_new_policy_version_and_weights(client, server, tmp_path):
+    """Last: the server serves policy_version 1 afterwards."""
+    new_cfg = ModelConfig(dtype=DType.float64, init_seed=1)
+    state = load_model(new_cfg, VOCAB_SIZE).state_dict()
+    state.pop("lm_head.weight")  # tied, as the trainer writes it
+    path = tmp_path / "weights" / "policy_v1.safetensors"
+    path.parent.mkdir()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    (path.parent / "policy_v0.safetensors").write_bytes(b"stale")  # the previous version sits beside it
+
+    client.update_weights_from_disk(str(path), 1)
+    assert client.policy_version == 1
+    assert sglang_api.served_weight_version(sglang_api.call(server.url, sglang_api.MODEL_INFO)) == "1"
+    requests = [request(i) for i in range(3)]
+    for r in requests:
+        client.submit(r)
+    remote = client.results.wait_for(len(requests))
+    local = in_process(new_cfg, requests, policy_version=1)
+    for r in requests:
+        assert remote[r.request_id].policy_version == 1
+        assert remote[r.request_id].output_ids == local[r.request_id].output_ids
+
+
+def test_embedded_http_run_trains_through_the_server_and_stops_it(job_dir):
+    run_dir = job_dir("embedded_http")
+    proc = run_job(run_dir, *SMALL, "rollout.engine=embedded_http", "run.checkpoint_every=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(run_dir)] == [0, 1]
+    versions = {(s.step, s.attrs["policy_version"]) for s in read_spans(run_dir) if s.name == "rollout/request"}
+    assert versions == {(0, 0), (1, 1)}  # step 1 was generated after the weight update over HTTP
+    port = int((run_dir / "engines" / "engine0.port").read_text())
+    assert not sglang_api.is_healthy(f"http://127.0.0.1:{port}", timeout_s=1)  # the run stopped its server

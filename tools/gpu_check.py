@@ -1,0 +1,181 @@
+"""GPU check of the SGLang backend: a real SGLang server, the PyTorch trainer, a tiny model, a few minutes.
+
+    pip install -e ".[sglang,dev]"       # sglang 0.5.23 brings its own CUDA torch
+    python tools/gpu_check.py --out /tmp/gpu_check [--sglang-args --attention-backend triton]
+
+Not run in CI and never run on the CPU machines (sglang does not install there); run it when a GPU is lent.
+It prints one line per check and a JSON summary, and exits non-zero if a check fails:
+
+1. ``logprobs``: a tiny Qwen3 (hidden 256, head_dim 64, float32, saved in the HF layout) served by
+   ``sglang.launch_server`` through RolloutPipe's client (``SGLangEngine``): sampled tokens' log-probs from the
+   engine vs the trainer's recomputation (transformers, CPU, float32) at policy_version 0, then again after
+   ``update_weights_from_disk`` to other weights as policy_version 1 (the weight-version check included).
+   An abort of a long request is exercised on the way.
+2. ``parity``: the whole job (``launch.py rollout.engine=sglang``) for 2 steps in ``sync`` and ``cgp`` modes with
+   ``--enable-deterministic-inference``: the same samples, then the same final weights.
+
+Tolerances: log-probs within ``--logprob-atol`` (default 2e-3: float32 on both sides, different kernels);
+parity within 1e-5 on the weights (float32 training, only the order of additions differs) once samples match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+SERVER_ARGS = ["--disable-cuda-graph", "--mem-fraction-static", "0.3"]
+
+
+def tiny_model_config(init_seed: int = 0):
+    from rolloutpipe.model import ModelConfig, TinyModelConfig
+
+    return ModelConfig(init_seed=init_seed, tiny=TinyModelConfig(hidden_size=256, intermediate_size=512,
+                                                                 num_attention_heads=4, num_key_value_heads=2))
+
+
+def save_tiny(directory: Path, init_seed: int) -> None:
+    from rolloutpipe.model import build_tiny_tokenizer, load_model, save_hf_checkpoint
+
+    tokenizer = build_tiny_tokenizer()
+    save_hf_checkpoint(load_model(tiny_model_config(init_seed), len(tokenizer)), tokenizer, directory)
+
+
+def trainer_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> list[float]:
+    import torch
+
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].double()
+    logp = (logits / temperature).log_softmax(-1)
+    return logp.gather(-1, torch.tensor(response)[:, None]).squeeze(-1).tolist()
+
+
+def check_logprobs(out: Path, sglang_args: list[str], atol: float) -> dict:
+    from safetensors.torch import save_file
+
+    from rolloutpipe.engine import server_process
+    from rolloutpipe.engine.http_client import SGLangEngine
+    from rolloutpipe.model import build_tiny_tokenizer, load_model
+    from rolloutpipe.types import FinishReason, GenerationRequest
+
+    model_dir = out / "tiny-hf"
+    save_tiny(model_dir, init_seed=0)
+    server = server_process.sglang_server(name="check0", model_path=str(model_dir), dtype="float32",
+                                          concurrency=16, seed=0, base_gpu_id=0, priority_scheduling=False,
+                                          extra_args=SERVER_ARGS + sglang_args, log_dir=out / "engines")
+    start = time.time()
+    server.start().wait_ready(timeout_s=600)
+    print(f"sglang server ready in {time.time() - start:.0f}s at {server.url}", flush=True)
+    results, done = {}, threading.Condition()
+
+    def on_result(r):
+        with done:
+            results[r.request_id] = r
+            done.notify_all()
+
+    engine = SGLangEngine(name="check0", url=server.url, concurrency=16, on_result=on_result,
+                          server_error=server.exit_reason, stop_server=server.stop)
+    vocab = len(build_tiny_tokenizer())
+    summary = {}
+    try:
+        for version, seed in ((0, 0), (1, 1)):
+            if version:
+                weights = out / "weights" / f"policy_v{version}.safetensors"
+                weights.parent.mkdir(exist_ok=True)
+                state = load_model(tiny_model_config(seed), vocab).state_dict()
+                state.pop("lm_head.weight")  # tied, as the trainer writes it
+                save_file({k: v.contiguous() for k, v in state.items()}, str(weights))
+                engine.update_weights_from_disk(str(weights), version)
+            model = load_model(tiny_model_config(seed), vocab)
+            requests = [GenerationRequest(request_id=f"v{version}/r{i}", input_ids=[4 + (i * 5 + j) % 40
+                                                                                    for j in range(4 + i)],
+                                          max_new_tokens=32, temperature=1.0, sampling_seed=1000 + i,
+                                          stop_token_ids=[1]) for i in range(8)]
+            for r in requests:
+                engine.submit(r)
+            with done:
+                assert done.wait_for(lambda ids=[r.request_id for r in requests]: all(i in results for i in ids), 120)
+            diffs = []
+            for r in requests:
+                got = results[r.request_id]
+                assert got.policy_version == version
+                want = trainer_logprobs(model, r.input_ids, got.output_ids, r.temperature)
+                diffs += [abs(a - b) for a, b in zip(got.output_logprobs, want)]
+            summary[f"policy_v{version}_max_abs_logprob_diff"] = max(diffs)
+            summary[f"policy_v{version}_num_tokens"] = len(diffs)
+            print(f"policy_version {version}: max |engine - trainer| log-prob = {max(diffs):.2e} over "
+                  f"{len(diffs)} tokens", flush=True)
+        long = GenerationRequest(request_id="long", input_ids=[5, 6, 7], max_new_tokens=400, temperature=1.0,
+                                 sampling_seed=1, stop_token_ids=[])
+        engine.submit(long)
+        time.sleep(0.05)
+        engine.abort("long")
+        with done:
+            assert done.wait_for(lambda: "long" in results, 60)
+        summary["abort_finish_reason"] = results["long"].finish_reason.value
+        summary["abort_num_tokens"] = len(results["long"].output_ids)
+        summary["abort_ok"] = results["long"].finish_reason in (FinishReason.ABORT, FinishReason.LENGTH)
+    finally:
+        engine.shutdown()
+    summary["logprobs_ok"] = all(v <= atol for k, v in summary.items() if k.endswith("logprob_diff"))
+    return summary
+
+
+def check_parity(out: Path, sglang_args: list[str]) -> dict:
+    from safetensors.torch import load_file
+
+    model_dir = out / "tiny-hf"
+    args = ["num_rollout=2", "rollout_batch_size=4", "n_samples_per_prompt=4", "global_batch_size=16",
+            "micro_batch_size=4", "rollout_max_response_len=8", "run.save_samples=true", "rollout.engine=sglang",
+            f"model.path={model_dir}", "model.dtype=float32",
+            "rollout.sglang_launch_args=[" + ",".join(SERVER_ARGS + ["--enable-deterministic-inference"]
+                                                      + sglang_args) + "]"]
+    samples, weights = {}, {}
+    for mode in ("sync", "cgp"):
+        run_dir = out / f"run-{mode}"
+        start = time.time()
+        proc = subprocess.run([sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", *args,
+                               f"pipeline.mode={mode}"], check=False, cwd=REPO, capture_output=True, text=True, timeout=900)
+        print(f"{mode} run: exit {proc.returncode} in {time.time() - start:.0f}s", flush=True)
+        if proc.returncode != 0:
+            return {"parity_ok": False, f"{mode}_stderr_tail": proc.stderr[-3000:]}
+        samples[mode] = [(row["id"], row["response_ids"], row["reward"])
+                         for path in sorted((run_dir / "rollouts").glob("step=*.jsonl"))
+                         for row in map(json.loads, path.read_text().splitlines())]
+        weights[mode] = load_file(str(run_dir / "checkpoints" / "final" / "model.safetensors"))
+    same_samples = samples["sync"] == samples["cgp"]
+    difference = max((weights["sync"][k] - weights["cgp"][k]).abs().max().item() for k in weights["sync"])
+    print(f"parity: same samples {same_samples}, max |sync - cgp| weight = {difference:.2e}", flush=True)
+    return {"parity_same_samples": same_samples, "parity_max_weight_diff": difference,
+            "parity_ok": same_samples and difference < 1e-5}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("gpu_check_out"))
+    parser.add_argument("--logprob-atol", type=float, default=2e-3)
+    parser.add_argument("--skip-parity", action="store_true")
+    parser.add_argument("--sglang-args", nargs=argparse.REMAINDER, default=[],
+                        help="extra sglang.launch_server arguments (last on the line)")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    import sglang
+
+    summary = {"sglang_version": getattr(sglang, "__version__", "?")}
+    summary |= check_logprobs(args.out, args.sglang_args, args.logprob_atol)
+    if not args.skip_parity:
+        summary |= check_parity(args.out, args.sglang_args)
+    print(json.dumps(summary, indent=2))
+    return 0 if all(v for k, v in summary.items() if k.endswith("_ok")) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
