@@ -25,7 +25,7 @@ extension in slurm_submitit.py writes this script, counts the tasks of both grou
 
 Monitor loop (SlurmLauncher.launch)
     waits for   every task's result file (checked each second) or sacct reporting the job finished
-                (asked every launcher.poll_s)
+                (asked every launcher.poll_s); meanwhile echoes trainer rank 0's step lines
     on success  every task returned -> 0
     on failure  prints the job's state (FAILED, CANCELLED, TIMEOUT, ...) and the end of each failed
                 task's stderr -> 1; a cancelled job is reported as cancelled
@@ -34,9 +34,11 @@ Monitor loop (SlurmLauncher.launch)
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import secrets
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -74,7 +76,10 @@ def check_launch(cfg: Config) -> None:
 
 
 def check_resources(cfg: Config) -> None:
-    """kind=slurm: the trainer het group must have one task per trainer rank."""
+    """kind=slurm: the trainer het group must have one task per trainer rank, and submitting needs Slurm."""
+    if not cfg.launcher.dry_run and (importlib.util.find_spec("submitit") is None or shutil.which("sbatch") is None):
+        raise ConfigError("launcher=slurm submits with submitit and sbatch: install them (pip install -e '.[slurm]', "
+                          "on a machine with Slurm's client), or add launcher.dry_run=true to see the batch script.")
     trainer = cfg.launcher.trainer
     if trainer.num_tasks != cfg.trainer.num_ranks:
         raise ConfigError(
@@ -180,7 +185,8 @@ class SlurmLauncher:
         job = HetSlurmExecutor(folder, script=script, num_tasks=num_tasks, environ=environ).submit(run_task)
         print(f"submitted het job {job.job_id}; task logs: {folder}/{job.job_id}_<task>_log.{{out,err}}", flush=True)
         try:
-            state = self._wait(job, cfg.launcher.poll_s)
+            # trainer rank 0 prints one line per step: echo it here, as the local launcher's terminal would
+            state = self._wait(job, cfg.launcher.poll_s, follow=folder / f"{job.job_id}_{num_rollout_tasks}_log.out")
         except KeyboardInterrupt:
             job.cancel(check=False)
             print(f"interrupted: cancelled het job {job.job_id}", file=sys.stderr)
@@ -201,18 +207,24 @@ class SlurmLauncher:
             print("  srun said:" + "".join(f"\n    {line}" for line in srun_errors), file=sys.stderr)
         return 1
 
-    def _wait(self, job, poll_s: float) -> str:
+    def _wait(self, job, poll_s: float, follow: Path) -> str:
         """COMPLETED as soon as every task returned, else the job's state once sacct says it is finished."""
-        started, last_asked = time.monotonic(), float("-inf")
+        started, last_asked, last_state, followed = time.monotonic(), float("-inf"), "", 0
         while True:
+            followed = _echo_new_lines(follow, followed)
             if all(_result(job, t) == "success" for t in range(job.num_tasks)):
+                _echo_new_lines(follow, followed)
                 return "COMPLETED"
             if time.monotonic() - last_asked >= poll_s:
                 last_asked = time.monotonic()
                 state = job.watcher.get_state(job.job_id, mode="force")
+                if state != last_state and state in ("PENDING", "RUNNING"):
+                    print(f"het job {job.job_id}: {state.lower()}", flush=True)
+                last_state = state
                 if state not in UNFINISHED_STATES:
                     return state
-                if state == "UNKNOWN" and time.monotonic() - started > self.forgotten_after_s and not _queued(job.job_id):
+                too_long = time.monotonic() - started > self.forgotten_after_s
+                if state == "UNKNOWN" and too_long and not _queued(job.job_id):
                     raise RuntimeError(
                         f"sacct does not know het job {job.job_id} and squeue no longer lists it: is accounting "
                         "(slurmdbd) enabled on this cluster? The launcher needs sacct to see a job end."
@@ -236,6 +248,22 @@ def _outcome(job, task: int, num_rollout_tasks: int) -> TaskOutcome:
     own = [line for line in lines if line.startswith(f"[{role} rank {rank}]")]
     return TaskOutcome(label=f"{role} rank {rank} (task {task})", ok=None if result is None else result == "success",
                        said=own[-1:] or lines[-6:])
+
+
+def _echo_new_lines(path: Path, offset: int) -> int:
+    """Print the lines completed in ``path`` since ``offset``; returns the new offset."""
+    if not path.exists():
+        return offset
+    with path.open("rb") as f:
+        f.seek(offset)
+        chunk = f.read()
+    complete = chunk[: chunk.rfind(b"\n") + 1]
+    lines = [line for line in complete.decode(errors="replace").splitlines(keepends=True)
+             if not line.startswith("submitit ")]  # the job runner's own log lines
+    if lines:
+        sys.stdout.write("".join(lines))
+        sys.stdout.flush()
+    return offset + len(complete)
 
 
 def _read_lines(path: Path) -> list[str]:
@@ -272,7 +300,8 @@ def check_allocation(cfg: Config, environ: dict[str, str] | None = None) -> None
         raise ConfigError(
             f"this job has {het_size} het groups with {tasks} tasks; the config needs 2: het group 0 with 1 task "
             f"(the rollout process) and het group 1 with trainer.num_ranks={cfg.trainer.num_ranks} tasks. Edit the "
-            "#SBATCH lines of slurm/rolloutpipe.sbatch (nodes * ntasks-per-node of the second group) or trainer.num_ranks."
+            "#SBATCH lines of slurm/rolloutpipe.sbatch (nodes * ntasks-per-node of the second group) or "
+            "trainer.num_ranks."
         )
 
 

@@ -1,9 +1,10 @@
-"""W&B tracking: the only module that imports ``wandb``, and only inside ``open_tracker``.
+"""W&B tracking: the only module of the package that imports ``wandb``, and only on its own thread.
 
 Who writes. Trainer rank 0 opens one W&B run per job (``open_tracker(enabled=rank == 0)``); every other
 process gets a tracker that does nothing. The rollout node's per-step numbers reach W&B through rank 0's
 metrics record (``rollout/*`` keys), so the rollout manager needs a run of its own only for metrics that
-never reach the trainer; ``open_tracker(..., job_type="rollout")`` gives it one in the same W&B group.
+never reach the trainer; ``open_tracker(..., job_type="rollout")`` gives it one (``wandb.group`` shows the
+two together).
 
 What is logged.
     every step     the metrics.jsonl record, same names (``perf/trainer_wait_ratio``, ``train/loss``, ...),
@@ -15,10 +16,12 @@ What is logged.
 
 Never in the way of training.
     ``offline`` (the default) writes ``<run_dir>/wandb/offline-run-*`` and needs no network; ``wandb sync``
-    uploads it later. ``online`` waits at most ``wandb.init_timeout_s`` at start; if W&B cannot be reached
-    (no network, no API key) it warns and falls back to offline, so nothing is lost. ``disabled`` logs
-    nothing. A logging error warns once and turns the tracker off; ``finish`` waits at most
-    ``wandb.finish_timeout_s`` for the upload and then leaves it to ``wandb sync``.
+    uploads it later. ``online`` tries for ``wandb.init_timeout_s``; if W&B cannot be reached (no network,
+    no API key) it warns and falls back to offline, so nothing is lost. ``disabled`` logs nothing. The run
+    starts on the tracker's thread; the trainer waits for it at most 15 s before its first step (so the
+    start-up's CPU is not spent inside a step), and logging a step only enqueues. A logging error warns
+    once and turns the tracker off; ``finish`` waits at most ``wandb.finish_timeout_s`` for the upload
+    and then leaves it to ``wandb sync``.
 """
 
 from __future__ import annotations

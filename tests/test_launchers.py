@@ -135,10 +135,10 @@ def test_batch_script_has_one_hetjob_section_per_node_group_and_one_step_over_bo
 
 
 def test_trainer_het_group_must_have_one_task_per_trainer_rank():
+    slurm = ["launcher.kind=slurm", "launcher.dry_run=true"]  # dry run: no need for sbatch on this machine
     with pytest.raises(ConfigError, match=r"launcher.trainer.nodes \* launcher.trainer.tasks_per_node.*num_ranks=2"):
-        check_launch(cfg_of("launcher.kind=slurm", "trainer.num_ranks=2"))
-    check_launch(cfg_of("launcher.kind=slurm", "trainer.num_ranks=4", "launcher.trainer.nodes=2",
-                        "launcher.trainer.tasks_per_node=2"))
+        check_launch(cfg_of(*slurm, "trainer.num_ranks=2"))
+    check_launch(cfg_of(*slurm, "trainer.num_ranks=4", "launcher.trainer.nodes=2", "launcher.trainer.tasks_per_node=2"))
 
 
 def test_rollout_het_group_is_one_process():

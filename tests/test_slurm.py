@@ -54,7 +54,8 @@ def launch(run_dir: Path, *overrides: str, wait: bool = True):
     args = [sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", *SLURM, *overrides]
     if wait:
         return subprocess.run(args, cwd=run_dir.parent, env=node_environ(), capture_output=True, text=True, timeout=240)
-    return subprocess.Popen(args, cwd=run_dir.parent, env=node_environ(), stdout=subprocess.PIPE,
+    # stdout (the trainer's step lines) is dropped: nobody reads it while the job runs, and a full pipe would block
+    return subprocess.Popen(args, cwd=run_dir.parent, env=node_environ(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -93,6 +94,7 @@ def test_submitit_het_job_runs_the_default_with_two_trainer_ranks_on_two_nodes(j
                     "launcher.rollout.cpus_per_task=1", "launcher.trainer.cpus_per_task=1")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert len(read_metrics(run_dir)) == 2
+    assert "step 2/2" in result.stdout  # the launcher echoes the trainer's step lines
     job_id = job_id_of(run_dir)
     script = (run_dir / "slurm" / f"{job_id}_submission.sh").read_text()
     assert script.count("#SBATCH hetjob") == 1 and script.count("srun ") == 1
@@ -117,9 +119,9 @@ def test_sbatch_script_runs_the_default_to_completion(job_dir):
 
 def test_torchx_slurm_scheduler_runs_the_default_to_completion(tmp_path):
     run_dir = tmp_path / "run"
-    result = subprocess.run(["torchx", "run", "-s", "slurm", "--wait", str(REPO / "launchers" / "components.py") + ":grpo",
-                             f"run.dir={run_dir}", *SMALL], cwd=tmp_path, env=node_environ(),
-                            capture_output=True, text=True, timeout=240)
+    component = f"{REPO / 'launchers' / 'components.py'}:grpo"
+    result = subprocess.run(["torchx", "run", "-s", "slurm", "--wait", component, f"run.dir={run_dir}", *SMALL],
+                            cwd=tmp_path, env=node_environ(), capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Job finished: SUCCEEDED" in result.stderr
     assert len(read_metrics(run_dir)) == 2
@@ -168,12 +170,17 @@ def test_trainer_death_makes_the_rollout_exit_with_a_clear_error(job_dir):
     try:
         job_id = job_id_of(run_dir)
         wait_for_first_step(run_dir, launcher)
-        os.kill(task_pid(run_id="kill-trainer", proc_id=1), signal.SIGKILL)  # task 1 = trainer rank 0
+        pid, environ = task_process(run_id="kill-trainer", proc_id=1)  # task 1 = trainer rank 0
+        os.kill(pid, signal.SIGKILL)
         _, stderr = launcher.communicate(timeout=90)
         assert launcher.returncode == 1
         assert f"het job {job_id} ended FAILED" in stderr, stderr[-3000:]
         assert "rollout rank 0 (task 0) failed" in stderr
         assert "[rollout rank 0] stopping: trainer rank 0 stopped heart-beating" in stderr
+        # the run's secret reached the task through its environment, and no file of the run holds it
+        secret = environ["RP_RUN_SECRET"].encode()
+        assert len(secret) == 64
+        assert not [p for p in run_dir.rglob("*") if p.is_file() and secret in p.read_bytes()]
     finally:
         if launcher.poll() is None:
             launcher.kill()
@@ -181,15 +188,16 @@ def test_trainer_death_makes_the_rollout_exit_with_a_clear_error(job_dir):
             subprocess.run(["scancel", str(job_id_of(run_dir))])
 
 
-def task_pid(*, run_id: str, proc_id: int) -> int:
-    """The process of one task of the job step (Slurm runs it on this machine, in a virtual node)."""
-    wanted = {f"RP_RUN_ID={run_id}".encode(), f"SLURM_PROCID={proc_id}".encode()}
+def task_process(*, run_id: str, proc_id: int) -> tuple[int, dict[str, str]]:
+    """Pid and environment of one task of the job step (Slurm runs it on this machine, in a virtual node)."""
     for proc in Path("/proc").iterdir():
         try:
-            environ = set((proc / "environ").read_bytes().split(b"\0"))
+            pairs = (proc / "environ").read_text(errors="replace").split("\0")
+            environ = dict(v.split("=", 1) for v in pairs if "=" in v)
             cmdline = (proc / "cmdline").read_bytes()
         except (OSError, ValueError):
             continue
-        if wanted <= environ and b"rolloutpipe.slurm" in cmdline:
-            return int(proc.name)
+        task = (environ.get("RP_RUN_ID"), environ.get("SLURM_PROCID"))
+        if task == (run_id, str(proc_id)) and b"rolloutpipe.slurm" in cmdline:
+            return int(proc.name), environ
     raise AssertionError(f"no task {proc_id} of run {run_id} is running")

@@ -47,6 +47,21 @@ def test_spans_are_shifted_onto_the_run_clock_and_the_header_keeps_the_offset(tm
     assert spans.now() - time.time() == pytest.approx(2.5, abs=0.01)
 
 
+def test_a_restarted_process_appends_a_header_that_applies_to_its_own_spans(tmp_path):
+    path = tmp_path / "spans" / "trainer-0.jsonl"
+    for offset_s in (0.0, 100.0):  # the first life, then a resumed one with another clock offset
+        spans = SpanRecorder(role="trainer", rank=0, path=path,
+                             clock=ClockSync(offset_s=offset_s, rtt_s=0.0, num_rounds=1, reference="store host"))
+        now = time.time()
+        spans.add(WAIT, step=0, start_s=now, end_s=now + 0.25)
+        spans.flush()
+    [f] = read_span_files(tmp_path)
+    first, second = (s for s in f.spans if s.name == WAIT)
+    assert f.header["clock"]["offset_s"] == 0.0
+    assert second.start_s - first.start_s == pytest.approx(100.0, abs=1.0)
+    assert first.end_s - first.start_s == pytest.approx(0.25, abs=2e-6)
+
+
 def test_a_last_line_cut_short_by_a_killed_process_is_skipped(tmp_path):
     spans = SpanRecorder(role="rollout", rank=0, path=tmp_path / "spans" / "rollout-0.jsonl")
     spans.add("rollout/reward", step=0, start_s=1.0, end_s=2.0)
