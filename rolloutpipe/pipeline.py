@@ -180,6 +180,9 @@ class RolloutNode:
                 self.check_reward_failures(step, complete.values())
                 trainable = not (cfg.rollout.filter_zero_variance and len({s.reward for s in group.samples}) == 1)
                 num_filtered += not trainable
+                if not trainable:
+                    self.spans.add("rollout/group_dropped", step=step, start_s=group.completed_s, end_s=time.time(),
+                                   group=group.group, reason="zero_variance")
                 for placed in slots.resolve(group.group, trainable=trainable):
                     complete[placed.group].batch = placed.batch
                     self.dispatcher.put(complete[placed.group])
@@ -189,6 +192,9 @@ class RolloutNode:
 
         unused = slots.unused()  # over-sampled groups past the last selected one: abort, return their prompts
         num_aborted = admission.abort_groups(unused)
+        for g in unused:
+            self.spans.add("rollout/group_dropped", step=step, start_s=last_group_s, end_s=last_group_s, group=g,
+                           reason="unused")
         self.source.give_back([prompts[g] for g in unused])
         while admission.num_in_flight() or not self.rewards.idle():
             self.check_health(f"step {step}'s aborted requests to come back")
