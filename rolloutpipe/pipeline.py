@@ -45,18 +45,19 @@ import torch.distributed as dist
 
 from rolloutpipe.admission import StepSlots
 from rolloutpipe.checkpoint import latest_checkpoint, load_optimizer, save_checkpoint
+from rolloutpipe.clock import sync_clock
 from rolloutpipe.config import Config, ResumeMode
 from rolloutpipe.data import PromptSource, load_prompts, prepare_data_path
 from rolloutpipe.dispatcher import Dispatcher, PipelineMode
 from rolloutpipe.engine import build_engines
 from rolloutpipe.env import NodeEnv, Role
-from rolloutpipe.clock import sync_clock
 from rolloutpipe.metrics import RolloutStats, SpanRecorder, TrainStats, reduce_step, summary_line
-from rolloutpipe.trace import finish_run
-from rolloutpipe.tracking import open_tracker
 from rolloutpipe.model import load_model, load_tokenizer, save_hf_checkpoint
+from rolloutpipe.progress import Progress
 from rolloutpipe.rewards import RewardPool
 from rolloutpipe.rollout import Admission, GroupAssembler, InFlight, RewardThreads, is_truncated, make_requests
+from rolloutpipe.trace import finish_run
+from rolloutpipe.tracking import open_tracker
 from rolloutpipe.trainer import OldLogprobSource, PolicyTrainer, train_samples
 from rolloutpipe.transport import Liveness, StoreAddress, Transport
 from rolloutpipe.types import CompleteGroup, Prompt
@@ -101,6 +102,8 @@ class RolloutNode:
         self.engines = build_engines(cfg, vocab_size=len(self.tokenizer), on_result=self.on_result)
         self.events: queue.Queue = queue.Queue()
         """Complete groups (from the reward threads) and None (an engine slot freed) for the rollout loop."""
+        # plain lines, only for steps longer than a minute: trainer rank 0's bar owns the terminal
+        self.progress = Progress(label="rollout", tty=False)
         self.dispatcher = Dispatcher(transport=transport.connect_another(), mode=cfg.pipeline.mode,
                                      inline_max_bytes=cfg.pipeline.inline_payload_max_bytes, spans=self.spans)
 
@@ -169,7 +172,10 @@ class RolloutNode:
         admission.pump(slots.frontier())
         complete: dict[int, CompleteGroup] = {}
         num_filtered = 0
+        self.progress.start()
         while not slots.full():
+            self.progress.update(lambda: f"step {step}: {len(complete)} groups complete, "
+                                         f"{self.dispatcher.num_published(step)} published")
             try:
                 group = self.events.get(timeout=POLL_S)
             except queue.Empty:
