@@ -57,9 +57,11 @@ def request(i: int, *, prompt_len: int = 6, max_new_tokens: int = 16, temperatur
     return GenerationRequest(**(fields | kw))
 
 
-def run_all(model, requests, *, concurrency: int, on_result=None) -> dict[str, GenerationResult]:
+def run_all(model, requests, *, concurrency: int, on_result=None, policy_version: int = 0
+            ) -> dict[str, GenerationResult]:
     results = Results(on_result)
-    engine = EmbeddedEngine(name="test", model=model, concurrency=concurrency, on_result=results)
+    engine = EmbeddedEngine(name="test", model=model, concurrency=concurrency, on_result=results,
+                            policy_version=policy_version)
     try:
         for r in requests:
             engine.submit(r)

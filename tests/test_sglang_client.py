@@ -16,12 +16,12 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from rolloutpipe.engine import server_process, sglang_api
-from rolloutpipe.engine.embedded import EmbeddedEngine
 from rolloutpipe.engine.http_client import SGLangEngine
 from rolloutpipe.metrics import read_spans
 from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
 from rolloutpipe.types import FinishReason, GenerationRequest, GenerationResult
 from tests.conftest import SMALL, read_metrics, run_job
+from tests.test_embedded_engine import run_all
 
 VOCAB_SIZE = len(build_tiny_tokenizer())
 MODEL = ModelConfig(dtype=DType.float64)
@@ -53,15 +53,8 @@ def request(i: int, *, max_new_tokens: int = 12, stop_token_ids=(), **kw) -> Gen
 
 
 def in_process(model_cfg: ModelConfig, requests: list[GenerationRequest], policy_version: int = 0):
-    results = Results()
-    engine = EmbeddedEngine(name="local", model=load_model(model_cfg, VOCAB_SIZE), concurrency=CONCURRENCY,
-                            on_result=results, policy_version=policy_version)
-    try:
-        for r in requests:
-            engine.submit(r)
-        return results.wait_for(len(requests))
-    finally:
-        engine.shutdown()
+    return run_all(load_model(model_cfg, VOCAB_SIZE), requests, concurrency=CONCURRENCY,
+                   policy_version=policy_version)
 
 
 @pytest.fixture(scope="module")
