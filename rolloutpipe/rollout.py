@@ -113,7 +113,6 @@ class GroupAssembler:
         self.prompts = prompts
         self.n_samples = n_samples
         self.normalize_std = normalize_std
-        self.completed: list[CompleteGroup] = []
         self._pending: dict[int, dict[int, Sample]] = {}
         self._lock = threading.Lock()
 
@@ -136,7 +135,6 @@ class GroupAssembler:
                 advantages=group_advantages([s.reward for s in ordered], normalize_std=self.normalize_std),
                 completed_s=time.time(),
             )
-            self.completed.append(group)
             return group
 
 

@@ -40,6 +40,14 @@ def run_job(run_dir: Path, *overrides: str, timeout_s: float = 240) -> subproces
     )
 
 
+def assert_import_pulls_none_of(modules: list[str], heavy: list[str]) -> None:
+    """Import ``modules`` in a fresh interpreter and check that none of ``heavy`` got imported with them."""
+    code = (f"import sys; import {', '.join(modules)}; "
+            f"heavy = [m for m in {heavy!r} if m in sys.modules]; print(heavy); sys.exit(bool(heavy))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

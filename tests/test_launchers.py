@@ -15,7 +15,7 @@ from rolloutpipe.env import NodeEnv, Role, expand_hostlist, slurm_store_port
 from rolloutpipe.launcher import LauncherKind
 from rolloutpipe.slurm import batch_script, check_allocation, check_launch, combine_states, submission_environ
 
-from .conftest import REPO, SMALL, node_environ, read_metrics
+from .conftest import REPO, SMALL, assert_import_pulls_none_of, node_environ, read_metrics
 
 RUN = {"RP_RUN_ID": "r1", "RP_RUN_SECRET": "ab" * 32, "RP_RUN_DIR": "/shared/run"}
 
@@ -205,8 +205,5 @@ def test_torchx_component_runs_the_default_with_the_local_cwd_scheduler(tmp_path
 
 
 def test_slurm_modules_import_without_submitit_or_torchx():
-    code = ("import sys, rolloutpipe.slurm, rolloutpipe.launcher, rolloutpipe.env; "
-            "heavy = [m for m in ('submitit', 'torchx', 'hydra_plugins') if m in sys.modules]; "
-            "print(heavy); sys.exit(bool(heavy))")
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert_import_pulls_none_of(["rolloutpipe.slurm", "rolloutpipe.launcher", "rolloutpipe.env"],
+                                ["submitit", "torchx", "hydra_plugins"])
