@@ -41,6 +41,24 @@ class PipelineMode(enum.Enum):
         return max(step - 1, 0) if self is PipelineMode.async_one_step else step
 
 
+class Release:
+    """When placed complete groups go out (the release policy above). Pure; the simulator uses it too."""
+
+    def __init__(self, mode: PipelineMode) -> None:
+        self.mode = mode
+        self._held: list[CompleteGroup] = []
+
+    def add(self, group: CompleteGroup, num_expected: int) -> list[CompleteGroup]:
+        """The groups to publish now, in order, once ``group`` is complete and placed."""
+        if self.mode is not PipelineMode.sync:
+            return [group]
+        self._held.append(group)
+        if len(self._held) < num_expected:
+            return []
+        held, self._held = self._held, []
+        return held
+
+
 _CLOSE = object()
 
 
@@ -56,7 +74,7 @@ class Dispatcher:
         self._queue: queue.Queue = queue.Queue()
         self._num_published: dict[int, int] = {}
         self._expected: dict[int, int] = {}
-        self._held: list[CompleteGroup] = []
+        self._release = Release(mode)
         self._published = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="cgp-dispatcher", daemon=True)
         self._thread.start()
@@ -88,21 +106,15 @@ class Dispatcher:
             if self.error is not None:
                 continue
             try:
-                self._release(item)
+                self._release_and_publish(item)
             except BaseException as err:  # noqa: BLE001 - kept for the rollout loop, which stops the run
                 with self._published:
                     self.error = err
                     self._published.notify_all()
 
-    def _release(self, group: CompleteGroup) -> None:
-        if self.mode is not PipelineMode.sync:
-            self._publish(group)
-            return
-        self._held.append(group)
-        if len(self._held) == self._expected[group.step]:
-            held, self._held = self._held, []
-            for g in held:
-                self._publish(g)
+    def _release_and_publish(self, group: CompleteGroup) -> None:
+        for g in self._release.add(group, self._expected[group.step]):
+            self._publish(g)
 
     def _publish(self, group: CompleteGroup) -> None:
         start = time.time()

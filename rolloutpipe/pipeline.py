@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rolloutpipe.admission import StepSlots
+from rolloutpipe.batching import BatchConsumer, MicroBatch
 from rolloutpipe.checkpoint import latest_checkpoint, load_optimizer, save_checkpoint
 from rolloutpipe.clock import sync_clock
 from rolloutpipe.config import Config, ResumeMode
@@ -55,12 +55,20 @@ from rolloutpipe.metrics import RolloutStats, SpanRecorder, TrainStats, reduce_s
 from rolloutpipe.model import load_model, load_tokenizer, save_hf_checkpoint
 from rolloutpipe.progress import Progress
 from rolloutpipe.rewards import RewardPool
-from rolloutpipe.rollout import Admission, GroupAssembler, InFlight, RewardThreads, is_truncated, make_requests
+from rolloutpipe.rollout import (
+    Admission,
+    GroupAssembler,
+    InFlight,
+    RewardThreads,
+    RolloutSchedule,
+    is_truncated,
+    make_requests,
+)
 from rolloutpipe.trace import finish_run
 from rolloutpipe.tracking import open_tracker
 from rolloutpipe.trainer import OldLogprobSource, PolicyTrainer, train_samples
 from rolloutpipe.transport import Liveness, StoreAddress, Transport
-from rolloutpipe.types import CompleteGroup, Prompt
+from rolloutpipe.types import Prompt
 
 POLL_S = 0.5
 
@@ -100,6 +108,8 @@ class RolloutNode:
         self.rewards = RewardThreads(pool=RewardPool(cfg.reward), tokenizer=self.tokenizer,
                                      num_threads=cfg.reward.num_workers, spans=self.spans)
         self.engines = build_engines(cfg, vocab_size=len(self.tokenizer), on_result=self.on_result)
+        self.admission: Admission | None = None
+        """The current step's; engine threads tell it which requests finished."""
         self.events: queue.Queue = queue.Queue()
         """Complete groups (from the reward threads) and None (an engine slot freed) for the rollout loop."""
         # plain lines, only for steps longer than a minute: trainer rank 0's bar owns the terminal
@@ -137,72 +147,67 @@ class RolloutNode:
 
     def on_result(self, result) -> None:
         """Engine completion callback (engine thread): reward it, and wake the loop for a free slot."""
-        self.rewards.in_flight[result.request_id].finished = True
+        self.admission.finished(result.request_id)
         self.rewards.on_result(result)
         self.events.put(None)
 
     def rollout_step(self, step: int, version: int, weight_load_s: float) -> RolloutStats:
         """Admit groups until rollout_batch_size trainable ones are placed in their batches; publish each."""
         cfg, n = self.cfg, self.cfg.n_samples_per_prompt
-        slots = StepSlots(rollout_batch_size=cfg.rollout_batch_size, groups_per_batch=cfg.groups_per_batch)
-        prompts: list[Prompt] = []  # by group
         in_flight: dict[str, InFlight] = {}
-        assembler = GroupAssembler(step=step, policy_version=version, prompts=prompts, n_samples=n,
+
+        def requests_for(group: int, prompt: Prompt):
+            requests = make_requests(
+                step=step, group=group, prompt=prompt, n_samples=n, run_seed=cfg.seed,
+                max_new_tokens=cfg.rollout_max_response_len, temperature=cfg.rollout_temperature,
+                top_p=cfg.rollout_top_p, stop_token_ids=[self.tokenizer.eos_token_id],
+            )
+            for sample, r in enumerate(requests):
+                in_flight[r.request_id] = InFlight(prompt=prompt, group=group, sample=sample)
+            return requests
+
+        self.admission = Admission(policy=cfg.rollout.admission, engines=self.engines,
+                                   concurrency=cfg.rollout.concurrency)
+        schedule = RolloutSchedule(
+            rollout_batch_size=cfg.rollout_batch_size, groups_per_batch=cfg.groups_per_batch,
+            filter_zero_variance=cfg.rollout.filter_zero_variance,
+            over_sampling_groups=cfg.rollout.over_sampling_groups, admission=self.admission,
+            draw=self.source.next_batch, requests_for=requests_for,
+        )
+        assembler = GroupAssembler(step=step, policy_version=version, prompts=schedule.prompts, n_samples=n,
                                    normalize_std=cfg.grpo.normalize_advantage_std)
-        admission = Admission(policy=cfg.rollout.admission, engines=self.engines,
-                              concurrency=cfg.rollout.concurrency, in_flight=in_flight)
         self.dispatcher.begin_step(step, cfg.rollout_batch_size)
         self.rewards.begin_step(assembler, in_flight, on_group=self.events.put)
 
-        def admit(num_groups: int) -> None:
-            for prompt in self.source.next_batch(num_groups) if num_groups else []:
-                group = slots.admit()
-                prompts.append(prompt)
-                requests = make_requests(
-                    step=step, group=group, prompt=prompt, n_samples=n, run_seed=cfg.seed,
-                    max_new_tokens=cfg.rollout_max_response_len, temperature=cfg.rollout_temperature,
-                    top_p=cfg.rollout_top_p, stop_token_ids=[self.tokenizer.eos_token_id],
-                )
-                for sample, r in enumerate(requests):
-                    in_flight[r.request_id] = InFlight(prompt=prompt, group=group, sample=sample)
-                admission.add_group(group, requests)
-
         start_s = time.time()
-        admit(cfg.rollout_batch_size + (cfg.rollout.over_sampling_groups if cfg.rollout.filter_zero_variance else 0))
-        admission.pump(slots.frontier())
-        complete: dict[int, CompleteGroup] = {}
-        num_filtered = 0
+        schedule.start()
         self.progress.start()
-        while not slots.full():
-            self.progress.update(lambda: f"step {step}: {len(complete)} groups complete, "
+        while not schedule.full():
+            self.progress.update(lambda: f"step {step}: {len(schedule.complete)} groups complete, "
                                          f"{self.dispatcher.num_published(step)} published")
             try:
                 group = self.events.get(timeout=POLL_S)
             except queue.Empty:
                 self.check_health(f"step {step}'s rollout")
                 continue
-            if group is not None:  # a group is complete: filter it, place what can be placed, publish
-                complete[group.group] = group
-                self.check_reward_failures(step, complete.values())
-                trainable = not (cfg.rollout.filter_zero_variance and len({s.reward for s in group.samples}) == 1)
-                num_filtered += not trainable
-                if not trainable:
-                    self.spans.add("rollout/group_dropped", step=step, start_s=group.completed_s, end_s=time.time(),
-                                   group=group.group, reason="zero_variance")
-                for placed in slots.resolve(group.group, trainable=trainable):
-                    complete[placed.group].batch = placed.batch
-                    self.dispatcher.put(complete[placed.group])
-                admit(slots.num_to_admit())
-            admission.pump(slots.frontier())
+            if group is None:  # an engine slot freed
+                schedule.on_slot_freed()
+                continue
+            self.check_reward_failures(step, [*schedule.complete.values(), group])
+            resolution = schedule.on_group(group)
+            if not resolution.trainable:
+                self.spans.add("rollout/group_dropped", step=step, start_s=group.completed_s, end_s=time.time(),
+                               group=group.group, reason="zero_variance")
+            for placed in resolution.placed:
+                self.dispatcher.put(placed)
         last_group_s = time.time()
 
-        unused = slots.unused()  # over-sampled groups past the last selected one: abort, return their prompts
-        num_aborted = admission.abort_groups(unused)
+        unused, num_aborted = schedule.finish()  # over-sampled groups past the last selected one
         for g in unused:
             self.spans.add("rollout/group_dropped", step=step, start_s=last_group_s, end_s=last_group_s, group=g,
                            reason="unused")
-        self.source.give_back([prompts[g] for g in unused])
-        while admission.num_in_flight() or not self.rewards.idle():
+        self.source.give_back([schedule.prompts[g] for g in unused])
+        while self.admission.num_in_flight() or not self.rewards.idle():
             self.check_health(f"step {step}'s aborted requests to come back")
             time.sleep(0.01)
         while not self.dispatcher.wait_all_published(step, POLL_S):
@@ -211,11 +216,11 @@ class RolloutNode:
         while not self.events.empty():
             self.events.get()
 
-        selected = [complete[g] for g in slots.selected()]
-        samples = [s for g in complete.values() for s in g.samples]
+        selected = schedule.selected()
+        samples = [s for g in schedule.complete.values() for s in g.samples]
         rewards = [s.reward for s in samples]
         if cfg.run.save_samples:
-            self.save_samples(step, prompts, selected)
+            self.save_samples(step, schedule.prompts, selected)
         return RolloutStats(
             step=step, policy_version=version, start_s=start_s,
             first_group_s=min(g.completed_s for g in selected), last_group_s=last_group_s,
@@ -223,7 +228,7 @@ class RolloutNode:
             num_tokens=sum(len(s.response_ids) for s in samples),
             num_truncated=sum(map(is_truncated, samples)),
             num_reward_errors=sum(s.reward_error is not None for s in samples),
-            num_filtered_groups=num_filtered, num_returned_prompts=len(unused), num_aborted_samples=num_aborted,
+            num_filtered_groups=schedule.num_filtered, num_returned_prompts=len(unused), num_aborted_samples=num_aborted,
             reward_mean=statistics.fmean(rewards), reward_std=statistics.pstdev(rewards),
             response_len_mean=statistics.fmean(len(s.response_ids) for s in samples),
         )
@@ -357,56 +362,38 @@ class TrainerNode:
         """Consume the step's groups in publish order and train each batch as soon as it is complete."""
         cfg, trainer, rank, world = self.cfg, self.trainer, self.env.rank, self.env.world_size
         version = cfg.pipeline.mode.policy_version_for(step)
-        groups_per_batch, num_batches = cfg.groups_per_batch, cfg.num_steps_per_rollout
         stats = TrainStats(step=step, end_s=0.0, compute_s=0.0, tail_compute_s=0.0, wait_s=0.0, first_forward_s=0.0)
-        arrived: list[list] = [[] for _ in range(num_batches)]  # handles per training batch, arrival order
-        current, next_in_batch, local = 0, 0, []
+        consumer = BatchConsumer(num_batches=cfg.num_steps_per_rollout, groups_per_batch=cfg.groups_per_batch,
+                                 micro_batch_size=cfg.micro_batch_size, rank=rank, world_size=world)
         batch_compute_s, last_micro_batch_s, num_clipped = 0.0, 0.0, 0
         trainer.begin_step()
-
-        def run_micro_batch(samples) -> None:
-            nonlocal batch_compute_s, last_micro_batch_s, num_clipped
-            start = time.time()
-            stats.first_forward_s = stats.first_forward_s or start
-            sums = trainer.forward_backward(samples, first_batch_of_step=current == 0)
-            end = time.time()
-            self.spans.add("train/forward_backward", step=step, start_s=start, end_s=end, batch=current,
-                           num_samples=len(samples), num_tokens=sums.num_tokens)
-            batch_compute_s += end - start
-            last_micro_batch_s = end - start
-            num_clipped += sums.num_clipped_tokens
-
         for seq in range(cfg.rollout_batch_size):
             with self.spans.span("train/wait", step=step, seq=seq) as extra:
                 start = time.time()
                 handle = self.transport.wait_handle(step=step, seq=seq, policy_version=version)
                 stats.wait_s += time.time() - start
                 extra["group"] = handle.group
-            arrived[handle.batch].append(handle)
-            while current < num_batches and next_in_batch < len(arrived[current]):
-                handle = arrived[current][next_in_batch]
-                if next_in_batch % world == rank:  # groups of a batch are dealt round-robin in arrival order
-                    local.extend(train_samples(self.transport.load_group(handle)))
-                    while len(local) >= cfg.micro_batch_size:
-                        run_micro_batch(local[: cfg.micro_batch_size])
-                        local = local[cfg.micro_batch_size :]
-                next_in_batch += 1
-                if next_in_batch == groups_per_batch:  # the training batch is complete
-                    if local:
-                        run_micro_batch(local)
-                        local = []
-                    with self.spans.span("train/optimizer_step", step=step, batch=current, policy_version=step,
-                                         groups=[h.group for h in arrived[current]]):
-                        start = time.time()
-                        result = trainer.finish_batch()
-                        optimizer_s = time.time() - start
-                        batch_compute_s += optimizer_s
-                    stats.losses.append(result.loss)
-                    stats.grad_norms.append(result.grad_norm)
-                    stats.num_tokens += result.num_tokens
-                    stats.compute_s += batch_compute_s
-                    stats.tail_compute_s = last_micro_batch_s + optimizer_s
-                    current, next_in_batch, batch_compute_s = current + 1, 0, 0.0
+            for work in consumer.arrive(handle, lambda h: train_samples(self.transport.load_group(h))):
+                start = time.time()
+                if isinstance(work, MicroBatch):
+                    stats.first_forward_s = stats.first_forward_s or start
+                    sums = trainer.forward_backward(work.samples, first_batch_of_step=work.batch == 0)
+                    last_micro_batch_s = time.time() - start
+                    self.spans.add("train/forward_backward", step=step, start_s=start, end_s=start + last_micro_batch_s,
+                                   batch=work.batch, num_samples=len(work.samples), num_tokens=sums.num_tokens)
+                    batch_compute_s += last_micro_batch_s
+                    num_clipped += sums.num_clipped_tokens
+                    continue
+                with self.spans.span("train/optimizer_step", step=step, batch=work.batch, policy_version=step,
+                                     groups=work.groups):
+                    result = trainer.finish_batch()
+                optimizer_s = time.time() - start
+                stats.losses.append(result.loss)
+                stats.grad_norms.append(result.grad_norm)
+                stats.num_tokens += result.num_tokens
+                stats.compute_s += batch_compute_s + optimizer_s
+                stats.tail_compute_s = last_micro_batch_s + optimizer_s
+                batch_compute_s = 0.0
         stats.end_s = self.spans.now()  # compared with the rollout's times: the run's clock
         stats.clip_fraction = num_clipped / max(stats.num_tokens, 1)
         return stats

@@ -1,6 +1,7 @@
 """The rollout node's pieces: engines, admission, reward threads and group assembly.
 
-``pipeline.rollout_step`` strings them together; this module holds each piece on its own.
+``pipeline.rollout_step`` strings them together; this module holds each piece on its own, and
+``RolloutSchedule`` holds one step's bookkeeping (pure, also driven by the simulator).
 
 Reward threads (``reward.num_workers`` of them)
     consume   GenerationResults, put on a queue by the engines' completion callbacks
@@ -20,8 +21,9 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
-from rolloutpipe.admission import fgd_order
+from rolloutpipe.admission import StepSlots
 from rolloutpipe.engine.base import Engine
 from rolloutpipe.grpo import group_advantages
 from rolloutpipe.metrics import SpanRecorder
@@ -145,8 +147,6 @@ class InFlight:
     prompt: Prompt
     group: int
     sample: int
-    engine: str = ""
-    finished: bool = False
 
 
 class RewardThreads:
@@ -205,7 +205,7 @@ class RewardThreads:
         assert self._assembler is not None
         step = self._assembler.step
         self.spans.add(
-            "rollout/request", step=step, start_s=result.started_s, end_s=result.finished_s, engine=ctx.engine,
+            "rollout/request", step=step, start_s=result.started_s, end_s=result.finished_s, engine=result.engine,
             group=ctx.group, sample=ctx.sample, num_tokens=len(result.output_ids),
             queued_s=result.started_s - result.submitted_s, aborted=result.finish_reason is FinishReason.ABORT,
             policy_version=result.policy_version,
@@ -256,18 +256,20 @@ def make_requests(*, step: int, group: int, prompt: Prompt, n_samples: int, run_
 class Admission:
     """Hands the step's requests to the engines under FIFO or FGD (see AdmissionPolicy).
 
-    Called from the rollout loop only: ``add_group`` when a group is admitted, ``pump`` whenever an
-    engine may have a free slot (a request finished) or the frontier moved, ``abort_groups`` when the
-    step is full. Engines count their own in-flight requests (``Engine.num_in_flight``).
+    Called from the rollout loop only (``finished`` also from engine threads): ``add_group`` when a group
+    is admitted, ``pump`` whenever an engine may have a free slot (a request finished) or the frontier
+    moved, ``abort_groups`` when the step is full. Engines count their own in-flight requests
+    (``Engine.num_in_flight``); ``assigned`` remembers which engine holds each request.
     """
 
-    def __init__(self, *, policy: AdmissionPolicy, engines: list[Engine], concurrency: int,
-                 in_flight: dict[str, InFlight]) -> None:
+    def __init__(self, *, policy: AdmissionPolicy, engines: list[Engine], concurrency: int) -> None:
         self.policy = policy
         self.engines = engines
         self.concurrency = concurrency
-        self.in_flight = in_flight
+        self.assigned: dict[str, Engine] = {}
+        self._unfinished: set[str] = set()
         self._waiting: dict[int, list[GenerationRequest]] = {}
+        """FGD's held groups, in group order (admission order)."""
         self._submitted: dict[int, list[GenerationRequest]] = {}
         self._next_engine = 0
 
@@ -280,14 +282,29 @@ class Admission:
         else:
             self._waiting[group] = requests
 
-    def pump(self, frontier: list[int]) -> None:
-        """FGD: fill free engine slots, frontier groups first, a whole group at a time."""
-        for group in fgd_order(list(self._waiting), frontier):
+    def pump(self, frontier: Callable[[], list[int]]) -> None:
+        """FGD: fill free engine slots, frontier groups first, a whole group at a time.
+
+        ``frontier`` is called only when a slot is free (it scans the step's groups).
+        """
+        if not self._waiting:
+            return
+        engine = max(self.engines, key=lambda e: self.concurrency - e.num_in_flight())
+        if engine.num_in_flight() >= self.concurrency:
+            return
+        held = [g for g in frontier() if g in self._waiting]
+        held.reverse()  # popped from the end: frontier groups in group order
+        while self._waiting:
+            group = held.pop() if held else next(iter(self._waiting))
+            for request in self._waiting.pop(group):
+                self._submit(group, request, engine)
             engine = max(self.engines, key=lambda e: self.concurrency - e.num_in_flight())
             if engine.num_in_flight() >= self.concurrency:
                 return
-            for request in self._waiting.pop(group):
-                self._submit(group, request, engine)
+
+    def finished(self, request_id: str) -> None:
+        """An engine handed the request back (any finish reason)."""
+        self._unfinished.discard(request_id)
 
     def abort_groups(self, groups: list[int]) -> int:
         """Drop waiting requests and abort submitted ones of ``groups``; returns how many were aborted."""
@@ -295,9 +312,8 @@ class Admission:
         for group in groups:
             num_aborted += len(self._waiting.pop(group, []))
             for request in self._submitted.get(group, []):
-                ctx = self.in_flight[request.request_id]
-                if not ctx.finished:
-                    next(e for e in self.engines if e.name == ctx.engine).abort(request.request_id)
+                if request.request_id in self._unfinished:
+                    self.assigned[request.request_id].abort(request.request_id)
                     num_aborted += 1
         return num_aborted
 
@@ -305,9 +321,83 @@ class Admission:
         return sum(e.num_in_flight() for e in self.engines)
 
     def _submit(self, group: int, request: GenerationRequest, engine: Engine) -> None:
-        self.in_flight[request.request_id].engine = engine.name
+        self.assigned[request.request_id] = engine
+        self._unfinished.add(request.request_id)
         self._submitted.setdefault(group, []).append(request)
         engine.submit(request)
+
+
+@dataclass(kw_only=True, slots=True)
+class Resolution:
+    """What one complete group changed: whether it is trainable, and the groups now placed in their batches."""
+
+    trainable: bool
+    placed: list[CompleteGroup]
+
+
+class RolloutSchedule:
+    """One step's rollout bookkeeping: which groups to admit and when, and which complete groups go out.
+
+    Pure (no threads, no clock, no I/O): the rollout node (pipeline.py) drives it with real engines and
+    the simulator (rolloutpipe/sim) with simulated ones, so both run the same scheduling code.
+    ``draw(k)`` returns the next k prompts of the source; ``requests_for(group, prompt)`` makes a
+    group's requests. ``start`` admits the step's groups (plus over-sampling when filtering);
+    ``on_group`` resolves a complete group (filter, place, admit a replacement, refill engines);
+    ``on_slot_freed`` refills engines; once ``full``, ``finish`` aborts what is not needed.
+    """
+
+    def __init__(self, *, rollout_batch_size: int, groups_per_batch: int, filter_zero_variance: bool,
+                 over_sampling_groups: int, admission: Admission, draw: Callable[[int], list[Prompt]],
+                 requests_for: Callable[[int, Prompt], list[GenerationRequest]]) -> None:
+        self.slots = StepSlots(rollout_batch_size=rollout_batch_size, groups_per_batch=groups_per_batch)
+        self.filter_zero_variance = filter_zero_variance
+        self.num_initial_groups = rollout_batch_size + (over_sampling_groups if filter_zero_variance else 0)
+        self.admission = admission
+        self.draw = draw
+        self.requests_for = requests_for
+        self.prompts: list[Prompt] = []
+        """The step's admitted prompts, by group."""
+        self.complete: dict[int, CompleteGroup] = {}
+        self.num_filtered = 0
+
+    def start(self) -> None:
+        self._admit(self.num_initial_groups)
+        self.admission.pump(self.slots.frontier)
+
+    def on_group(self, group: CompleteGroup) -> Resolution:
+        self.complete[group.group] = group
+        trainable = not (self.filter_zero_variance and len({s.reward for s in group.samples}) == 1)
+        self.num_filtered += not trainable
+        placed = []
+        for p in self.slots.resolve(group.group, trainable=trainable):
+            self.complete[p.group].batch = p.batch
+            placed.append(self.complete[p.group])
+        self._admit(self.slots.num_to_admit())
+        self.admission.pump(self.slots.frontier)
+        return Resolution(trainable=trainable, placed=placed)
+
+    def on_slot_freed(self) -> None:
+        self.admission.pump(self.slots.frontier)
+
+    def full(self) -> bool:
+        return self.slots.full()
+
+    def finish(self) -> tuple[list[int], int]:
+        """Abort the over-sampled groups past the last selected one; returns them and the requests aborted.
+
+        Their prompts (``self.prompts[g]``) go back to the source.
+        """
+        unused = self.slots.unused()
+        return unused, self.admission.abort_groups(unused)
+
+    def selected(self) -> list[CompleteGroup]:
+        return [self.complete[g] for g in self.slots.selected()]
+
+    def _admit(self, num_groups: int) -> None:
+        for prompt in self.draw(num_groups) if num_groups else []:
+            group = self.slots.admit()
+            self.prompts.append(prompt)
+            self.admission.add_group(group, self.requests_for(group, prompt))
 
 
 def is_truncated(sample: Sample) -> bool:

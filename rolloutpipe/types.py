@@ -74,6 +74,8 @@ class GenerationResult:
     started_s: float
     """Wall time when the request entered the running batch."""
     finished_s: float
+    engine: str = ""
+    """Name of the engine that produced it (a retried request has results from two engines)."""
 
 
 @dataclass(kw_only=True, slots=True)

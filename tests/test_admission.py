@@ -1,17 +1,64 @@
 """Admission and batch membership: pure logic, no processes."""
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
-from rolloutpipe.admission import GroupState, StepSlots, fgd_order
+from rolloutpipe.admission import GroupState, StepSlots
 from rolloutpipe.data import PromptSource
+from rolloutpipe.rollout import Admission, AdmissionPolicy
 from rolloutpipe.types import Prompt
 
 
+class FakeEngine:
+    """Holds submitted request ids; ``done`` hands one back."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.running: list[str] = []
+        self.aborted: list[str] = []
+
+    def submit(self, request) -> None:
+        self.running.append(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def num_in_flight(self) -> int:
+        return len(self.running)
+
+
+def group_requests(group: int, n: int = 2):
+    return [SimpleNamespace(request_id=f"group={group}/sample={s}") for s in range(n)]
+
+
 def test_fgd_admits_frontier_groups_first_then_the_rest_in_group_order():
-    assert fgd_order([9, 3, 7, 4, 12], frontier=[7, 9]) == [7, 9, 3, 4, 12]
-    assert fgd_order([5, 2], frontier=[]) == [2, 5]
+    engine = FakeEngine("e0")
+    admission = Admission(policy=AdmissionPolicy.fgd, engines=[engine], concurrency=2)
+    for g in (3, 4, 7, 9, 12):
+        admission.add_group(g, group_requests(g))
+    assert engine.running == [], "FGD holds requests until pump"
+    order = []
+    for _ in range(5):
+        admission.pump(lambda: [7, 9])
+        order.append(int(engine.running[0].split("/")[0].split("=")[1]))
+        for r in list(engine.running):  # the engine finishes the whole group
+            engine.running.remove(r)
+            admission.finished(r)
+    assert order == [7, 9, 3, 4, 12]
+
+
+def test_fifo_submits_everything_at_once_round_robin_and_aborts_only_unfinished_requests():
+    engines = [FakeEngine("e0"), FakeEngine("e1")]
+    admission = Admission(policy=AdmissionPolicy.fifo, engines=engines, concurrency=1)
+    for g in range(2):
+        admission.add_group(g, group_requests(g))
+    assert engines[0].running == ["group=0/sample=0", "group=1/sample=0"]
+    assert engines[1].running == ["group=0/sample=1", "group=1/sample=1"]
+    admission.finished("group=1/sample=0")
+    assert admission.abort_groups([1]) == 1
+    assert engines[1].aborted == ["group=1/sample=1"] and engines[0].aborted == []
 
 
 def test_frontier_is_what_the_next_incomplete_batch_still_needs():
@@ -109,3 +156,30 @@ def test_over_sampling_loses_no_prompt(seed):
     returned_now = set(drawn) - set(trained) - set(filtered)
     assert returned_now == {p.index for p in source.next_batch(len(returned_now))}  # handed out first
     assert all(trainable[i] for i in trained) and not any(trainable[i] for i in filtered)
+
+
+def certain_batches(states: list[GroupState], size: int, per_batch: int) -> dict[int, int]:
+    """The module docstring's rule, read literally: a trainable group's slot lies in [t, t + p]."""
+    certain, trainable_below, pending_below = {}, 0, 0
+    for g, state in enumerate(states):
+        lo, hi = trainable_below, trainable_below + pending_below
+        if state is GroupState.TRAINABLE and hi < size and lo // per_batch == hi // per_batch:
+            certain[g] = lo // per_batch
+        trainable_below += state is GroupState.TRAINABLE
+        pending_below += state is GroupState.PENDING
+    return certain
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_incremental_placement_matches_the_rule_after_every_completion(seed):
+    rng = random.Random(seed)
+    size, per_batch = rng.choice([(8, 2), (12, 3), (16, 16), (9, 1)])
+    slots = StepSlots(rollout_batch_size=size, groups_per_batch=per_batch)
+    for _ in range(size + rng.randrange(3)):
+        slots.admit()
+    while not slots.full():
+        pending = [g for g, s in enumerate(slots.states) if s is GroupState.PENDING]
+        slots.resolve(rng.choice(pending), trainable=rng.random() > 0.3)
+        assert slots.placed == certain_batches(slots.states, size, per_batch)
+        for _ in range(slots.num_to_admit()):
+            slots.admit()

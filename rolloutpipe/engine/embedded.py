@@ -413,6 +413,7 @@ class EmbeddedEngine:
             submitted_s=state.submitted_s,
             started_s=state.started_s,
             finished_s=time.time(),
+            engine=self.name,
         )
 
     def _hand_back(self, results: list[GenerationResult]) -> None:

@@ -239,5 +239,5 @@ class SGLangEngine:
         return GenerationResult(
             request_id=request.request_id, output_ids=output_ids, output_logprobs=output_logprobs,
             finish_reason=reason, policy_version=self._policy_version, submitted_s=submitted_s,
-            started_s=started_s, finished_s=time.time(),
+            started_s=started_s, finished_s=time.time(), engine=self.name,
         )
