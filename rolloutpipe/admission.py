@@ -23,6 +23,7 @@ together, then the other pending groups in group order (the next batch's first).
 
 from __future__ import annotations
 
+import bisect
 import enum
 from dataclasses import dataclass
 
@@ -44,9 +45,10 @@ class Placement:
 class StepSlots:
     """Batch membership of one step's groups (see module docstring). Not thread-safe; one owner.
 
-    Incremental: ``_prefix`` is the first pending group (every group below it is resolved), so each
-    call scans only from there, and stops once ``groups_per_batch`` pending groups lie below the scan
-    (no group past them can be certain of its batch). The simulator calls this ~1,000 times a step.
+    Kept as sorted lists of pending, filtered and not-yet-placed trainable groups, so that every group
+    below g is one of trainable / pending / filtered and g's slot range is computed with two bisections.
+    A call scans only the unplaced trainable groups, and stops once ``groups_per_batch`` pending groups
+    lie below (no later group can be certain of its batch). The simulator calls this ~1,000 times a step.
     """
 
     def __init__(self, *, rollout_batch_size: int, groups_per_batch: int) -> None:
@@ -55,48 +57,41 @@ class StepSlots:
         self.states: list[GroupState] = []
         self.placed: dict[int, int] = {}
         """group -> batch, for groups whose batch is known."""
-        self._prefix = 0
-        self._prefix_trainable = 0
-        """Trainable groups below ``_prefix``."""
-        self._num_filtered = 0
+        self._pending: list[int] = []
+        self._filtered: list[int] = []
+        self._unplaced: list[int] = []
+        """Trainable groups whose batch is not known yet."""
 
     def admit(self) -> int:
         self.states.append(GroupState.PENDING)
+        self._pending.append(len(self.states) - 1)
         return len(self.states) - 1
 
     def resolve(self, group: int, *, trainable: bool) -> list[Placement]:
         """Record a complete group; returns the groups whose batch became known (this one or later ones)."""
         self.states[group] = GroupState.TRAINABLE if trainable else GroupState.FILTERED
-        self._num_filtered += not trainable
+        del self._pending[bisect.bisect_left(self._pending, group)]
+        bisect.insort(self._unplaced if trainable else self._filtered, group)
         return self._place_new()
 
     def _place_new(self) -> list[Placement]:
-        new, states, size, per_batch = [], self.states, self.rollout_batch_size, self.groups_per_batch
-        while self._prefix < len(states) and states[self._prefix] is not GroupState.PENDING:
-            g = self._prefix  # everything below is resolved: its slot is the trainable count below it
-            if states[g] is GroupState.TRAINABLE:
-                if g not in self.placed and self._prefix_trainable < size:
-                    self.placed[g] = self._prefix_trainable // per_batch
-                    new.append(Placement(group=g, batch=self.placed[g]))
-                self._prefix_trainable += 1
-            self._prefix += 1
-        trainable_below, pending_below = self._prefix_trainable, 0
-        for g in range(self._prefix, len(states)):
-            if trainable_below >= size or pending_below >= per_batch:
-                break
-            state = states[g]
-            if state is GroupState.TRAINABLE and g not in self.placed:
-                lo, hi = trainable_below, trainable_below + pending_below
-                if hi < size and lo // per_batch == hi // per_batch:
-                    self.placed[g] = lo // per_batch
-                    new.append(Placement(group=g, batch=self.placed[g]))
-            trainable_below += state is GroupState.TRAINABLE
-            pending_below += state is GroupState.PENDING
+        new, size, per_batch = [], self.rollout_batch_size, self.groups_per_batch
+        for g in self._unplaced:
+            pending_below = bisect.bisect_left(self._pending, g)
+            trainable_below = g - pending_below - bisect.bisect_left(self._filtered, g)
+            if pending_below >= per_batch or trainable_below >= size:
+                break  # later groups have at least as many below them
+            lo, hi = trainable_below, trainable_below + pending_below
+            if hi < size and lo // per_batch == hi // per_batch:
+                self.placed[g] = lo // per_batch
+                new.append(Placement(group=g, batch=self.placed[g]))
+        if new:
+            self._unplaced = [g for g in self._unplaced if g not in self.placed]
         return new
 
     def num_to_admit(self) -> int:
         """Groups to admit now so that trainable + pending groups can still fill the step (replacements)."""
-        return max(self.rollout_batch_size - (len(self.states) - self._num_filtered), 0)
+        return max(self.rollout_batch_size - (len(self.states) - len(self._filtered)), 0)
 
     def full(self) -> bool:
         return len(self.placed) == self.rollout_batch_size
@@ -111,12 +106,13 @@ class StepSlots:
 
     def frontier(self) -> list[int]:
         """Pending groups the next incomplete training batch still needs, in group order."""
-        filled = self._prefix_trainable  # slots filled for certain
+        start = self._pending[0] if self._pending else len(self.states)  # every group below is resolved
+        filled = start - bisect.bisect_left(self._filtered, start)  # slots filled for certain
         if filled >= self.rollout_batch_size:
             return []
         budget = self.groups_per_batch - filled % self.groups_per_batch  # slots left in that batch
         frontier = []
-        for g in range(self._prefix, len(self.states)):
+        for g in range(start, len(self.states)):
             if budget == 0:
                 break
             if self.states[g] is not GroupState.FILTERED:

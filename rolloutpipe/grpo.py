@@ -19,6 +19,7 @@ up to the order of floating-point accumulation.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 import torch
@@ -46,11 +47,12 @@ class GRPOConfig:
 
 def group_advantages(rewards: list[float], *, normalize_std: bool) -> list[float]:
     """Advantages of one group from its own rewards only; a group with one reward value gets zeros."""
-    r = torch.tensor(rewards, dtype=torch.float64)
-    centered = r - r.mean()
+    mean = math.fsum(rewards) / len(rewards)
+    centered = [r - mean for r in rewards]
     if normalize_std and len(rewards) > 1:
-        centered = centered / (r.std() + 1e-6)
-    return centered.tolist()
+        std = math.sqrt(math.fsum(c * c for c in centered) / (len(rewards) - 1))  # unbiased, as torch.std
+        centered = [c / (std + 1e-6) for c in centered]
+    return centered
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,0 +1,152 @@
+"""Cost and workload models of the simulator, each a typed config with its own cost function.
+
+Engine decode. One decode iteration of an engine running ``B`` requests whose contexts (prompt plus
+tokens generated so far) add up to ``C`` tokens takes
+
+    decode_base_s + decode_per_request_s * B + decode_per_context_token_s * C
+
+(fixed launch/scheduling cost, the per-sequence work of sampling and the MLP, and attention reading the
+KV cache). Requests join between iterations; a join costs ``prefill_base_s + prefill_per_token_s * P``
+for the joiners' P prompt tokens, paid by the whole batch. Calibrated on this machine's embedded engine
+by ``sim/calibrate.py``; GPU figures come from published SGLang throughput (conf/sim/hardware/*.yaml
+cite their sources).
+
+Trainer. A micro-batch is padded to its longest sample, as trainer.py does, so it costs
+``micro_batch_base_s + per_token_s * num_samples * padded_len``; an optimizer step costs
+``optimizer_step_s``. With several ranks each rank trains its share (batching.BatchConsumer) and the
+optimizer step waits for the slowest.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineModel:
+    decode_base_s: float = 2.0e-3
+    decode_per_request_s: float = 5.0e-5
+    decode_per_context_token_s: float = 1.0e-8
+    prefill_base_s: float = 1.0e-3
+    prefill_per_token_s: float = 1.0e-6
+    source: str = ""
+    """Where the numbers come from (a calibration run, a paper, a benchmark page)."""
+
+    def decode_s(self, num_iterations: int, num_running: int, context_at_start: float) -> float:
+        """Time of ``num_iterations`` iterations with a fixed batch whose context grows by B per iteration."""
+        k, b = num_iterations, num_running
+        per = self.decode_base_s + self.decode_per_request_s * b + self.decode_per_context_token_s * context_at_start
+        return k * per + self.decode_per_context_token_s * b * k * (k - 1) / 2
+
+    def iterations_within(self, duration_s: float, num_running: int, context_at_start: float) -> int:
+        """The most whole iterations that fit in ``duration_s`` (inverse of ``decode_s``)."""
+        if duration_s <= 0:
+            return 0
+        per = self.decode_base_s + self.decode_per_request_s * num_running + \
+            self.decode_per_context_token_s * context_at_start
+        q = self.decode_per_context_token_s * num_running / 2
+        if q == 0:
+            return int(duration_s / per)
+        lin = per - q  # q k^2 + lin k <= duration
+        k = int((-lin + math.sqrt(lin * lin + 4 * q * duration_s)) / (2 * q))
+        while k > 0 and self.decode_s(k, num_running, context_at_start) > duration_s:
+            k -= 1
+        return k
+
+    def prefill_s(self, num_prompt_tokens: int) -> float:
+        return self.prefill_base_s + self.prefill_per_token_s * num_prompt_tokens
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerModel:
+    micro_batch_base_s: float = 5.0e-3
+    per_token_s: float = 1.0e-5
+    """Forward + backward per padded token on one rank."""
+    optimizer_step_s: float = 5.0e-3
+    source: str = ""
+
+    def micro_batch_s(self, num_samples: int, padded_len: int) -> float:
+        return self.micro_batch_base_s + self.per_token_s * num_samples * padded_len
+
+
+@dataclass(kw_only=True, slots=True)
+class OverheadModel:
+    """Latencies between the stages, each per item."""
+
+    reward_s: float = 1.0e-3
+    """One sample's reward, on one of ``reward.num_workers`` workers."""
+    publish_s: float = 1.0e-3
+    """Dispatcher: one group's payload and handle into the store (serial)."""
+    load_s: float = 1.0e-3
+    """Trainer: reading one group's handle and payload (every rank reads every handle)."""
+    weight_save_s: float = 0.05
+    """Trainer: writing the new weights (the trainer is free again after this in async_one_step)."""
+    weight_load_s: float = 0.05
+    """Engines: loading them; the next on-policy step starts after save + load."""
+    step_start_s: float = 0.0
+    """Between the engines serving new weights and the next step's first admission."""
+
+
+class LengthKind(enum.Enum):
+    lognormal = "lognormal"
+    geometric = "geometric"
+    """Stop with probability ``1 / mean_tokens`` per token (an untrained model's end-of-sequence rate)."""
+    histogram = "histogram"
+    """Draw from the lengths listed in ``histogram_path`` (one integer per line)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LengthModel:
+    kind: LengthKind = LengthKind.lognormal
+    median_tokens: float = 64.0
+    """lognormal: the median response length."""
+    sigma: float = 1.0
+    """lognormal: spread of log length (1.0: the 99th percentile is ~10x the median)."""
+    mean_tokens: float = 45.0
+    """geometric: mean length before the cut-off."""
+    histogram_path: str | None = None
+    prompt_tokens: int = 16
+    prompt_sigma: float = 0.0
+    """Spread of log prompt length around ``prompt_tokens`` (0: every prompt the same length)."""
+
+    def __post_init__(self) -> None:
+        if self.kind is LengthKind.histogram and (self.histogram_path is None or not Path(self.histogram_path).is_file()):
+            raise ValueError(f"sim.lengths.histogram_path={self.histogram_path!r} is not a file; give a text file "
+                             "with one response length per line (tools/simulate.py calibrate writes one).")
+
+    def draw(self, rng: np.random.Generator, size: int, max_tokens: int) -> np.ndarray:
+        """Response lengths in tokens, 1 .. max_tokens (the cut-off is rollout_max_response_len)."""
+        if self.kind is LengthKind.lognormal:
+            lengths = rng.lognormal(math.log(self.median_tokens), self.sigma, size)
+        elif self.kind is LengthKind.geometric:
+            lengths = rng.geometric(1.0 / self.mean_tokens, size)
+        else:
+            lengths = rng.choice(_histogram(self.histogram_path), size)
+        return np.clip(np.ceil(lengths), 1, max_tokens).astype(np.int64)
+
+    def draw_prompts(self, rng: np.random.Generator, size: int) -> np.ndarray:
+        if self.prompt_sigma == 0:
+            return np.full(size, self.prompt_tokens, dtype=np.int64)
+        return np.maximum(1, rng.lognormal(math.log(self.prompt_tokens), self.prompt_sigma, size)).astype(np.int64)
+
+
+@functools.lru_cache(maxsize=8)
+def _histogram(path: str) -> np.ndarray:
+    return np.loadtxt(path, dtype=np.int64, ndmin=1)
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardModel:
+    """Each prompt has a pass rate p ~ Beta(alpha, beta); each sample passes with probability p (reward 1)."""
+
+    pass_alpha: float = 1.0
+    pass_beta: float = 1.0
+
+    def draw_pass_rates(self, rng: np.random.Generator, size: int) -> np.ndarray:
+        return rng.beta(self.pass_alpha, self.pass_beta, size)

@@ -1,0 +1,72 @@
+"""Calibrate the simulator on this machine and write conf/sim/hardware/embedded_cpu.yaml.
+
+    python tools/calibrate_sim.py                 # ~3 minutes on 2 cores
+    python tools/calibrate_sim.py --out /tmp/hw.yaml --run-dir /tmp/calibration-run
+
+1. the embedded engine and the PyTorch trainer, each timed alone in a process pinned to one CPU (as the
+   rollout and trainer node groups are), fitted to the cost models (rolloutpipe/sim/calibrate.py);
+2. a short real run of the benchmark's long_tail workload (sync, another seed than the benchmark's)
+   for the stage latencies (reward, publish, weight save and load) and the response-length law of the
+   untrained model (geometric: it stops at its end-of-sequence token with a constant probability).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.pipeline_bench import WORKLOADS, run_one  # noqa: E402
+from rolloutpipe.model import build_tiny_tokenizer  # noqa: E402
+from rolloutpipe.sim.calibrate import geometric_mean_tokens, overheads_from_run, response_lengths  # noqa: E402
+
+MAX_RESPONSE_LEN = 256
+
+
+def measure(kind: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "rolloutpipe.sim.calibrate", kind], cwd=REPO, check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=REPO / "conf" / "sim" / "hardware" / "embedded_cpu.yaml")
+    parser.add_argument("--run-dir", type=Path, default=None)
+    args = parser.parse_args()
+    engine, trainer = measure("engine"), measure("trainer")
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="rolloutpipe-calibration-"))
+    run_one(run_dir, [*WORKLOADS["long_tail"], "num_rollout=5", "seed=99", "pipeline.mode=sync",
+                      "run.save_samples=true", f"rollout_max_response_len={MAX_RESPONSE_LEN}",
+                      "rollout.num_engines=1", "rollout.concurrency=64"])
+    overheads = overheads_from_run(run_dir)
+    lengths = response_lengths(run_dir)
+    tokenizer = build_tiny_tokenizer()
+    prompts = [json.loads(line)["prompt"] for line in (run_dir / "rollouts" / "step=1.jsonl").read_text().splitlines()]
+    prompt_tokens = round(sum(len(tokenizer(p)["input_ids"]) for p in prompts) / len(prompts))
+    preset = {
+        "engine": engine, "trainer": trainer,
+        "overheads": asdict(overheads),
+        "lengths": {"kind": "geometric", "mean_tokens": round(geometric_mean_tokens(lengths, MAX_RESPONSE_LEN), 2),
+                    "prompt_tokens": prompt_tokens},
+    }
+    header = (f"# @package sim\n# Written by tools/calibrate_sim.py on {time.strftime('%Y-%m-%d %H:%M')} (this machine: "
+              "embedded engine and PyTorch trainer on one CPU each; stage latencies and the untrained model's response "
+              f"lengths from a real run of the long_tail workload, {len(lengths)} samples). Rerun to recalibrate.\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(header + OmegaConf.to_yaml(OmegaConf.create(preset)))
+    print(f"wrote {args.out}\n{args.out.read_text()}")
+
+
+if __name__ == "__main__":
+    main()

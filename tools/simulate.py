@@ -1,0 +1,45 @@
+"""Simulate RolloutPipe's schedules at any scale: ``python tools/simulate.py [overrides]`` (Hydra, conf/simulate.yaml).
+
+    python tools/simulate.py                                        the bench workload on this machine's models
+    python tools/simulate.py +sim/experiment=paper                  Qwen3-1.7B on H100s: the paper's regime
+    python tools/simulate.py job.rollout_batch_size=512 job.n_samples_per_prompt=16 num_steps=1000
+    python tools/simulate.py '+sweep.job.rollout.concurrency=[32,64,128]' modes=[sync,cgp+fgd]
+    python tools/simulate.py timeline=sim.png csv=sim.csv
+
+``job`` takes the keys launch.py takes (the same Config, checked the same way); ``sim`` the cost models
+(rolloutpipe/sim/models.py); see rolloutpipe/sim/sweep.py for the table.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from rolloutpipe.config import ConfigError
+from rolloutpipe.sim.sweep import SimulateConfig, draw, format_table, run_sweep, write_csv
+
+ConfigStore.instance().store(name="simulate_schema", node=SimulateConfig)
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="simulate")
+def main(raw: DictConfig) -> None:
+    try:
+        cfg: SimulateConfig = OmegaConf.to_object(raw)
+        rows = run_sweep(cfg, raw.job, raw.sim)
+    except (ConfigError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(format_table(rows))
+    if cfg.csv:
+        write_csv(rows, Path(cfg.csv))
+    if cfg.timeline:
+        for path in draw(rows, Path(cfg.timeline)):
+            print(f"timeline: {path}")
+
+
+if __name__ == "__main__":
+    main()
