@@ -52,11 +52,14 @@ class EngineModel:
             self.decode_per_context_token_s * context_at_start
         q = self.decode_per_context_token_s * num_running / 2
         if q == 0:
-            return int(duration_s / per)
+            return int(duration_s * (1 + 1e-12) / per)
         lin = per - q  # q k^2 + lin k <= duration
         k = int((-lin + math.sqrt(lin * lin + 4 * q * duration_s)) / (2 * q))
-        while k > 0 and self.decode_s(k, num_running, context_at_start) > duration_s:
+        limit = duration_s * (1 + 1e-12)  # the root's rounding must not lose an iteration that ends exactly then
+        while k > 0 and self.decode_s(k, num_running, context_at_start) > limit:
             k -= 1
+        while self.decode_s(k + 1, num_running, context_at_start) <= limit:
+            k += 1
         return k
 
     def prefill_s(self, num_prompt_tokens: int) -> float:

@@ -88,7 +88,7 @@ def run_sweep(cfg: SimulateConfig, raw_job: Any, raw_sim: Any) -> list[Row]:
             raise ConfigError(f"sweep keys must start with job. or sim.: {bad}")
         sim = _bind(SimConfig, raw_sim, sim_over, "sim")
         for mode in cfg.modes:
-            job = load_config(OmegaConf.merge(raw_job, OmegaConf.from_dotlist([f"{k}={v}" for k, v in job_over.items()]),
+            job = load_config(OmegaConf.merge(OmegaConf.to_container(raw_job), OmegaConf.from_dotlist([f"{k}={v}" for k, v in job_over.items()]),
                                               MODES[mode]))
             start = time.process_time()
             result = simulate(job, sim, cfg.num_steps)

@@ -1,0 +1,84 @@
+"""Does the simulator predict real runs? Predicted vs measured, side by side, for the benchmark workloads.
+
+    python bench/sim_validation.py                    # calibrate, then 8 settings x 2 repeats (~10 min)
+    python bench/sim_validation.py --no-calibrate --repeats 3
+
+1. Calibrate the simulator on this machine (tools/calibrate_sim.py -> conf/sim/hardware/embedded_cpu.yaml),
+   unless --no-calibrate.
+2. Run each setting for real (launch.py, as bench/pipeline_bench.py does; repeats interleaved, step 0
+   dropped, medians over the remaining steps of all repeats).
+3. Simulate the same job config (the same overrides, bound to the same Config) on the calibrated models,
+   with the same number of steps, step 0 dropped, medians.
+Every setting tried is reported; none is left out. The two-engine settings share one CPU between the
+two embedded engines (the rollout node group has one core here), which the simulator's independent
+engines do not model: they are listed to show that limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.pipeline_bench import MODES, WORKLOADS, run_one  # noqa: E402
+from rolloutpipe.config import load_config  # noqa: E402
+from rolloutpipe.sim.run import SimConfig, simulate  # noqa: E402
+
+ONE_ENGINE = ["rollout.num_engines=1", "rollout.concurrency=64"]
+SETTINGS = {
+    **{f"{w} {m}": [*WORKLOADS[w], *ONE_ENGINE, *MODES[m]] for w in ("long_tail", "balanced")
+       for m in ("sync", "cgp", "cgp+fgd")},
+    **{f"long_tail {m}, 2 engines on 1 CPU": [*WORKLOADS["long_tail"], *MODES[m]] for m in ("sync", "cgp")},
+}
+KEYS = [("perf/rollout_to_train_end_s", "r2t_s"), ("perf/trainer_wait_ratio", "wait")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--response-len", type=int, default=192)
+    parser.add_argument("--no-calibrate", action="store_true")
+    parser.add_argument("--hardware", type=Path, default=REPO / "conf" / "sim" / "hardware" / "embedded_cpu.yaml")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "runs" / f"sim-validation-{time.strftime('%Y%m%d-%H%M%S')}")
+    args = parser.parse_args()
+    if not args.no_calibrate:
+        subprocess.run([sys.executable, str(REPO / "tools" / "calibrate_sim.py"), "--out", str(args.hardware),
+                        "--run-dir", str(args.out / "calibration")], check=True)
+    sim = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SimConfig), OmegaConf.load(args.hardware)))
+    common = [f"num_rollout={args.steps}", f"rollout_max_response_len={args.response_len}"]
+    measured: dict[str, list[dict]] = {name: [] for name in SETTINGS}
+    for rep in range(args.repeats):
+        for name, overrides in SETTINGS.items():
+            measured[name] += run_one(args.out / name.replace(" ", "_").replace(",", "") / str(rep),
+                                      [*overrides, *common])[1:]
+            print(f"  {name} repeat {rep}: done", file=sys.stderr, flush=True)
+    rows = [["setting", *(f"{s} measured" for _, s in KEYS), *(f"{s} predicted" for _, s in KEYS),
+             *(f"{s} error" for _, s in KEYS)]]
+    for name, overrides in SETTINGS.items():
+        job = load_config(OmegaConf.from_dotlist([*overrides, *common]))
+        predicted = simulate(job, sim, args.steps).records[1:]
+        m = {k: statistics.median(r[k] for r in measured[name]) for k, _ in KEYS}
+        p = {k: statistics.median(r[k] for r in predicted) for k, _ in KEYS}
+        rows.append([name, *(f"{m[k]:.3f}" for k, _ in KEYS), *(f"{p[k]:.3f}" for k, _ in KEYS),
+                     *(f"{100 * (p[k] / m[k] - 1):+.1f}%" for k, _ in KEYS)])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    table = ["| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |" for r in rows]
+    table.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    text = "\n".join(table)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "table.md").write_text(text + "\n")
+    print(f"\nruns and table in {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""The simulator: its engine model is exact, it runs the project's own scheduling code, and its command works."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from rolloutpipe import admission
+from rolloutpipe.config import load_config
+from rolloutpipe.sim.calibrate import _fit, geometric_mean_tokens
+from rolloutpipe.sim.engine import EventLoop, SimEngine, SimRequest
+from rolloutpipe.sim.models import EngineModel, LengthModel, RewardModel, TrainerModel
+from rolloutpipe.sim.run import SimConfig, simulate
+
+from .conftest import REPO
+
+MODEL = EngineModel(decode_base_s=1e-3, decode_per_request_s=1e-4, decode_per_context_token_s=1e-5,
+                    prefill_base_s=2e-3, prefill_per_token_s=1e-4)
+
+
+def iteration_by_iteration(lengths: list[int], prompt_len: int, concurrency: int) -> list[float]:
+    """The engine model run one decode iteration at a time: the reference for the closed form."""
+    waiting, running, finish, now = list(range(len(lengths))), {}, [0.0] * len(lengths), 0.0
+    while waiting or running:
+        joiners = []
+        while waiting and len(running) < concurrency:
+            r = waiting.pop(0)
+            running[r] = 0
+            joiners.append(r)
+        if joiners:
+            now += MODEL.prefill_s(prompt_len * len(joiners))
+        context = sum(prompt_len + generated for generated in running.values())
+        now += MODEL.decode_base_s + MODEL.decode_per_request_s * len(running) + MODEL.decode_per_context_token_s * context
+        for r in list(running):
+            running[r] += 1
+            if running[r] == lengths[r]:
+                finish[r] = now
+                del running[r]
+    return finish
+
+
+def test_engine_finish_times_equal_an_iteration_by_iteration_run():
+    lengths, finished = [7, 3, 12, 3, 5, 9, 1], {}
+    loop = EventLoop()
+    engine = SimEngine(name="e", concurrency=3, model=MODEL, loop=loop,
+                       on_result=lambda done, aborted, t: finished.update({r.request_id: t for r in done}))
+    for i, n in enumerate(lengths):
+        engine.submit(SimRequest(i, i, 0, 4, n, 1.0))
+    loop.run_until(lambda: len(finished) == len(lengths))
+    expected = iteration_by_iteration(lengths, prompt_len=4, concurrency=3)
+    assert [finished[i] for i in range(len(lengths))] == pytest.approx(expected, rel=1e-12)
+
+
+def test_iterations_within_inverts_decode_time():
+    for k, b, c in [(1, 1, 0), (17, 8, 300), (1000, 64, 5000)]:
+        t = MODEL.decode_s(k, b, c)
+        assert MODEL.iterations_within(t, b, c) == k
+        assert MODEL.iterations_within(t * (1 - 1e-9), b, c) == k - 1
+
+
+def job(**overrides):
+    base = {"rollout_batch_size": 8, "n_samples_per_prompt": 4, "global_batch_size": 16, "micro_batch_size": 4,
+            "rollout_max_response_len": 64, "rollout": {"num_engines": 2, "concurrency": 6}, "num_rollout": 4}
+    for key, value in overrides.items():
+        node = base
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return load_config(base)
+
+
+SIM = SimConfig(lengths=LengthModel(median_tokens=20, sigma=1.0, prompt_tokens=8), engine=MODEL,
+                trainer=TrainerModel(micro_batch_base_s=1e-3, per_token_s=1e-4, optimizer_step_s=2e-3),
+                num_span_steps=4)
+
+
+def test_every_mode_sees_the_same_samples():
+    records = {mode: simulate(job(**{"pipeline.mode": mode}), SIM).records for mode in ("sync", "cgp")}
+    for key in ("rollout/reward_mean", "rollout/response_len_mean", "rollout/num_samples", "train/num_tokens"):
+        assert [r[key] for r in records["sync"]] == [r[key] for r in records["cgp"]], key
+
+
+def test_sync_trains_after_the_last_group_and_cgp_before():
+    for mode, overlaps in (("sync", False), ("cgp", True)):
+        spans = simulate(job(**{"pipeline.mode": mode}), SIM).spans
+        for step in range(4):
+            last_group = max(s.end_s for s in spans if s.step == step and s.name == "rollout/group_complete")
+            first_train = min(s.start_s for s in spans if s.step == step and s.name == "train/forward_backward")
+            assert (first_train < last_group) is overlaps, (mode, step)
+
+
+def test_simulated_fgd_runs_the_real_frontier(monkeypatch):
+    calls = []
+    real = admission.StepSlots.frontier
+    monkeypatch.setattr(admission.StepSlots, "frontier", lambda self: calls.append(1) or real(self))
+    simulate(job(**{"rollout.admission": "fgd"}), SIM)
+    assert calls, "FGD admission in the simulator must ask the real StepSlots for the frontier"
+
+
+def test_dynamic_filtering_drops_flat_groups_and_still_fills_the_step():
+    sim = SimConfig(lengths=SIM.lengths, engine=MODEL, trainer=SIM.trainer,
+                    rewards=RewardModel(pass_alpha=0.3, pass_beta=0.3))
+    records = simulate(job(**{"rollout.filter_zero_variance": True, "rollout.over_sampling_groups": 2}), sim).records
+    assert sum(r["rollout/num_filtered_groups"] for r in records) > 0
+    assert all(r["rollout/num_samples"] >= 8 * 4 for r in records)
+    assert all(r["train/num_tokens"] > 0 for r in records)
+
+
+def test_async_one_step_generates_with_the_previous_policy_and_overlaps_steps():
+    records = simulate(job(**{"pipeline.mode": "async_one_step"}), SIM).records
+    assert [r["rollout/policy_lag"] for r in records] == [0, 1, 1, 1]
+
+
+def test_calibration_fit_recovers_known_coefficients():
+    rng = np.random.default_rng(0)
+    rows = rng.uniform(1, 100, size=(30, 3)).tolist()
+    truth = np.array([2e-3, 5e-5, 1e-6])
+    times = (np.asarray(rows) @ truth).tolist()
+    assert _fit(rows, times) == pytest.approx(truth.tolist(), rel=1e-6)
+    lengths = np.minimum(np.random.default_rng(1).geometric(1 / 45, 20000), 100).tolist()
+    assert geometric_mean_tokens(lengths, 100) == pytest.approx(45, rel=0.05)
+
+
+def test_simulate_command_sweeps_and_prints_every_mode(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "tools/simulate.py", "sim/hardware=h100_qwen3_1p7b", "num_steps=3",
+         "+sweep.job.rollout.concurrency=[16,32]", f"csv={tmp_path / 'sim.csv'}"],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line.split() for line in result.stdout.splitlines()[2:]]
+    assert {(r[0], r[1]) for r in rows} == {(f"concurrency={n}", m) for n in (16, 32)
+                                            for m in ("sync", "cgp", "cgp+fgd", "async_one_step")}
+    assert len((tmp_path / "sim.csv").read_text().splitlines()) == 9
+
+
+def test_simulate_command_rejects_a_bad_key_with_a_hint():
+    result = subprocess.run([sys.executable, "tools/simulate.py", "+sweep.job.rollout_batch_sise=[4]", "num_steps=1"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "rollout_batch_size" in result.stderr
