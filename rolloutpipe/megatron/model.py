@@ -66,8 +66,10 @@ def transformer_config(hf_config, *, dtype: torch.dtype, tp_size: int, pp_size: 
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         # gradients are loss *sums*: Megatron DDP must sum them over data-parallel ranks, not average
         calculate_per_token_loss=True,
-        # weights come from the HF model; the fused kernels are CUDA-only
-        perform_initialization=False, use_cpu_initialization=on_cpu,
+        # the weights are overwritten from the HF model, but only the initialisation marks the parameters
+        # with their tensor-parallel attributes (which the grad norm needs to skip replicas); fused
+        # kernels are CUDA-only
+        perform_initialization=True, use_cpu_initialization=on_cpu,
         masked_softmax_fusion=not on_cpu, bias_activation_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
     )
@@ -81,12 +83,18 @@ def build_gpt_model(hf_config, *, dtype: torch.dtype, tp_size: int, pp_size: int
     layout = Layout.from_hf(hf_config, tp_size=tp_size)
     config = transformer_config(hf_config, dtype=dtype, tp_size=tp_size, pp_size=pp_size)
     rope = getattr(hf_config, "rope_parameters", None) or {"rope_theta": hf_config.rope_theta}
-    model = GPTModel(
-        config=config, transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=layout.qk_norm),
-        vocab_size=layout.padded_vocab_size, max_sequence_length=hf_config.max_position_embeddings,
-        share_embeddings_and_output_weights=layout.tied_embeddings, position_embedding_type="rope",
-        rotary_base=int(rope["rope_theta"]), parallel_output=False,
-    )
-    # the local spec's RMSNorm (torch.nn.RMSNorm) ignores params_dtype; float32 / float64 models train
-    # in one dtype, bf16 ones keep fp32 norms (Megatron's Float16Module casts around them)
-    return model if dtype in (torch.bfloat16, torch.float16) else model.to(dtype)
+    # the local spec's RMSNorm (torch.nn.RMSNorm) takes the default dtype, not params_dtype; a later
+    # model.to(dtype) would drop Megatron's tensor-parallel attributes from the parameters
+    default_dtype = torch.get_default_dtype()
+    if dtype in (torch.float32, torch.float64):
+        torch.set_default_dtype(dtype)
+    try:
+        with torch.random.fork_rng(devices=[]):  # the initialisation is thrown away: keep the caller's RNG
+            return GPTModel(
+                config=config, transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=layout.qk_norm),
+                vocab_size=layout.padded_vocab_size, max_sequence_length=hf_config.max_position_embeddings,
+                share_embeddings_and_output_weights=layout.tied_embeddings, position_embedding_type="rope",
+                rotary_base=int(rope["rope_theta"]), parallel_output=False,
+            )
+    finally:
+        torch.set_default_dtype(default_dtype)

@@ -86,6 +86,9 @@ class MegatronTrainer:
             self._load_hf(model.state_dict())
             if self.device is not None:
                 self.gpt.to(self.device)
+            padding_idx = model.get_input_embeddings().padding_idx
+            if padding_idx is not None:
+                self.gpt.embedding.word_embeddings.register_forward_hook(_no_gradient_through(padding_idx))
             self.ddp = DistributedDataParallel(
                 config=self.gpt.config, module=self.gpt,
                 ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=self.dtype != torch.float64),
@@ -208,3 +211,17 @@ class MegatronTrainer:
             for shard, part in zip(shards, parts):
                 shard[name] = part
         self._tp_shards = shards if self.tp_rank == 0 else None
+
+
+def _no_gradient_through(padding_idx: int):
+    """HF's nn.Embedding(padding_idx=...): looking up the padding token sends no gradient to its row.
+
+    Megatron's embedding has no padding_idx. The row matters when a sampled response contains the
+    padding token: the HF row is zeros, and RMSNorm's gradient at zero is 1 / sqrt(eps).
+    """
+
+    def hook(module, inputs, output):
+        is_padding = (inputs[0] == padding_idx).unsqueeze(-1)  # [B, L, 1]; output is [B, L, H]
+        return torch.where(is_padding, output.detach(), output)
+
+    return hook
