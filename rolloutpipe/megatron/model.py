@@ -18,15 +18,26 @@ from rolloutpipe.megatron.convert import Layout
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
 
 
+RNG_SEED = 1234
+"""Seed of Megatron's named RNG streams; they feed only dropout, which these models do not use."""
+
+
 def init_parallel_state(*, tp_size: int, pp_size: int) -> bool:
-    """Give Megatron its process groups; returns True when this call created the world group (one rank)."""
+    """Give Megatron its process groups and RNG streams; True when this call created the (one-rank) world group."""
     from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from rolloutpipe.megatron import cpu
 
     created = not dist.is_initialized()
     if created:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size,
                                              pipeline_model_parallel_size=pp_size)
+    if torch.cuda.is_available():
+        model_parallel_cuda_manual_seed(RNG_SEED)
+    else:
+        cpu.seed_rng_tracker(RNG_SEED, tp_rank=parallel_state.get_tensor_model_parallel_rank())
     return created
 
 

@@ -43,17 +43,12 @@ from rolloutpipe.megatron.model import build_gpt_model, check_supported, destroy
 from rolloutpipe.trainer import (BatchResult, OldLogprobSource, TrainerConfig, TrainSample, engine_logprobs, pack,
                                  token_logprobs)
 
-RNG_SEED = 1234
-"""Seed of Megatron's named RNG streams; they only feed dropout, which these models do not use."""
-
-
 class MegatronTrainer:
     def __init__(self, *, model: torch.nn.Module, cfg: TrainerConfig, grpo: GRPOConfig, temperature: float,
                  pad_id: int, multi_step: bool, process_group_active: bool, old_logprobs: OldLogprobSource) -> None:
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         self.cfg = cfg
         self.grpo = grpo
@@ -78,10 +73,6 @@ class MegatronTrainer:
             self.dp_group = parallel_state.get_data_parallel_group()
             self.data_parallel_rank = parallel_state.get_data_parallel_rank()
             self.data_parallel_size = parallel_state.get_data_parallel_world_size()
-            if self.device is None:
-                cpu.seed_rng_tracker(RNG_SEED, tp_rank=self.tp_rank)
-            else:
-                model_parallel_cuda_manual_seed(RNG_SEED)
             self.gpt = build_gpt_model(model.config, dtype=self.dtype, tp_size=tp, pp_size=pp)
             self._load_hf(model.state_dict())
             if self.device is not None:
