@@ -15,18 +15,24 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
 
-from safetensors.torch import load_file  # noqa: E402
-from transformers import Qwen3ForCausalLM  # noqa: E402
+from safetensors.torch import load_file
+from transformers import Qwen3ForCausalLM
 
-from rolloutpipe.grpo import GRPOConfig  # noqa: E402
-from rolloutpipe.megatron import cpu  # noqa: E402
-from rolloutpipe.megatron.convert import Layout, hf_to_megatron, megatron_to_hf  # noqa: E402
-from rolloutpipe.megatron.model import build_gpt_model, destroy_parallel_state, init_parallel_state  # noqa: E402
-from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model  # noqa: E402
-from rolloutpipe.trainer import (OldLogprobSource, PolicyTrainer, TrainerBackend, TrainerConfig,  # noqa: E402
-                                 TrainSample, trainer_class)
+from rolloutpipe.grpo import GRPOConfig
+from rolloutpipe.megatron import cpu
+from rolloutpipe.megatron.convert import Layout, hf_to_megatron, megatron_to_hf
+from rolloutpipe.megatron.model import build_gpt_model, destroy_parallel_state, init_parallel_state
+from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
+from rolloutpipe.trainer import (
+    OldLogprobSource,
+    PolicyTrainer,
+    TrainerBackend,
+    TrainerConfig,
+    TrainSample,
+    trainer_class,
+)
 
-from .conftest import DENSE_REWARD, SMALL, assert_import_pulls_none_of, read_samples, run_job  # noqa: E402
+from .conftest import DENSE_REWARD, SMALL, assert_import_pulls_none_of, read_samples, run_job
 
 
 def tiny_hf(*, tied: bool) -> torch.nn.Module:
@@ -101,8 +107,8 @@ def samples_with_a_padding_token() -> list[TrainSample]:
 
 def test_megatron_optimizer_step_equals_torch_optimizer_step(float64_hf_norm):
     model = tiny_hf(tied=True)
-    kwargs = dict(grpo=GRPOConfig(), temperature=0.8, pad_id=0, multi_step=True, process_group_active=False,
-                  old_logprobs=OldLogprobSource.trainer)
+    kwargs = {"grpo": GRPOConfig(), "temperature": 0.8, "pad_id": 0, "multi_step": True,
+              "process_group_active": False, "old_logprobs": OldLogprobSource.trainer}
     reference = PolicyTrainer(model=copy.deepcopy(model), cfg=TrainerConfig(lr=1e-2), **kwargs)
     megatron = trainer_class(TrainerBackend.megatron)(
         model=copy.deepcopy(model), cfg=TrainerConfig(lr=1e-2, backend=TrainerBackend.megatron), **kwargs)

@@ -40,8 +40,16 @@ from rolloutpipe.grpo import GRPOConfig, LossSums, normaliser, policy_loss_sums
 from rolloutpipe.megatron import cpu
 from rolloutpipe.megatron.convert import Layout, hf_to_megatron, megatron_to_hf
 from rolloutpipe.megatron.model import build_gpt_model, check_supported, destroy_parallel_state, init_parallel_state
-from rolloutpipe.trainer import (BatchResult, OldLogprobSource, TrainerConfig, TrainSample, engine_logprobs, pack,
-                                 token_logprobs)
+from rolloutpipe.trainer import (
+    BatchResult,
+    OldLogprobSource,
+    TrainerConfig,
+    TrainSample,
+    engine_logprobs,
+    pack,
+    token_logprobs,
+)
+
 
 class MegatronTrainer:
     def __init__(self, *, model: torch.nn.Module, cfg: TrainerConfig, grpo: GRPOConfig, temperature: float,
