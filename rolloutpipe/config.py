@@ -144,6 +144,11 @@ class Config:
                 "run.resume=auto is not supported with pipeline.mode=async_one_step yet (its rollout runs a step "
                 "ahead on the previous weights, which a checkpoint does not keep); use sync or cgp."
             )
+        if self.run.resume is ResumeMode.auto and self.trainer.megatron.tensor_parallel_size > 1:
+            raise ValueError(
+                "run.resume=auto is not supported with trainer.megatron.tensor_parallel_size > 1 yet (checkpoints "
+                "keep the optimizer state of trainer rank 0 only); resume with tensor_parallel_size=1."
+            )
         if self.rollout.num_engines > self.rollout_batch_size:
             raise ValueError(
                 f"rollout.num_engines={self.rollout.num_engines} exceeds rollout_batch_size={self.rollout_batch_size}; "

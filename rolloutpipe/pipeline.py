@@ -66,7 +66,7 @@ from rolloutpipe.rollout import (
 )
 from rolloutpipe.trace import finish_run
 from rolloutpipe.tracking import open_tracker
-from rolloutpipe.trainer import OldLogprobSource, PolicyTrainer, train_samples
+from rolloutpipe.trainer import OldLogprobSource, train_samples, trainer_class
 from rolloutpipe.transport import Liveness, StoreAddress, Transport
 from rolloutpipe.types import Prompt
 
@@ -294,7 +294,7 @@ class TrainerNode:
         self.tokenizer = load_tokenizer(cfg.model)
         self.resumed = latest_checkpoint(env.run_dir) if cfg.run.resume is ResumeMode.auto else None
         model_cfg = cfg.model if self.resumed is None else replace(cfg.model, path=str(self.resumed.directory))
-        self.trainer = PolicyTrainer(
+        self.trainer = trainer_class(cfg.trainer.backend)(  # PolicyTrainer or MegatronTrainer
             model=load_model(model_cfg, len(self.tokenizer)), cfg=cfg.trainer, grpo=cfg.grpo,
             temperature=cfg.rollout_temperature, pad_id=self.tokenizer.pad_token_id,
             multi_step=cfg.num_steps_per_rollout > 1, process_group_active=self.distributed,
@@ -339,7 +339,7 @@ class TrainerNode:
         if self.distributed:
             dist.barrier()
         if is_writer:
-            save_hf_checkpoint(self.trainer.model, self.tokenizer, self.env.run_dir / "checkpoints" / "final")
+            save_hf_checkpoint(self.trainer.hf_model(), self.tokenizer, self.env.run_dir / "checkpoints" / "final")
             finish_run(self.env.run_dir, self.tracker)  # trace.json, lifecycle.jsonl, timeline.png, W&B
             self.transport.set(self.transport.key("trainer", "done"), "1")
         if self.distributed:
@@ -353,14 +353,15 @@ class TrainerNode:
         source_state = self.transport.wait_json(self.transport.key(f"step={step}", "source_state"),
                                                 what=f"step {step}'s prompt source state")
         with self.spans.span("checkpoint/save", step=step):
-            save_checkpoint(run_dir=self.env.run_dir, step=step, model=self.trainer.model, tokenizer=self.tokenizer,
-                            optimizer=self.trainer.optimizer, source_state=source_state,
+            save_checkpoint(run_dir=self.env.run_dir, step=step, model=self.trainer.hf_model(),
+                            tokenizer=self.tokenizer, optimizer=self.trainer.optimizer, source_state=source_state,
                             config_yaml=(self.env.run_dir / "config.yaml").read_text(),
                             keep_last=self.cfg.run.keep_last_checkpoints)
 
     def train_step(self, step: int) -> TrainStats:
         """Consume the step's groups in publish order and train each batch as soon as it is complete."""
-        cfg, trainer, rank, world = self.cfg, self.trainer, self.env.rank, self.env.world_size
+        cfg, trainer = self.cfg, self.trainer
+        rank, world = trainer.data_parallel_rank, trainer.data_parallel_size  # tensor-parallel peers share groups
         version = cfg.pipeline.mode.policy_version_for(step)
         stats = TrainStats(step=step, end_s=0.0, compute_s=0.0, tail_compute_s=0.0, wait_s=0.0, first_forward_s=0.0)
         consumer = BatchConsumer(num_batches=cfg.num_steps_per_rollout, groups_per_batch=cfg.groups_per_batch,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,6 +34,9 @@ from rolloutpipe.types import CompleteGroup
 
 class TrainerBackend(enum.Enum):
     torch = "torch"
+    """PolicyTrainer below: the HF model, torch AdamW, data parallel over gloo."""
+    megatron = "megatron"
+    """rolloutpipe.megatron.MegatronTrainer: Megatron-core GPTModel, DDP and optimizer (tensor parallel)."""
 
 
 class OldLogprobSource(enum.Enum):
@@ -42,10 +45,19 @@ class OldLogprobSource(enum.Enum):
 
 
 @dataclass(kw_only=True, slots=True)
+class MegatronConfig:
+    """Parallelism of ``trainer.backend=megatron``; data parallel = num_ranks / (tensor * pipeline)."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+
+@dataclass(kw_only=True, slots=True)
 class TrainerConfig:
     backend: TrainerBackend = TrainerBackend.torch
     num_ranks: int = 1
-    """Data-parallel trainer processes (gloo on CPU)."""
+    """Trainer processes (gloo on CPU): data parallel, times Megatron's model parallelism."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
     lr: float = 1e-3
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -60,6 +72,27 @@ class TrainerConfig:
             raise ValueError(f"trainer.num_ranks={self.num_ranks} must be >= 1.")
         if self.lr <= 0:
             raise ValueError(f"trainer.lr={self.lr} must be > 0.")
+        tp, pp = self.megatron.tensor_parallel_size, self.megatron.pipeline_parallel_size
+        if self.backend is TrainerBackend.torch and (tp, pp) != (1, 1):
+            raise ValueError("trainer.megatron.* parallel sizes need trainer.backend=megatron.")
+        if tp < 1 or pp < 1:
+            raise ValueError(f"trainer.megatron.tensor_parallel_size={tp} and pipeline_parallel_size={pp} "
+                             "must be >= 1.")
+        if pp > 1:
+            raise ValueError(
+                f"trainer.megatron.pipeline_parallel_size={pp} is not supported yet: the trainer trains each "
+                "micro-batch as its groups arrive, while Megatron's pipeline schedule needs all of a batch's "
+                "micro-batches in one call. Use tensor_parallel_size and data parallel ranks."
+            )
+        if self.num_ranks % (tp * pp):
+            raise ValueError(
+                f"trainer.num_ranks={self.num_ranks} must be a multiple of trainer.megatron.tensor_parallel_size"
+                f" * pipeline_parallel_size = {tp * pp} (data parallel = num_ranks / (tp * pp))."
+            )
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.num_ranks // (self.megatron.tensor_parallel_size * self.megatron.pipeline_parallel_size)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -88,6 +121,15 @@ class BatchResult:
     num_clipped_tokens: int
 
 
+def trainer_class(backend: TrainerBackend) -> type:
+    """The trainer of ``trainer.backend``; Megatron is imported only when chosen."""
+    if backend is TrainerBackend.megatron:
+        from rolloutpipe.megatron.trainer import MegatronTrainer
+
+        return MegatronTrainer
+    return PolicyTrainer
+
+
 class PolicyTrainer:
     def __init__(self, *, model: torch.nn.Module, cfg: TrainerConfig, grpo: GRPOConfig, temperature: float,
                  pad_id: int, multi_step: bool, process_group_active: bool, old_logprobs: OldLogprobSource) -> None:
@@ -99,6 +141,8 @@ class PolicyTrainer:
         self.multi_step = multi_step
         self.old_logprobs = old_logprobs
         self.distributed = process_group_active
+        self.data_parallel_rank = dist.get_rank() if process_group_active else 0
+        self.data_parallel_size = dist.get_world_size() if process_group_active else 1
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay
         )
@@ -118,7 +162,7 @@ class PolicyTrainer:
         input_ids, targets, mask = self._pack(samples)  # [B, L], [B, L-1], [B, L-1]
         attention = _real_tokens(samples, input_ids.shape[1])  # [B, L]
         logits = self.model(input_ids=input_ids, attention_mask=attention.long()).logits[:, :-1]
-        logprobs = _token_logprobs(logits, targets, self.temperature)  # [B, L-1]
+        logprobs = token_logprobs(logits, targets, self.temperature)  # [B, L-1]
         old = self._old_logprobs(samples, input_ids, attention, targets, logprobs, mask, first_batch_of_step)
         advantages = torch.tensor([s.advantage for s in samples], dtype=logprobs.dtype)
         sums = policy_loss_sums(logprobs, old, advantages, mask, self.grpo)
@@ -169,35 +213,49 @@ class PolicyTrainer:
         tmp.rename(path)
         return time.time() - start
 
+    def hf_model(self) -> torch.nn.Module:
+        """The policy as an HF model (for save_pretrained): the trained model itself."""
+        return self.model
+
     # -- helpers ---------------------------------------------------------------------------------
     def _pack(self, samples: list[TrainSample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        seqs = [s.prompt_ids + s.response_ids for s in samples]
-        length = max(len(s) for s in seqs)
-        input_ids = torch.full((len(seqs), length), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), length - 1), dtype=self._dtype())
-        for b, (s, seq) in enumerate(zip(samples, seqs)):
-            input_ids[b, : len(seq)] = torch.tensor(seq)
-            # logits at position j predict token j + 1: response tokens are predicted from P - 1 .. P + R - 2
-            mask[b, len(s.prompt_ids) - 1 : len(seq) - 1] = 1.0
-        return input_ids, input_ids[:, 1:], mask
+        return pack(samples, pad_id=self.pad_id, dtype=self._dtype())
 
     def _old_logprobs(self, samples, input_ids, attention, targets, logprobs, mask, first_batch_of_step):
         if self.old_logprobs is OldLogprobSource.engine:
-            old = torch.zeros_like(logprobs)
-            for b, s in enumerate(samples):
-                start = len(s.prompt_ids) - 1
-                old[b, start : start + len(s.engine_logprobs)] = torch.tensor(s.engine_logprobs, dtype=old.dtype)
-            return old
+            return engine_logprobs(samples, like=logprobs)
         if first_batch_of_step or self._snapshot is None:
             return logprobs.detach()
         with torch.no_grad():
             logits = torch.func.functional_call(
                 self.model, self._snapshot, (), {"input_ids": input_ids, "attention_mask": attention.long()}
             ).logits[:, :-1]
-            return _token_logprobs(logits, targets, self.temperature) * mask
+            return token_logprobs(logits, targets, self.temperature) * mask
 
     def _dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
+
+
+def pack(samples: list[TrainSample], *, pad_id: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Right-padded token ids [B, L], next-token targets [B, L-1], and the response-token mask [B, L-1]."""
+    seqs = [s.prompt_ids + s.response_ids for s in samples]
+    length = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), length - 1), dtype=dtype)
+    for b, (s, seq) in enumerate(zip(samples, seqs)):
+        input_ids[b, : len(seq)] = torch.tensor(seq)
+        # logits at position j predict token j + 1: response tokens are predicted from P - 1 .. P + R - 2
+        mask[b, len(s.prompt_ids) - 1 : len(seq) - 1] = 1.0
+    return input_ids, input_ids[:, 1:], mask
+
+
+def engine_logprobs(samples: list[TrainSample], *, like: torch.Tensor) -> torch.Tensor:
+    """The engine's log-probs of the response tokens, laid out like the trainer's [B, L-1]."""
+    old = torch.zeros_like(like)
+    for b, s in enumerate(samples):
+        start = len(s.prompt_ids) - 1
+        old[b, start : start + len(s.engine_logprobs)] = torch.tensor(s.engine_logprobs, dtype=old.dtype)
+    return old
 
 
 def _real_tokens(samples: list[TrainSample], length: int) -> torch.Tensor:
@@ -206,6 +264,6 @@ def _real_tokens(samples: list[TrainSample], length: int) -> torch.Tensor:
     return torch.arange(length)[None, :] < lens[:, None]
 
 
-def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     logp = torch.log_softmax(logits / temperature, dim=-1)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
