@@ -19,6 +19,9 @@ OnResult = Callable[[GenerationResult], None]
 class Engine(Protocol):
     name: str
     concurrency: int
+    error: BaseException | None
+    """Why the engine stopped serving (its thread raised, its server exited, a call failed); None while healthy.
+    A failed engine delivers no more results; rolloutpipe/supervisor.py replaces it."""
 
     @property
     def policy_version(self) -> int: ...
