@@ -23,7 +23,8 @@ and ``cgp`` apply the same update to the same samples; batch membership depends 
 
 Main loops
     rollout main  waits for: weights of version k, then all groups complete and published; checks the
-                  engines, reward threads, dispatcher and the trainer's heart-beats every poll.
+                  engines (a failed one is replaced and its requests retried: supervisor.py), reward threads,
+                  dispatcher and the trainer's heart-beats every poll.
     trainer main  waits for: the next handle (store.wait in slices with liveness checks).
     Shutdown: healthy, the rollout waits for ``trainer/done`` before it stops hosting the store; on any
     error a process writes ``abort`` with its reason and exits non-zero, and the others stop at their
@@ -260,8 +261,7 @@ class RolloutNode:
         self.supervisor.check()  # a failed engine is replaced; past rollout.max_engine_failures it raises
         for component in (self.rewards, self.dispatcher):
             if component.error is not None:
-                raise RuntimeError(f"{getattr(component, 'name', type(component).__name__)} failed: "
-                                   f"{component.error!r}") from component.error
+                raise RuntimeError(f"{type(component).__name__} failed: {component.error!r}") from component.error
         self.transport.liveness.check(waiting_for=waiting_for)
 
     def save_samples(self, step: int, prompts, groups) -> None:

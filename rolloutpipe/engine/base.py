@@ -21,7 +21,7 @@ class Engine(Protocol):
     concurrency: int
     error: BaseException | None
     """Why the engine stopped serving (its thread raised, its server exited, a call failed); None while healthy.
-    A failed engine delivers no more results; rolloutpipe/supervisor.py replaces it."""
+    rolloutpipe/supervisor.py then retries its requests elsewhere and replaces it."""
 
     @property
     def policy_version(self) -> int: ...
