@@ -23,7 +23,8 @@ and ``cgp`` apply the same update to the same samples; batch membership depends 
 
 Main loops
     rollout main  waits for: weights of version k, then all groups complete and published; checks the
-                  engines, reward threads, dispatcher and the trainer's heart-beats every poll.
+                  engines (a failed one is replaced and its requests retried: supervisor.py), reward threads,
+                  dispatcher and the trainer's heart-beats every poll.
     trainer main  waits for: the next handle (store.wait in slices with liveness checks).
     Shutdown: healthy, the rollout waits for ``trainer/done`` before it stops hosting the store; on any
     error a process writes ``abort`` with its reason and exits non-zero, and the others stop at their
@@ -49,7 +50,7 @@ from rolloutpipe.clock import sync_clock
 from rolloutpipe.config import Config, ResumeMode
 from rolloutpipe.data import PromptSource, load_prompts, prepare_data_path
 from rolloutpipe.dispatcher import Dispatcher, PipelineMode
-from rolloutpipe.engine import build_engines
+from rolloutpipe.engine import EngineFactory
 from rolloutpipe.env import NodeEnv, Role
 from rolloutpipe.metrics import RolloutStats, SpanRecorder, TrainStats, reduce_step, summary_line
 from rolloutpipe.model import load_model, load_tokenizer, save_hf_checkpoint
@@ -64,6 +65,7 @@ from rolloutpipe.rollout import (
     is_truncated,
     make_requests,
 )
+from rolloutpipe.supervisor import EngineSupervisor
 from rolloutpipe.trace import finish_run
 from rolloutpipe.tracking import open_tracker
 from rolloutpipe.trainer import OldLogprobSource, train_samples, trainer_class
@@ -107,7 +109,12 @@ class RolloutNode:
             self.source.load_state_dict(self.resumed.source_state)
         self.rewards = RewardThreads(pool=RewardPool(cfg.reward), tokenizer=self.tokenizer,
                                      num_threads=cfg.reward.num_workers, spans=self.spans)
-        self.engines = build_engines(cfg, vocab_size=len(self.tokenizer), on_result=self.on_result)
+        factory = EngineFactory(cfg, vocab_size=len(self.tokenizer), on_result=self.on_result)
+        self.engines = factory.build_all()
+        self.supervisor = EngineSupervisor(  # a failed engine: retry its requests elsewhere, restart it
+            engines=self.engines, restart=factory.restart, where_to_look=factory.where_to_look,
+            max_failures=cfg.rollout.max_engine_failures, request_timeout_s=cfg.rollout.request_timeout_s,
+            spans=self.spans)
         self.admission: Admission | None = None
         """The current step's; engine threads tell it which requests finished."""
         self.events: queue.Queue = queue.Queue()
@@ -120,8 +127,7 @@ class RolloutNode:
     def run(self) -> None:
         serving, first_step = 0, 0
         if self.resumed is not None:  # redo the step after the checkpoint from its start, with its weights
-            for engine in self.engines:
-                engine.update_weights_from_disk(str(self.resumed.weights_path), self.resumed.policy_version)
+            self.supervisor.load_weights(str(self.resumed.weights_path), self.resumed.policy_version)
             serving, first_step = self.resumed.policy_version, self.resumed.step + 1
         self.transport.wait_get(self.transport.key("trainer", "ready"), what="the trainer to start")
         for step in range(first_step, self.cfg.num_rollout):
@@ -139,15 +145,16 @@ class RolloutNode:
         record = self.transport.wait_json(self.transport.key("weights", f"policy_version={version}"),
                                           what=f"weights of policy_version {version}")
         start = time.time()
-        for engine in self.engines:
-            engine.update_weights_from_disk(str(self.env.run_dir / record["path"]), version)
+        self.supervisor.load_weights(str(self.env.run_dir / record["path"]), version)
         self.transport.set(self.transport.key("serving", f"policy_version={version}"), "1")
         self.spans.add("sync/weights", step=version, start_s=start, end_s=time.time())
         return time.time() - start
 
     def on_result(self, result) -> None:
         """Engine completion callback (engine thread): reward it, and wake the loop for a free slot."""
-        self.admission.finished(result.request_id)
+        if not self.admission.finished(result.request_id, result.engine):
+            return  # a late result of a failed engine: the request was resubmitted elsewhere
+        self.supervisor.on_result(result)
         self.rewards.on_result(result)
         self.events.put(None)
 
@@ -178,17 +185,22 @@ class RolloutNode:
                                    normalize_std=cfg.grpo.normalize_advantage_std)
         self.dispatcher.begin_step(step, cfg.rollout_batch_size)
         self.rewards.begin_step(assembler, in_flight, on_group=self.events.put)
+        self.supervisor.begin_step(step, self.admission)
 
         start_s = time.time()
         schedule.start()
         self.progress.start()
+        next_check_s = 0.0
         while not schedule.full():
             self.progress.update(lambda: f"step {step}: {len(schedule.complete)} groups complete, "
                                          f"{self.dispatcher.num_published(step)} published")
+            if time.monotonic() >= next_check_s:  # every poll, also while results stream in
+                self.check_health(f"step {step}'s rollout")  # a failed engine's requests go back in line
+                schedule.on_slot_freed()
+                next_check_s = time.monotonic() + POLL_S
             try:
                 group = self.events.get(timeout=POLL_S)
             except queue.Empty:
-                self.check_health(f"step {step}'s rollout")
                 continue
             if group is None:  # an engine slot freed
                 schedule.on_slot_freed()
@@ -246,10 +258,10 @@ class RolloutNode:
             )
 
     def check_health(self, waiting_for: str) -> None:
-        for component in (*self.engines, self.rewards, self.dispatcher):
+        self.supervisor.check()  # a failed engine is replaced; past rollout.max_engine_failures it raises
+        for component in (self.rewards, self.dispatcher):
             if component.error is not None:
-                raise RuntimeError(f"{getattr(component, 'name', type(component).__name__)} failed: "
-                                   f"{component.error!r}") from component.error
+                raise RuntimeError(f"{type(component).__name__} failed: {component.error!r}") from component.error
         self.transport.liveness.check(waiting_for=waiting_for)
 
     def save_samples(self, step: int, prompts, groups) -> None:

@@ -78,6 +78,12 @@ class RolloutConfig:
     """GPUs each started SGLang server uses (its --tp-size times --dp-size); engine i starts at GPU i * this."""
     server_start_timeout_s: float = 900.0
     """How long to wait for a started engine server to answer /health."""
+    max_engine_failures: int = 3
+    """Failures (crash, server exit, timeout) each engine may have in a run; every one is survived by resubmitting
+    its unfinished requests and restarting it (supervisor.py). One more stops the run. 0: stop at the first."""
+    request_timeout_s: float | None = None
+    """An engine that holds requests and hands none back for this long is hung and fails like a crashed one.
+    None: no timeout. Set it well above the longest single generation (max response length at full batch)."""
 
     def __post_init__(self) -> None:
         if self.num_engines < 1:
@@ -94,6 +100,12 @@ class RolloutConfig:
         if self.engine_urls and len(self.engine_urls) != self.num_engines:
             raise ValueError(f"rollout.engine_urls has {len(self.engine_urls)} URLs but rollout.num_engines="
                              f"{self.num_engines}; give one URL per engine.")
+        if self.max_engine_failures < 0:
+            raise ValueError(f"rollout.max_engine_failures={self.max_engine_failures} must be >= 0 (0 stops the run "
+                             "at an engine's first failure).")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError(f"rollout.request_timeout_s={self.request_timeout_s} must be > 0, or null for no "
+                             "timeout.")
 
 
 def sampling_seed(run_seed: int, step: int, group: int, sample: int) -> int:
@@ -256,10 +268,17 @@ def make_requests(*, step: int, group: int, prompt: Prompt, n_samples: int, run_
 class Admission:
     """Hands the step's requests to the engines under FIFO or FGD (see AdmissionPolicy).
 
-    Called from the rollout loop only (``finished`` also from engine threads): ``add_group`` when a group
-    is admitted, ``pump`` whenever an engine may have a free slot (a request finished) or the frontier
-    moved, ``abort_groups`` when the step is full. Engines count their own in-flight requests
-    (``Engine.num_in_flight``); ``assigned`` remembers which engine holds each request.
+    Called from the rollout loop only (``finished`` also from engine threads, hence the lock): ``add_group`` when
+    a group is admitted, ``pump`` whenever an engine may have a free slot (a request finished) or the frontier
+    moved, ``abort_groups`` when the step is full. ``assigned`` remembers which engine holds each request, and
+    Admission counts what each engine holds itself (a crashed engine cannot be asked).
+
+    Engine failure (the EngineSupervisor decides when): ``take_out`` puts a failed engine's unfinished requests
+    back in line, unchanged (same id, same seed), and they go to the engines in service as new ones would:
+    under FIFO at once, round robin; under FGD by ``pump``, frontier groups first. ``put_back`` puts its
+    replacement (``engines`` is the supervisor's list, replaced in place) into service. A result counts only
+    if it comes from the engine the request is assigned to now (``finished``), so a late result of the failed
+    engine is ignored and no sample is counted twice.
     """
 
     def __init__(self, *, policy: AdmissionPolicy, engines: list[Engine], concurrency: int) -> None:
@@ -268,17 +287,22 @@ class Admission:
         self.concurrency = concurrency
         self.assigned: dict[str, Engine] = {}
         self._unfinished: set[str] = set()
+        self._num_held: dict[str, int] = {}
+        """Unfinished requests per engine name (names are unique: a restarted engine gets a new one)."""
         self._waiting: dict[int, list[GenerationRequest]] = {}
-        """FGD's held groups, in group order (admission order)."""
-        self._submitted: dict[int, list[GenerationRequest]] = {}
+        """FGD's held groups (and requests to retry), in group order."""
+        self._orphans: list[tuple[int, GenerationRequest]] = []
+        """FIFO's requests to retry while no engine is in service."""
+        self._out_of_service: list[Engine] = []
+        self._submitted: dict[int, dict[str, GenerationRequest]] = {}
+        self._aborted: set[str] = set()
         self._next_engine = 0
+        self._lock = threading.Lock()
 
     def add_group(self, group: int, requests: list[GenerationRequest]) -> None:
         if self.policy is AdmissionPolicy.fifo:
             for request in requests:
-                engine = self.engines[self._next_engine % len(self.engines)]
-                self._next_engine += 1
-                self._submit(group, request, engine)
+                self._submit_round_robin(group, request)
         else:
             self._waiting[group] = requests
 
@@ -287,10 +311,7 @@ class Admission:
 
         ``frontier`` is called only when a slot is free (it scans the step's groups).
         """
-        if not self._waiting:
-            return
-        engine = max(self.engines, key=lambda e: self.concurrency - e.num_in_flight())
-        if engine.num_in_flight() >= self.concurrency:
+        if not self._waiting or (engine := self._most_free()) is None:
             return
         held = [g for g in frontier() if g in self._waiting]
         held.reverse()  # popped from the end: frontier groups in group order
@@ -298,33 +319,109 @@ class Admission:
             group = held.pop() if held else next(iter(self._waiting))
             for request in self._waiting.pop(group):
                 self._submit(group, request, engine)
-            engine = max(self.engines, key=lambda e: self.concurrency - e.num_in_flight())
-            if engine.num_in_flight() >= self.concurrency:
+            if (engine := self._most_free()) is None:
                 return
 
-    def finished(self, request_id: str) -> None:
-        """An engine handed the request back (any finish reason)."""
-        self._unfinished.discard(request_id)
+    def finished(self, request_id: str, engine_name: str) -> bool:
+        """An engine handed the request back (any finish reason); returns whether the result counts.
+
+        It does not when the request is no longer assigned to that engine (a late result of a failed engine) or
+        was already handed back, or belongs to another step.
+        """
+        with self._lock:
+            engine = self.assigned.get(request_id)
+            if request_id not in self._unfinished or engine is None or engine.name != engine_name:
+                return False
+            self._unfinished.discard(request_id)
+            self._num_held[engine_name] -= 1
+            return True
 
     def abort_groups(self, groups: list[int]) -> int:
         """Drop waiting requests and abort submitted ones of ``groups``; returns how many were aborted."""
         num_aborted = 0
+        dropped = set(groups)
+        num_orphans = len(self._orphans)
+        self._orphans = [(g, r) for g, r in self._orphans if g not in dropped]
+        num_aborted += num_orphans - len(self._orphans)
         for group in groups:
             num_aborted += len(self._waiting.pop(group, []))
-            for request in self._submitted.get(group, []):
-                if request.request_id in self._unfinished:
-                    self.assigned[request.request_id].abort(request.request_id)
+            for request_id in self._submitted.get(group, {}):
+                with self._lock:
+                    engine = self.assigned[request_id] if request_id in self._unfinished else None
+                    self._aborted.add(request_id)
+                if engine is not None:
+                    engine.abort(request_id)
                     num_aborted += 1
         return num_aborted
 
     def num_in_flight(self) -> int:
-        return sum(e.num_in_flight() for e in self.engines)
+        """Requests submitted and not handed back yet (on any engine)."""
+        with self._lock:
+            return len(self._unfinished)
+
+    def num_held(self, engine: Engine) -> int:
+        with self._lock:
+            return self._num_held.get(engine.name, 0)
+
+    def take_out(self, engine: Engine) -> int:
+        """Take a failed engine out of service and put its unfinished requests back in line; returns how many.
+
+        Requests already aborted (unused over-sampled groups) are dropped instead: nobody waits for them.
+        """
+        with self._lock:
+            held = {r for r in self._unfinished if self.assigned[r] is engine}
+            self._unfinished.difference_update(held)
+            self._num_held[engine.name] = 0
+        self._out_of_service.append(engine)
+        retry = [(group, request) for group, requests in self._submitted.items() for request in requests.values()
+                 if request.request_id in held and request.request_id not in self._aborted]  # submission order
+        for group, request in retry:
+            if self.policy is AdmissionPolicy.fifo:
+                self._submit_round_robin(group, request)
+            else:
+                self._waiting.setdefault(group, []).append(request)
+        self._waiting = dict(sorted(self._waiting.items()))
+        return len(retry)
+
+    def put_back(self, failed: Engine, replacement: Engine) -> None:
+        """``replacement`` (already in ``engines``) serves from now on; FIFO hands it the requests that waited."""
+        self._out_of_service.remove(failed)
+        orphans, self._orphans = self._orphans, []
+        for group, request in orphans:
+            self._submit_round_robin(group, request)
+
+    def _in_service(self) -> list[Engine]:
+        return [e for e in self.engines if e not in self._out_of_service]
+
+    def _most_free(self) -> Engine | None:
+        """The engine in service with the most free slots, if it has one."""
+        engines = self._in_service()
+        if not engines:
+            return None
+        engine = min(engines, key=self.num_held)
+        return engine if self.num_held(engine) < self.concurrency else None
+
+    def _submit_round_robin(self, group: int, request: GenerationRequest) -> None:
+        engines = self._in_service()
+        if not engines:
+            self._orphans.append((group, request))
+            return
+        self._submit(group, request, engines[self._next_engine % len(engines)])
+        self._next_engine += 1
 
     def _submit(self, group: int, request: GenerationRequest, engine: Engine) -> None:
-        self.assigned[request.request_id] = engine
-        self._unfinished.add(request.request_id)
-        self._submitted.setdefault(group, []).append(request)
-        engine.submit(request)
+        with self._lock:
+            self.assigned[request.request_id] = engine
+            self._unfinished.add(request.request_id)
+            self._num_held[engine.name] = self._num_held.get(engine.name, 0) + 1
+        self._submitted.setdefault(group, {})[request.request_id] = request
+        try:
+            engine.submit(request)
+        except Exception:
+            if engine.error is None:
+                raise
+            # it failed since the supervisor last looked: the request stays assigned to it until the supervisor
+            # takes the engine out and puts its requests back in line
 
 
 @dataclass(kw_only=True, slots=True)

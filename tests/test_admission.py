@@ -45,7 +45,7 @@ def test_fgd_admits_frontier_groups_first_then_the_rest_in_group_order():
         order.append(int(engine.running[0].split("/")[0].split("=")[1]))
         for r in list(engine.running):  # the engine finishes the whole group
             engine.running.remove(r)
-            admission.finished(r)
+            admission.finished(r, "e0")
     assert order == [7, 9, 3, 4, 12]
 
 
@@ -56,7 +56,7 @@ def test_fifo_submits_everything_at_once_round_robin_and_aborts_only_unfinished_
         admission.add_group(g, group_requests(g))
     assert engines[0].running == ["group=0/sample=0", "group=1/sample=0"]
     assert engines[1].running == ["group=0/sample=1", "group=1/sample=1"]
-    admission.finished("group=1/sample=0")
+    admission.finished("group=1/sample=0", "e0")
     assert admission.abort_groups([1]) == 1
     assert engines[1].aborted == ["group=1/sample=1"] and engines[0].aborted == []
 

@@ -19,6 +19,9 @@ OnResult = Callable[[GenerationResult], None]
 class Engine(Protocol):
     name: str
     concurrency: int
+    error: BaseException | None
+    """Why the engine stopped serving (its thread raised, its server exited, a call failed); None while healthy.
+    rolloutpipe/supervisor.py then retries its requests elsewhere and replaces it."""
 
     @property
     def policy_version(self) -> int: ...

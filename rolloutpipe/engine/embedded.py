@@ -21,7 +21,8 @@ What it does, plainly:
 - **Failure is loud.** If the scheduler thread raises (including from ``on_result``), the exception is kept in
   ``engine.error`` (None while healthy) and logged; no further results are delivered, and ``submit``,
   ``num_in_flight`` and ``update_weights_from_disk`` raise ``RuntimeError("engine <name> crashed: ...")``. The
-  rollout manager checks ``engine.error`` while it waits for results.
+  rollout node checks ``engine.error`` while it waits for results, retries the engine's requests elsewhere and
+  replaces it with a fresh engine (rolloutpipe/supervisor.py).
 
 Everything that depends on the transformers version (cache class, forward keyword, where a cache keeps its
 tensors) lives in the three ``_hf_*`` functions below.

@@ -12,7 +12,8 @@ Request threads (up to ``concurrency`` per engine, started as needed)
               request as aborted; each thread hands back its running request when it returns, then exits.
               On a failed call (server unreachable, HTTP error, a result from an unexpected weight version) the
               error is kept in ``error`` with the server's URL, no further results are delivered, and
-              ``submit``, ``num_in_flight`` and ``update_weights_from_disk`` raise.
+              ``submit``, ``num_in_flight`` and ``update_weights_from_disk`` raise; the rollout node then
+              retries its requests elsewhere and replaces it (rolloutpipe/supervisor.py).
 
 Abort retry thread (one per engine, started by the first abort of a running request)
     re-sends /abort_request every ``ABORT_RETRY_S`` for aborted requests that have not come back: SGLang ignores an

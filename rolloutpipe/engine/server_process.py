@@ -83,6 +83,17 @@ class ServerProcess:
             pass
 
 
+    def kill(self) -> None:
+        """SIGKILL the process group at once (a failed server: nothing to shut down cleanly); idempotent."""
+        if self._proc is None or self._proc.poll() is not None:
+            return
+        try:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._proc.wait()
+
+
 def embedded_server(*, name: str, model_config_yaml: Path, concurrency: int, log_dir: Path,
                     num_threads: int | None = None) -> ServerProcess:
     """The embedded engine's server (``python -m rolloutpipe.engine.http_server``) on a free local port."""

@@ -1,7 +1,13 @@
 """Run a node-group process with one fault armed: ``python -m tests.faults.inject <point> <nth>``.
 
 The process runs ``rolloutpipe.node`` as usual, except that the ``nth`` call of the function named by
-``point`` kills it with SIGKILL: no cleanup, no abort key, exactly like an OOM kill or a node loss.
+``point`` fails:
+- a ``POINTS`` entry kills the process with SIGKILL: no cleanup, no abort key, exactly like an OOM kill or a
+  node loss;
+- ``engine_crash`` raises inside an embedded engine's scheduler thread (its next decode step), which sets
+  ``engine.error`` as any crash of that thread would;
+- ``engine_server_killed`` SIGKILLs the server process of the SGLang-API engine being submitted to (the
+  ``nth`` submit of the run), as an OOM kill of that server would.
 This wrapper is the only place faults are injected; production code has no hooks for it.
 """
 
@@ -13,18 +19,34 @@ import os
 import signal
 import sys
 
+def kill_process(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def crash_engine(engine, *args, **kwargs):
+    raise RuntimeError(f"injected crash of engine {engine.name}")
+
+
+def kill_engine_server(engine, *args, **kwargs):
+    server = engine._stop_server.__self__  # the ServerProcess the rollout node started (engine/__init__.py)
+    print(f"injected: SIGKILL to {engine.name}'s server (pid {server._proc.pid})", file=sys.stderr, flush=True)
+    os.killpg(server._proc.pid, signal.SIGKILL)
+
+
 POINTS = {
-    # point: (module, attribute path) of the function whose nth call dies
-    "mid_rollout": ("rolloutpipe.rollout", "RewardThreads._reward"),
-    "mid_dispatch": ("rolloutpipe.dispatcher", "Dispatcher._publish"),
-    "mid_optimizer_step": ("rolloutpipe.trainer", "PolicyTrainer.finish_batch"),
-    "mid_checkpoint_write": ("rolloutpipe.checkpoint", "save_file"),
-    "during_weight_sync": ("rolloutpipe.engine.embedded", "EmbeddedEngine.update_weights_from_disk"),
+    # point: (module, attribute path) of the function whose nth call fails, and how it fails
+    "mid_rollout": ("rolloutpipe.rollout", "RewardThreads._reward", kill_process),
+    "mid_dispatch": ("rolloutpipe.dispatcher", "Dispatcher._publish", kill_process),
+    "mid_optimizer_step": ("rolloutpipe.trainer", "PolicyTrainer.finish_batch", kill_process),
+    "mid_checkpoint_write": ("rolloutpipe.checkpoint", "save_file", kill_process),
+    "during_weight_sync": ("rolloutpipe.engine.embedded", "EmbeddedEngine.update_weights_from_disk", kill_process),
+    "engine_crash": ("rolloutpipe.engine.embedded", "EmbeddedEngine._decode_step", crash_engine),
+    "engine_server_killed": ("rolloutpipe.engine.http_client", "SGLangEngine.submit", kill_engine_server),
 }
 
 
 def arm(point: str, nth: int) -> None:
-    module_name, path = POINTS[point]
+    module_name, path, fail = POINTS[point]
     owner = importlib.import_module(module_name)
     *parents, name = path.split(".")
     for parent in parents:
@@ -33,14 +55,14 @@ def arm(point: str, nth: int) -> None:
     calls = 0
 
     @functools.wraps(original)
-    def dying(*args, **kwargs):
+    def failing(*args, **kwargs):
         nonlocal calls
         calls += 1
         if calls == nth:
-            os.kill(os.getpid(), signal.SIGKILL)
+            fail(*args, **kwargs)
         return original(*args, **kwargs)
 
-    setattr(owner, name, dying)
+    setattr(owner, name, failing)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ uninterrupted run (float64, so only floating-point accumulation order could diff
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -67,3 +69,50 @@ def test_killed_and_resumed_run_trains_every_prompt_once_and_matches_the_uninter
     assert sorted(trained) == list(range(NUM_STEPS * PROMPTS_PER_STEP)), "every prompt trained exactly once"
     final = load_file(str(run_dir / "checkpoints" / "final" / "model.safetensors"))
     assert max((final[k] - uninterrupted[k]).abs().max().item() for k in final) < 1e-9
+
+
+# Engine failure: the run goes on. (point, rollout.engine, which call of the point fails): each in step 1
+ENGINE_FAULTS = [
+    ("engine_crash", "embedded", 14),  # a decode step of step 1 raises in one engine's scheduler thread
+    ("engine_server_killed", "embedded_http", 20),  # step 1's 4th request: its engine's server is SIGKILLed
+]
+
+
+@pytest.mark.parametrize("point,engine,nth", ENGINE_FAULTS, ids=[f[0] for f in ENGINE_FAULTS])
+def test_a_failed_engine_loses_no_sample_and_the_run_matches_the_uninterrupted_one(
+        tmp_path, data, uninterrupted, point, engine, nth):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    procs = start_nodes(run_dir, *workload(data), f"rollout.engine={engine}", "rollout.num_engines=2",
+                        commands={"rollout": ["-m", "tests.faults.inject", point, str(nth)]})
+    outputs = {role: p.communicate(timeout=180) for role, p in procs.items()}
+    for role, p in procs.items():
+        assert p.returncode == 0, outputs[role][1][-3000:]
+    assert "restarted as engine" in outputs["rollout"][1], "the fault never fired"
+
+    samples = read_samples(run_dir)
+    assert sorted(s["id"] for s in samples) == sorted(
+        f"step={k}/group={g}/sample={s}" for k in range(NUM_STEPS) for g in range(PROMPTS_PER_STEP)
+        for s in range(4)), "every sample of every step exactly once"
+    restarts = [s for s in spans(run_dir) if s[0] == "rollout/engine_restart"]
+    assert len(restarts) == 1 and restarts[0][1] == 1, restarts  # one restart, in step 1
+    final = load_file(str(run_dir / "checkpoints" / "final" / "model.safetensors"))
+    assert max((final[k] - uninterrupted[k]).abs().max().item() for k in final) < 1e-9
+
+
+def test_with_max_engine_failures_zero_a_failed_engine_stops_the_run_naming_it(tmp_path, data):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    procs = start_nodes(run_dir, *workload(data), "rollout.num_engines=2", "rollout.max_engine_failures=0",
+                        commands={"rollout": ["-m", "tests.faults.inject", "engine_crash", "3"]})
+    outputs = {role: p.communicate(timeout=180) for role, p in procs.items()}
+    assert procs["rollout"].returncode == 1 and procs["trainer"].returncode == 1
+    assert re.search(r"engine engine\d failed: RuntimeError\('injected crash of engine engine\d'\)\. That is "
+                     r"failure 1 .* rollout.max_engine_failures=0; stopping the run\. Look at engine\d runs inside "
+                     r"the rollout process", outputs["rollout"][1]), outputs["rollout"][1][-3000:]
+
+
+def spans(run_dir: Path) -> list[list]:
+    """Every span the rollout node recorded: [name, step, start_us, end_us, attrs]."""
+    lines = (run_dir / "spans" / "rollout-0.jsonl").read_text().splitlines()
+    return [s for line in lines if "spans" in (record := json.loads(line)) for s in record["spans"]]
