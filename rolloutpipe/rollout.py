@@ -294,6 +294,8 @@ class Admission:
         self._orphans: list[tuple[int, GenerationRequest]] = []
         """FIFO's requests to retry while no engine is in service."""
         self._out_of_service: list[Engine] = []
+        self._serving = list(engines)
+        """``engines`` minus those out of service (recomputed on take_out / put_back only: pump is hot)."""
         self._submitted: dict[int, dict[str, GenerationRequest]] = {}
         self._aborted: set[str] = set()
         self._next_engine = 0
@@ -373,6 +375,7 @@ class Admission:
             self._unfinished.difference_update(held)
             self._num_held[engine.name] = 0
         self._out_of_service.append(engine)
+        self._serving = self._in_service()
         retry = [(group, request) for group, requests in self._submitted.items() for request in requests.values()
                  if request.request_id in held and request.request_id not in self._aborted]  # submission order
         for group, request in retry:
@@ -386,6 +389,7 @@ class Admission:
     def put_back(self, failed: Engine, replacement: Engine) -> None:
         """``replacement`` (already in ``engines``) serves from now on; FIFO hands it the requests that waited."""
         self._out_of_service.remove(failed)
+        self._serving = self._in_service()
         orphans, self._orphans = self._orphans, []
         for group, request in orphans:
             self._submit_round_robin(group, request)
@@ -394,15 +398,13 @@ class Admission:
         return [e for e in self.engines if e not in self._out_of_service]
 
     def _most_free(self) -> Engine | None:
-        """The engine in service with the most free slots, if it has one."""
-        engines = self._in_service()
-        if not engines:
-            return None
-        engine = min(engines, key=self.num_held)
-        return engine if self.num_held(engine) < self.concurrency else None
+        """The engine in service with the most free slots, if it has one (a lock-free read of the counts)."""
+        held = self._num_held
+        engine = min(self._serving, key=lambda e: held.get(e.name, 0), default=None)
+        return engine if engine is not None and held.get(engine.name, 0) < self.concurrency else None
 
     def _submit_round_robin(self, group: int, request: GenerationRequest) -> None:
-        engines = self._in_service()
+        engines = self._serving
         if not engines:
             self._orphans.append((group, request))
             return

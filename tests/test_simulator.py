@@ -46,7 +46,7 @@ def test_engine_finish_times_equal_an_iteration_by_iteration_run():
     lengths, finished = [7, 3, 12, 3, 5, 9, 1], {}
     loop = EventLoop()
     engine = SimEngine(name="e", concurrency=3, model=MODEL, loop=loop,
-                       on_result=lambda done, aborted, t: finished.update({r.request_id: t for r in done}))
+                       on_result=lambda name, done, aborted, t: finished.update({r.request_id: t for r in done}))
     for i, n in enumerate(lengths):
         engine.submit(SimRequest(i, i, 0, 4, n, 1.0))
     loop.run_until(lambda: len(finished) == len(lengths))

@@ -68,8 +68,8 @@ class SimRequest:
         """The engine's iteration count when the request joined the running batch."""
 
 
-OnSimResult = Callable[[list[SimRequest], bool, float], None]
-"""(requests finished in the same iteration, aborted, finished_s)."""
+OnSimResult = Callable[[str, list[SimRequest], bool, float], None]
+"""(engine name, requests finished in the same iteration, aborted, finished_s)."""
 
 
 class SimEngine:
@@ -91,6 +91,8 @@ class SimEngine:
         self._version = 0
         self._join_pending = False
         self.busy_s = 0.0
+        self.error: BaseException | None = None
+        """Never set: simulated engines do not fail (the Engine protocol's health field)."""
 
     def num_in_flight(self) -> int:
         return len(self._waiting) + len(self._running)
@@ -112,7 +114,7 @@ class SimEngine:
         for request in self._waiting:
             if request.request_id == request_id:
                 self._waiting.remove(request)
-                self.on_result([request], True, self.loop.now)
+                self.on_result(self.name, [request], True, self.loop.now)
                 return
         for i, (_, rid, request) in enumerate(self._running):
             if rid == request_id:
@@ -122,7 +124,7 @@ class SimEngine:
                 heapq.heapify(self._running)
                 self._context_offset -= request.prompt_len - request.joined_at
                 self._schedule()
-                self.on_result([request], True, self.loop.now)
+                self.on_result(self.name, [request], True, self.loop.now)
                 return
 
     # -- time ---------------------------------------------------------------------------------------------
@@ -188,7 +190,7 @@ class SimEngine:
             if self._waiting:
                 self._admit()
             self._version += 1
-            self.on_result(done, False, loop.now)
+            self.on_result(self.name, done, False, loop.now)
             if not running:
                 return
             k = running[0][0] - self._iteration

@@ -179,7 +179,7 @@ class Simulation:
         )
         return stats, self.arrivals
 
-    def _on_result(self, requests: list[SimRequest], aborted: bool, finished_s: float) -> None:
+    def _on_result(self, engine: str, requests: list[SimRequest], aborted: bool, finished_s: float) -> None:
         """An engine finished (or aborted) requests: free their slots, reward each on the next free worker.
 
         A sample goes into the assembler at once; its group is complete when its last reward is done
@@ -187,7 +187,7 @@ class Simulation:
         """
         admission, assembler, rewarded_s, reward_free = self.admission, self.assembler, self.rewarded_s, self.reward_free
         for request in requests:
-            admission.finished(request.request_id)
+            admission.finished(request.request_id, engine)
             if self.record:
                 self._span("rollout/request", "rollout", self.step, request.started_s, finished_s,
                            engine=admission.assigned[request.request_id].name,
