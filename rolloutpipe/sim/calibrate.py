@@ -111,11 +111,16 @@ def overheads_from_run(run_dir: Path) -> OverheadModel:
         durations = [s.end_s - s.start_s for s in spans if s.name == name]
         return statistics.median(durations) if durations else 0.0
 
+    # a trainer rank's time from receiving a handle to its next span: reading the payload, building samples
+    trainer = sorted((s for s in spans if s.role == "trainer" and s.rank == 0 and s.name.startswith("train/")),
+                     key=lambda s: s.start_s)
+    gaps = [b.start_s - a.end_s for a, b in zip(trainer, trainer[1:]) if a.name == "train/wait" and a.step == b.step]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
     sync = statistics.median(m["perf/weight_sync_s"] for m in metrics)
     load = statistics.median(m["perf/weight_load_s"] for m in metrics)
     return OverheadModel(reward_s=median_of("rollout/reward"), publish_s=median_of("dispatch/publish"),
-                         load_s=0.0, weight_save_s=max(sync - load, 0.0), weight_load_s=load)
+                         load_s=statistics.median(gaps) if gaps else 0.0, weight_save_s=max(sync - load, 0.0),
+                         weight_load_s=load)
 
 
 def response_lengths(run_dir: Path) -> list[int]:
