@@ -58,6 +58,7 @@ from rolloutpipe.progress import Progress
 from rolloutpipe.rewards import RewardPool
 from rolloutpipe.rollout import (
     Admission,
+    AdmissionPolicy,
     GroupAssembler,
     InFlight,
     RewardThreads,
@@ -168,6 +169,7 @@ class RolloutNode:
                 step=step, group=group, prompt=prompt, n_samples=n, run_seed=cfg.seed,
                 max_new_tokens=cfg.rollout_max_response_len, temperature=cfg.rollout_temperature,
                 top_p=cfg.rollout_top_p, stop_token_ids=[self.tokenizer.eos_token_id],
+                priority=group if cfg.rollout.admission is AdmissionPolicy.fgd else 0,
             )
             for sample, r in enumerate(requests):
                 in_flight[r.request_id] = InFlight(prompt=prompt, group=group, sample=sample)

@@ -249,8 +249,11 @@ class RewardThreads:
 
 
 def make_requests(*, step: int, group: int, prompt: Prompt, n_samples: int, run_seed: int, max_new_tokens: int,
-                  temperature: float, top_p: float, stop_token_ids: list[int]) -> list[GenerationRequest]:
-    """One group's requests, seeded by their ids."""
+                  temperature: float, top_p: float, stop_token_ids: list[int], priority: int = 0
+                  ) -> list[GenerationRequest]:
+    """One group's requests, seeded by their ids. Under FGD ``priority`` is the group index, so an engine that
+    schedules by priority (SGLang with --enable-priority-scheduling, the embedded engine) also runs the
+    frontier (the lowest pending groups) first among what it holds; the samples do not depend on it."""
     return [
         GenerationRequest(
             request_id=sample_id(step, group, s),
@@ -260,6 +263,7 @@ def make_requests(*, step: int, group: int, prompt: Prompt, n_samples: int, run_
             top_p=top_p,
             sampling_seed=sampling_seed(run_seed, step, group, s),
             stop_token_ids=stop_token_ids,
+            priority=priority,
         )
         for s in range(n_samples)
     ]

@@ -187,3 +187,25 @@ def test_embedded_http_run_trains_through_the_server_and_stops_it(job_dir):
     assert versions == {(0, 0), (1, 1)}  # step 1 was generated after the weight update over HTTP
     port = int((run_dir / "engines" / "engine0.port").read_text())
     assert not sglang_api.is_healthy(f"http://127.0.0.1:{port}", timeout_s=1)  # the run stopped its server
+
+
+def test_fgd_reaches_sglang_as_group_order_priorities(tmp_path):
+    from rolloutpipe.config import load_config
+    from rolloutpipe.engine import EngineFactory
+    from rolloutpipe.rollout import make_requests
+    from rolloutpipe.types import Prompt
+
+    (tmp_path / "config.json").write_text("{}")
+    for admission, scheduled in (("fifo", False), ("fgd", True)):
+        cfg = load_config({"model": {"path": str(tmp_path)}, "run": {"dir": str(tmp_path / admission)},
+                           "rollout": {"engine": "sglang", "admission": admission}})
+        command = EngineFactory(cfg, vocab_size=VOCAB_SIZE, on_result=print)._server(0, "engine0").command
+        assert ("--enable-priority-scheduling" in command) is scheduled, admission
+        assert ("--schedule-low-priority-values-first" in command) is scheduled, admission
+    prompt = Prompt(index=0, text="abc", input_ids=[5, 6], label="cba")
+    requests = make_requests(step=0, group=7, prompt=prompt, n_samples=2, run_seed=1, max_new_tokens=4,
+                             temperature=1.0, top_p=1.0, stop_token_ids=[1], priority=7)
+    assert [sglang_api.generate_body(r).get("priority") for r in requests] == [7, 7]
+    assert [r.sampling_seed for r in requests] == [r.sampling_seed for r in make_requests(
+        step=0, group=7, prompt=prompt, n_samples=2, run_seed=1, max_new_tokens=4, temperature=1.0, top_p=1.0,
+        stop_token_ids=[1])], "the priority must not change the samples"

@@ -118,6 +118,7 @@ class EngineFactory:
         from omegaconf import OmegaConf
 
         from rolloutpipe.engine import server_process
+        from rolloutpipe.rollout import AdmissionPolicy
 
         cfg, rollout, log_dir = self.cfg, self.cfg.rollout, self._engine_dir()
         if self._embedded_server:
@@ -134,7 +135,8 @@ class EngineFactory:
                              "directory, or use rollout.engine=embedded_http.")
         return server_process.sglang_server(
             name=name, model_path=cfg.model.path, dtype=cfg.model.dtype.value, concurrency=rollout.concurrency,
-            seed=cfg.seed, base_gpu_id=index * rollout.sglang_gpus_per_engine, priority_scheduling=False,
+            seed=cfg.seed, base_gpu_id=index * rollout.sglang_gpus_per_engine,
+            priority_scheduling=rollout.admission is AdmissionPolicy.fgd,  # FGD's group order reaches the engine
             extra_args=rollout.sglang_launch_args, log_dir=log_dir)
 
     def _engine_dir(self) -> Path:
