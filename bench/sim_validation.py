@@ -8,7 +8,8 @@
 2. Run each setting for real (launch.py, as bench/pipeline_bench.py does; repeats interleaved, step 0
    dropped, medians over the remaining steps of all repeats).
 3. Simulate the same job config (the same overrides, bound to the same Config) on the calibrated models,
-   with the same number of steps, step 0 dropped, medians.
+   40 steps (the expected value, not one draw of a few steps), step 0 dropped, medians.
+``--measured DIR`` predicts again against the runs of an earlier invocation instead of running them.
 Every setting tried is reported; none is left out. The two-engine settings share one CPU between the
 two embedded engines (the rollout node group has one core here), which the simulator's independent
 engines do not model: they are listed to show that limit.
@@ -17,6 +18,7 @@ engines do not model: they are listed to show that limit.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -38,6 +40,7 @@ SETTINGS = {
        for m in ("sync", "cgp", "cgp+fgd")},
     **{f"long_tail {m}, 2 engines on 1 CPU": [*WORKLOADS["long_tail"], *MODES[m]] for m in ("sync", "cgp")},
 }
+SIM_STEPS = 40
 KEYS = [("perf/rollout_to_train_end_s", "r2t_s"), ("perf/trainer_wait_ratio", "wait")]
 
 
@@ -47,6 +50,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--response-len", type=int, default=192)
     parser.add_argument("--no-calibrate", action="store_true")
+    parser.add_argument("--measured", type=Path, default=None, help="reuse the runs of an earlier --out")
     parser.add_argument("--hardware", type=Path, default=REPO / "conf" / "sim" / "hardware" / "embedded_cpu.yaml")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "runs" / f"sim-validation-{time.strftime('%Y%m%d-%H%M%S')}")
     args = parser.parse_args()
@@ -56,16 +60,20 @@ def main() -> None:
     sim = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SimConfig), OmegaConf.load(args.hardware)))
     common = [f"num_rollout={args.steps}", f"rollout_max_response_len={args.response_len}"]
     measured: dict[str, list[dict]] = {name: [] for name in SETTINGS}
-    for rep in range(args.repeats):
+    if args.measured:
+        for name in SETTINGS:
+            for run_dir in sorted((args.measured / _dir_name(name)).iterdir()):
+                lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+                measured[name] += [json.loads(line) for line in lines][1:]
+    for rep in range(0 if args.measured else args.repeats):
         for name, overrides in SETTINGS.items():
-            measured[name] += run_one(args.out / name.replace(" ", "_").replace(",", "") / str(rep),
-                                      [*overrides, *common])[1:]
+            measured[name] += run_one(args.out / _dir_name(name) / str(rep), [*overrides, *common])[1:]
             print(f"  {name} repeat {rep}: done", file=sys.stderr, flush=True)
     rows = [["setting", *(f"{s} measured" for _, s in KEYS), *(f"{s} predicted" for _, s in KEYS),
              *(f"{s} error" for _, s in KEYS)]]
     for name, overrides in SETTINGS.items():
         job = load_config(OmegaConf.from_dotlist([*overrides, *common]))
-        predicted = simulate(job, sim, args.steps).records[1:]
+        predicted = simulate(job, sim, SIM_STEPS).records[1:]
         m = {k: statistics.median(r[k] for r in measured[name]) for k, _ in KEYS}
         p = {k: statistics.median(r[k] for r in predicted) for k, _ in KEYS}
         rows.append([name, *(f"{m[k]:.3f}" for k, _ in KEYS), *(f"{p[k]:.3f}" for k, _ in KEYS),
@@ -78,6 +86,10 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "table.md").write_text(text + "\n")
     print(f"\nruns and table in {args.out}")
+
+
+def _dir_name(setting: str) -> str:
+    return setting.replace(" ", "_").replace(",", "")
 
 
 if __name__ == "__main__":

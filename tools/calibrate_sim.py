@@ -1,13 +1,16 @@
 """Calibrate the simulator on this machine and write conf/sim/hardware/embedded_cpu.yaml.
 
-    python tools/calibrate_sim.py                 # ~3 minutes on 2 cores
+    python tools/calibrate_sim.py                 # ~4 minutes on 2 cores
     python tools/calibrate_sim.py --out /tmp/hw.yaml --run-dir /tmp/calibration-run
 
 1. the embedded engine and the PyTorch trainer, each timed alone in a process pinned to one CPU (as the
    rollout and trainer node groups are), fitted to the cost models (rolloutpipe/sim/calibrate.py);
 2. a short real run of the benchmark's long_tail workload (sync, another seed than the benchmark's)
    for the stage latencies (reward, publish, weight save and load) and the response-length law of the
-   untrained model (geometric: it stops at its end-of-sequence token with a constant probability).
+   untrained model (geometric: it stops at its end-of-sequence token with a constant probability);
+3. the same run simulated, to fit what a process alone does not show (calibrate.fit_in_situ): the host
+   work per finished request that shares the engine's CPU, and the trainer's speed beside the rollout.
+``--run-dir`` with a finished run in it reuses that run.
 """
 
 from __future__ import annotations
@@ -28,9 +31,17 @@ sys.path.insert(0, str(REPO))
 
 from bench.pipeline_bench import WORKLOADS, run_one  # noqa: E402
 from rolloutpipe.model import build_tiny_tokenizer  # noqa: E402
-from rolloutpipe.sim.calibrate import geometric_mean_tokens, overheads_from_run, response_lengths  # noqa: E402
+from rolloutpipe.config import load_config  # noqa: E402
+from rolloutpipe.sim.calibrate import (  # noqa: E402
+    fit_in_situ,
+    geometric_mean_tokens,
+    overheads_from_run,
+    response_lengths,
+)
+from rolloutpipe.sim.models import EngineModel, LengthKind, LengthModel, TrainerModel  # noqa: E402
+from rolloutpipe.sim.run import SimConfig  # noqa: E402
 
-MAX_RESPONSE_LEN = 256
+MAX_RESPONSE_LEN = 192  # the benchmark's default response budget
 
 
 def measure(kind: str) -> dict:
@@ -46,20 +57,23 @@ def main() -> None:
     args = parser.parse_args()
     engine, trainer = measure("engine"), measure("trainer")
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="rolloutpipe-calibration-"))
-    run_one(run_dir, [*WORKLOADS["long_tail"], "num_rollout=5", "seed=99", "pipeline.mode=sync",
-                      "run.save_samples=true", f"rollout_max_response_len={MAX_RESPONSE_LEN}",
-                      "rollout.num_engines=1", "rollout.concurrency=64"])
-    overheads = overheads_from_run(run_dir)
+    overrides = [*WORKLOADS["long_tail"], "num_rollout=8", "seed=99", "pipeline.mode=sync", "run.save_samples=true",
+                 f"rollout_max_response_len={MAX_RESPONSE_LEN}", "rollout.num_engines=1", "rollout.concurrency=64"]
+    if (run_dir / "metrics.jsonl").exists():
+        measured = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    else:
+        measured = run_one(run_dir, overrides)
     lengths = response_lengths(run_dir)
     tokenizer = build_tiny_tokenizer()
     prompts = [json.loads(line)["prompt"] for line in (run_dir / "rollouts" / "step=1.jsonl").read_text().splitlines()]
-    prompt_tokens = round(sum(len(tokenizer(p)["input_ids"]) for p in prompts) / len(prompts))
-    preset = {
-        "engine": engine, "trainer": trainer,
-        "overheads": asdict(overheads),
-        "lengths": {"kind": "geometric", "mean_tokens": round(geometric_mean_tokens(lengths, MAX_RESPONSE_LEN), 2),
-                    "prompt_tokens": prompt_tokens},
-    }
+    sim = SimConfig(engine=EngineModel(**engine), trainer=TrainerModel(**trainer), overheads=overheads_from_run(run_dir),
+                    lengths=LengthModel(kind=LengthKind.geometric,
+                                        mean_tokens=round(geometric_mean_tokens(lengths, MAX_RESPONSE_LEN), 2),
+                                        prompt_tokens=round(sum(len(tokenizer(p)["input_ids"]) for p in prompts)
+                                                            / len(prompts))))
+    sim = fit_in_situ(load_config(OmegaConf.from_dotlist(overrides)), sim, measured[1:])
+    preset = {key: asdict(getattr(sim, key)) for key in ("engine", "trainer", "overheads", "lengths")}
+    preset["lengths"]["kind"] = sim.lengths.kind.value
     header = (f"# @package sim\n# Written by tools/calibrate_sim.py on {time.strftime('%Y-%m-%d %H:%M')} (this machine: "
               "embedded engine and PyTorch trainer on one CPU each; stage latencies and the untrained model's response "
               f"lengths from a real run of the long_tail workload, {len(lengths)} samples). Rerun to recalibrate.\n")

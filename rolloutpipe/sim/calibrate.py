@@ -6,7 +6,12 @@
     trainer   PolicyTrainer.forward_backward on micro-batches of B samples padded to L tokens, and
               finish_batch, on one CPU like a trainer rank: fitted to models.TrainerModel.
     overheads from a short real run (launch.py) of the workload: medians of its spans (reward, publish,
-              weight sync) and the histogram of its response lengths, written beside the calibration.
+              weight sync) and the law of its response lengths.
+    in situ   the same run, simulated: in a real rollout process the engine shares its CPU with the reward
+              calls, detokenising and bookkeeping of every finished request, and the trainer runs beside the
+              rollout, so both are slower than alone. ``fit_in_situ`` sets EngineModel.per_finish_s so that the
+              simulated rollout time equals the run's, and scales the trainer model by the run's compute time
+              over the simulated one. Only this calibration run is used, never a run the simulator is judged on.
 
 ``tools/simulate.py calibrate=true`` runs all three and writes conf/sim/hardware/<name>.yaml.
 """
@@ -23,7 +28,7 @@ import numpy as np
 from rolloutpipe.sim.models import EngineModel, OverheadModel, TrainerModel
 
 ENGINE_GRID = [(b, length, p) for b in (1, 8, 32, 64) for length in (16, 64) for p in (8, 32)]
-TRAINER_GRID = [(b, length) for b in (1, 4, 16, 32) for length in (16, 48)]
+TRAINER_GRID = [(b, length) for b in (1, 4, 16) for length in (16, 64, 256)]
 
 
 def pin_to_one_cpu() -> None:
@@ -33,8 +38,9 @@ def pin_to_one_cpu() -> None:
     torch.set_num_threads(1)
 
 
-def calibrate_engine(model_cfg, *, repeats: int = 3) -> EngineModel:
-    """Fit EngineModel to the embedded engine's wall time over ENGINE_GRID (median of ``repeats``)."""
+def calibrate_engine(model_cfg, *, repeats: int = 5) -> EngineModel:
+    """Fit EngineModel to the embedded engine's wall time over ENGINE_GRID (the fastest of ``repeats``: on a
+    shared machine interference only ever adds time)."""
     import threading
 
     from rolloutpipe.engine.embedded import EmbeddedEngine
@@ -60,7 +66,7 @@ def calibrate_engine(model_cfg, *, repeats: int = 3) -> EngineModel:
                 samples.append(time.perf_counter() - start)
             # decode: L iterations with B running and context B*P + B*i at iteration i; prefill: one join of B*P
             rows.append([length, length * b, length * b * p + b * length * (length - 1) / 2, 1.0, b * p])
-            times.append(statistics.median(samples[1:]))
+            times.append(min(samples[1:]))
     finally:
         engine.shutdown()
     a, per_request, per_context, prefill_base, prefill_token = _fit(rows, times)
@@ -70,7 +76,7 @@ def calibrate_engine(model_cfg, *, repeats: int = 3) -> EngineModel:
                               f"fit residual {_residual(rows, times):.1%}")
 
 
-def calibrate_trainer(cfg, *, repeats: int = 3) -> TrainerModel:
+def calibrate_trainer(cfg, *, repeats: int = 5) -> TrainerModel:
     """Fit TrainerModel to PolicyTrainer's forward/backward over TRAINER_GRID; optimizer step measured apart."""
     from rolloutpipe.model import build_tiny_tokenizer, load_model
     from rolloutpipe.trainer import OldLogprobSource, PolicyTrainer, TrainSample
@@ -91,10 +97,11 @@ def calibrate_trainer(cfg, *, repeats: int = 3) -> TrainerModel:
             start = time.perf_counter()
             trainer.finish_batch()
             optimizer.append(time.perf_counter() - start)
-        rows.append([1.0, b * length])
-        times.append(statistics.median(measured[1:]))
-    base, per_token = _fit(rows, times)
-    return TrainerModel(micro_batch_base_s=base, per_token_s=per_token, optimizer_step_s=statistics.median(optimizer),
+        rows.append([1.0, b * length, b * length * length])
+        times.append(min(measured[1:]))
+    base, per_token, per_token_squared = _fit(rows, times)
+    return TrainerModel(micro_batch_base_s=base, per_token_s=per_token, per_token_squared_s=per_token_squared,
+                        optimizer_step_s=min(optimizer),
                         source=f"sim/calibrate.py on PolicyTrainer, {time.strftime('%Y-%m-%d')}, "
                                f"fit residual {_residual(rows, times):.1%}")
 
@@ -142,6 +149,34 @@ def _residual(rows: list[list[float]], times: list[float]) -> float:
     coef = np.asarray(_fit(rows, times))
     predicted = np.asarray(rows) @ coef
     return float(np.median(np.abs(predicted / np.asarray(times) - 1)))
+
+
+def fit_in_situ(job, sim, measured: list[dict], *, num_steps: int = 40):
+    """``sim`` with per_finish_s and the trainer scale fitted to a real run of ``job`` (see module docstring)."""
+    from dataclasses import replace
+
+    from rolloutpipe.sim.run import simulate
+
+    def simulated(model) -> dict[str, float]:
+        records = simulate(job, model, num_steps).records[1:]
+        return {k: statistics.median(r[k] for r in records) for k in ("perf/rollout_s", "perf/train_compute_s")}
+
+    target = statistics.median(r["perf/rollout_s"] for r in measured)
+    lo, hi = 0.0, 0.05
+    for _ in range(30):  # rollout time grows with per_finish_s: bisect
+        mid = (lo + hi) / 2
+        if simulated(replace(sim, engine=replace(sim.engine, per_finish_s=mid)))["perf/rollout_s"] < target:
+            lo = mid
+        else:
+            hi = mid
+    engine = replace(sim.engine, per_finish_s=lo, source=f"{sim.engine.source}; per_finish_s fitted in situ")
+    scale = statistics.median(r["perf/train_compute_s"] for r in measured) / simulated(sim)["perf/train_compute_s"]
+    trainer = replace(sim.trainer, micro_batch_base_s=sim.trainer.micro_batch_base_s * scale,
+                      per_token_s=sim.trainer.per_token_s * scale,
+                      per_token_squared_s=sim.trainer.per_token_squared_s * scale,
+                      optimizer_step_s=sim.trainer.optimizer_step_s * scale,
+                      source=f"{sim.trainer.source}; x{scale:.3f} in situ")
+    return replace(sim, engine=engine, trainer=trainer)
 
 
 def geometric_mean_tokens(lengths: list[int], max_tokens: int) -> float:

@@ -172,6 +172,7 @@ class SimEngine:
         loop, running, model = self.loop, self._running, self.model
         base, per_request, per_context = model.decode_base_s, model.decode_per_request_s, \
             model.decode_per_context_token_s
+        per_finish = model.per_finish_s
         while True:
             until, num_running = running[0][0], len(running)
             k = until - self._iteration
@@ -186,6 +187,9 @@ class SimEngine:
                 request = heapq.heappop(running)[2]
                 self._context_offset -= request.prompt_len - request.joined_at
                 done.append(request)
+            if per_finish:
+                self._time_s += per_finish * len(done)
+                self.busy_s += per_finish * len(done)
             loop.now = self._time_s
             if self._waiting:
                 self._admit()

@@ -7,12 +7,13 @@ tokens generated so far) add up to ``C`` tokens takes
 
 (fixed launch/scheduling cost, the per-sequence work of sampling and the MLP, and attention reading the
 KV cache). Requests join between iterations; a join costs ``prefill_base_s + prefill_per_token_s * P``
-for the joiners' P prompt tokens, paid by the whole batch. Calibrated on this machine's embedded engine
+for the joiners' P prompt tokens, paid by the whole batch; each finished request costs ``per_finish_s``. Calibrated on this machine's embedded engine
 by ``sim/calibrate.py``; GPU figures come from published SGLang throughput (conf/sim/hardware/*.yaml
 cite their sources).
 
 Trainer. A micro-batch is padded to its longest sample, as trainer.py does, so it costs
-``micro_batch_base_s + per_token_s * num_samples * padded_len``; an optimizer step costs
+``micro_batch_base_s + num_samples * (per_token_s * padded_len + per_token_squared_s * padded_len**2)``
+(the MLP, then attention); an optimizer step costs
 ``optimizer_step_s``. With several ranks each rank trains its share (batching.BatchConsumer) and the
 optimizer step waits for the slowest.
 """
@@ -35,6 +36,9 @@ class EngineModel:
     decode_per_context_token_s: float = 1.0e-8
     prefill_base_s: float = 1.0e-3
     prefill_per_token_s: float = 1.0e-6
+    per_finish_s: float = 0.0
+    """Time a finished request takes from its engine's device: host work that shares it (the embedded engine
+    shares one CPU with detokenising, the reward call and its bookkeeping; ~0 for a GPU engine)."""
     source: str = ""
     """Where the numbers come from (a calibration run, a paper, a benchmark page)."""
 
@@ -71,11 +75,14 @@ class TrainerModel:
     micro_batch_base_s: float = 5.0e-3
     per_token_s: float = 1.0e-5
     """Forward + backward per padded token on one rank."""
+    per_token_squared_s: float = 0.0
+    """Attention: per sample and squared padded length (matters where the sequence is long for the model)."""
     optimizer_step_s: float = 5.0e-3
     source: str = ""
 
     def micro_batch_s(self, num_samples: int, padded_len: int) -> float:
-        return self.micro_batch_base_s + self.per_token_s * num_samples * padded_len
+        return self.micro_batch_base_s + num_samples * padded_len * (self.per_token_s
+                                                                       + self.per_token_squared_s * padded_len)
 
 
 @dataclass(kw_only=True, slots=True)
