@@ -1,12 +1,13 @@
 """Does the simulator predict real runs? Predicted vs measured, side by side, for the benchmark workloads.
 
-    python bench/sim_validation.py                    # calibrate, then 8 settings x 2 repeats (~10 min)
+    python bench/sim_validation.py                    # 8 settings + 2 calibration runs, x 2 repeats (~25 min)
     python bench/sim_validation.py --no-calibrate --repeats 3
 
-1. Calibrate the simulator on this machine (tools/calibrate_sim.py -> conf/sim/hardware/embedded_cpu.yaml),
-   unless --no-calibrate.
-2. Run each setting for real (launch.py, as bench/pipeline_bench.py does; repeats interleaved, step 0
-   dropped, medians over the remaining steps of all repeats).
+1. Run each setting for real (launch.py, as bench/pipeline_bench.py does; repeats interleaved, step 0
+   dropped, medians over the remaining steps of all repeats), and in each repeat the calibration runs
+   too (another seed), so calibration and validation see the machine in the same state.
+2. Calibrate the simulator on those calibration runs only (tools/calibrate_sim.py ->
+   conf/sim/hardware/embedded_cpu.yaml), unless --no-calibrate.
 3. Simulate the same job config (the same overrides, bound to the same Config) on the calibrated models,
    40 steps (the expected value, not one draw of a few steps), step 0 dropped, medians.
 ``--measured DIR`` predicts again against the runs of an earlier invocation instead of running them.
@@ -20,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.pipeline_bench import MODES, WORKLOADS, run_one  # noqa: E402
+from tools import calibrate_sim as calibration  # noqa: E402
 from rolloutpipe.config import load_config  # noqa: E402
 from rolloutpipe.sim.run import SimConfig, simulate  # noqa: E402
 
@@ -54,21 +55,21 @@ def main() -> None:
     parser.add_argument("--hardware", type=Path, default=REPO / "conf" / "sim" / "hardware" / "embedded_cpu.yaml")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "runs" / f"sim-validation-{time.strftime('%Y%m%d-%H%M%S')}")
     args = parser.parse_args()
-    if not args.no_calibrate:
-        subprocess.run([sys.executable, str(REPO / "tools" / "calibrate_sim.py"), "--out", str(args.hardware),
-                        "--run-dir", str(args.out / "calibration")], check=True)
-    sim = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SimConfig), OmegaConf.load(args.hardware)))
     common = [f"num_rollout={args.steps}", f"rollout_max_response_len={args.response_len}"]
     measured: dict[str, list[dict]] = {name: [] for name in SETTINGS}
-    if args.measured:
-        for name in SETTINGS:
-            for run_dir in sorted((args.measured / _dir_name(name)).iterdir()):
-                lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-                measured[name] += [json.loads(line) for line in lines][1:]
+    runs = args.measured or args.out
     for rep in range(0 if args.measured else args.repeats):
+        calibration.run_calibration(runs / "calibration" / str(rep))
         for name, overrides in SETTINGS.items():
-            measured[name] += run_one(args.out / _dir_name(name) / str(rep), [*overrides, *common])[1:]
+            run_one(runs / _dir_name(name) / str(rep), [*overrides, *common])
             print(f"  {name} repeat {rep}: done", file=sys.stderr, flush=True)
+    for name in SETTINGS:
+        for run_dir in sorted((runs / _dir_name(name)).iterdir()):
+            lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+            measured[name] += [json.loads(line) for line in lines][1:]
+    if not args.no_calibrate:
+        calibration.calibrate(args.hardware, sorted((runs / "calibration").iterdir()))
+    sim = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SimConfig), OmegaConf.load(args.hardware)))
     rows = [["setting", *(f"{s} measured" for _, s in KEYS), *(f"{s} predicted" for _, s in KEYS),
              *(f"{s} error" for _, s in KEYS)]]
     for name, overrides in SETTINGS.items():

@@ -7,11 +7,11 @@
               finish_batch, on one CPU like a trainer rank: fitted to models.TrainerModel.
     overheads from a short real run (launch.py) of the workload: medians of its spans (reward, publish,
               weight sync) and the law of its response lengths.
-    in situ   the same run, simulated: in a real rollout process the engine shares its CPU with the reward
-              calls, detokenising and bookkeeping of every finished request, and the trainer runs beside the
-              rollout, so both are slower than alone. ``fit_in_situ`` sets EngineModel.per_finish_s so that the
-              simulated rollout time equals the run's, and scales the trainer model by the run's compute time
-              over the simulated one. Only this calibration run is used, never a run the simulator is judged on.
+    in situ   real runs (sync and cgp), simulated: in a real rollout process the engine shares its CPU with the
+              reward calls, detokenising and bookkeeping of every finished request, and in cgp the trainer
+              computes while the rollout runs on the other core, so both are slower than alone.
+              ``fit_in_situ`` fits EngineModel.per_finish_s, a trainer scale and TrainerModel.corun_slowdown
+              to them. Only calibration runs are used, never a run the simulator is judged on.
 
 ``tools/simulate.py calibrate=true`` runs all three and writes conf/sim/hardware/<name>.yaml.
 """
@@ -151,32 +151,43 @@ def _residual(rows: list[list[float]], times: list[float]) -> float:
     return float(np.median(np.abs(predicted / np.asarray(times) - 1)))
 
 
-def fit_in_situ(job, sim, measured: list[dict], *, num_steps: int = 40):
-    """``sim`` with per_finish_s and the trainer scale fitted to a real run of ``job`` (see module docstring)."""
+def fit_in_situ(sim, *, sync_job, sync_records: list[dict], cgp_job, cgp_records: list[dict], num_steps: int = 40):
+    """``sim`` with the in-situ parameters fitted to real sync and cgp runs (see module docstring).
+
+    sync run: EngineModel.per_finish_s so that the simulated rollout time equals the run's, and a scale of the
+    trainer model so that its compute time does (the trainer runs alone there). cgp run: the trainer's
+    corun_slowdown so that its compute time, spent while the rollout generates, does too.
+    """
     from dataclasses import replace
 
     from rolloutpipe.sim.run import simulate
 
-    def simulated(model) -> dict[str, float]:
-        records = simulate(job, model, num_steps).records[1:]
-        return {k: statistics.median(r[k] for r in records) for k in ("perf/rollout_s", "perf/train_compute_s")}
+    def median(records: list[dict], key: str) -> float:
+        return statistics.median(r[key] for r in records)
 
-    target = statistics.median(r["perf/rollout_s"] for r in measured)
-    lo, hi = 0.0, 0.05
-    for _ in range(30):  # rollout time grows with per_finish_s: bisect
-        mid = (lo + hi) / 2
-        if simulated(replace(sim, engine=replace(sim.engine, per_finish_s=mid)))["perf/rollout_s"] < target:
-            lo = mid
-        else:
-            hi = mid
-    engine = replace(sim.engine, per_finish_s=lo, source=f"{sim.engine.source}; per_finish_s fitted in situ")
-    scale = statistics.median(r["perf/train_compute_s"] for r in measured) / simulated(sim)["perf/train_compute_s"]
-    trainer = replace(sim.trainer, micro_batch_base_s=sim.trainer.micro_batch_base_s * scale,
-                      per_token_s=sim.trainer.per_token_s * scale,
-                      per_token_squared_s=sim.trainer.per_token_squared_s * scale,
-                      optimizer_step_s=sim.trainer.optimizer_step_s * scale,
-                      source=f"{sim.trainer.source}; x{scale:.3f} in situ")
-    return replace(sim, engine=engine, trainer=trainer)
+    def simulated(job, model, key: str) -> float:
+        return median(simulate(job, model, num_steps).records[1:], key)
+
+    def bisect(make, job, key: str, target: float, lo: float, hi: float) -> float:
+        for _ in range(25):  # the simulated time grows with the parameter
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if simulated(job, make(mid), key) < target else (lo, mid)
+        return lo
+
+    per_finish = bisect(lambda v: replace(sim, engine=replace(sim.engine, per_finish_s=v)), sync_job,
+                        "perf/rollout_s", median(sync_records, "perf/rollout_s"), 0.0, 0.05)
+    sim = replace(sim, engine=replace(sim.engine, per_finish_s=per_finish,
+                                      source=f"{sim.engine.source}; per_finish_s fitted in situ"))
+    scale = median(sync_records, "perf/train_compute_s") / simulated(sync_job, sim, "perf/train_compute_s")
+    t = sim.trainer
+    sim = replace(sim, trainer=replace(t, micro_batch_base_s=t.micro_batch_base_s * scale,
+                                       per_token_s=t.per_token_s * scale,
+                                       per_token_squared_s=t.per_token_squared_s * scale,
+                                       optimizer_step_s=t.optimizer_step_s * scale))
+    corun = bisect(lambda v: replace(sim, trainer=replace(sim.trainer, corun_slowdown=v)), cgp_job,
+                   "perf/train_compute_s", median(cgp_records, "perf/train_compute_s"), 0.5, 3.0)
+    return replace(sim, trainer=replace(sim.trainer, corun_slowdown=corun,
+                                        source=f"{t.source}; x{scale:.3f} in situ, corun_slowdown fitted in situ"))
 
 
 def geometric_mean_tokens(lengths: list[int], max_tokens: int) -> float:

@@ -78,6 +78,9 @@ class TrainerModel:
     per_token_squared_s: float = 0.0
     """Attention: per sample and squared padded length (matters where the sequence is long for the model)."""
     optimizer_step_s: float = 5.0e-3
+    corun_slowdown: float = 1.0
+    """Micro-batch time multiplier while the rollout generates: the node groups share memory bandwidth and
+    caches where they share a machine (this one: one core each of two); 1.0 on separate nodes."""
     source: str = ""
 
     def micro_batch_s(self, num_samples: int, padded_len: int) -> float:

@@ -108,7 +108,9 @@ class Simulation:
                 rollout_start = max(rollout_end, served[version]) + over.step_start_s
             rollout, arrivals = self._rollout_step(step, version, rollout_start)
             rollout_end = rollout.last_group_s
-            train, mean_compute, mean_tail = self._train_step(step, arrivals, trainer_free)
+            # the rollout shares the machine with the trainer until its last group (async: the next step's follows)
+            corun_until = float("inf") if self.mode is PipelineMode.async_one_step else rollout.last_group_s
+            train, mean_compute, mean_tail = self._train_step(step, arrivals, trainer_free, corun_until)
             saved = train.end_s + over.weight_save_s
             served[step + 1] = saved + over.weight_load_s
             train.weight_sync_s = over.weight_save_s + over.weight_load_s
@@ -231,7 +233,7 @@ class Simulation:
                        seq=len(self.arrivals) - 1)
 
     # -- trainer --------------------------------------------------------------------------------------------
-    def _train_step(self, step: int, arrivals: list[tuple[float, SimHandle]], free_s: float):
+    def _train_step(self, step: int, arrivals: list[tuple[float, SimHandle]], free_s: float, corun_until: float):
         job, model, load_s = self.job, self.sim.trainer, self.sim.overheads.load_s
         world = job.trainer.num_ranks
         consumers = [BatchConsumer(num_batches=job.num_steps_per_rollout, groups_per_batch=job.groups_per_batch,
@@ -247,12 +249,15 @@ class Simulation:
                 clock[r] = max(clock[r], arrival_s) + load_s
                 for work in consumer.arrive(handle, lambda h: h.sample_tokens):
                     if isinstance(work, MicroBatch):
-                        segments[r][-1].append(model.micro_batch_s(len(work.samples), max(work.samples)))
+                        segments[r][-1].append((len(work.samples), max(work.samples)))
                     else:
                         segments[r].append([])
             for i in range(len(segments[0])):
                 for r in range(world):
-                    for cost in segments[r][i]:
+                    for num_samples, padded_len in segments[r][i]:
+                        cost = model.micro_batch_s(num_samples, padded_len)
+                        if clock[r] < corun_until:
+                            cost *= model.corun_slowdown
                         first_forward = clock[r] if first_forward is None else first_forward
                         if record:
                             self._span("train/forward_backward", "trainer", step, clock[r], clock[r] + cost, rank=r)
