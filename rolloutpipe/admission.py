@@ -111,12 +111,9 @@ class StepSlots:
         if filled >= self.rollout_batch_size:
             return []
         budget = self.groups_per_batch - filled % self.groups_per_batch  # slots left in that batch
-        frontier = []
-        for g in range(start, len(self.states)):
-            if budget == 0:
+        frontier, filtered_before_start = [], bisect.bisect_left(self._filtered, start)
+        for g in self._pending:  # a pending group is needed if fewer than `budget` live groups lie from start to it
+            if (g - start) - (bisect.bisect_left(self._filtered, g) - filtered_before_start) >= budget:
                 break
-            if self.states[g] is not GroupState.FILTERED:
-                budget -= 1
-                if self.states[g] is GroupState.PENDING:
-                    frontier.append(g)
+            frontier.append(g)
         return frontier

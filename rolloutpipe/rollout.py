@@ -403,9 +403,12 @@ class Admission:
 
     def _most_free(self) -> Engine | None:
         """The engine in service with the most free slots, if it has one (a lock-free read of the counts)."""
-        held = self._num_held
-        engine = min(self._serving, key=lambda e: held.get(e.name, 0), default=None)
-        return engine if engine is not None and held.get(engine.name, 0) < self.concurrency else None
+        held, best, fewest = self._num_held, None, self.concurrency
+        for engine in self._serving:
+            num = held.get(engine.name, 0)
+            if num < fewest:
+                best, fewest = engine, num
+        return best
 
     def _submit_round_robin(self, group: int, request: GenerationRequest) -> None:
         engines = self._serving
