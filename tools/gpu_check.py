@@ -1,7 +1,7 @@
-"""GPU check of the SGLang backend: a real SGLang server, the PyTorch trainer, a tiny model, a few minutes.
+"""GPU check of the production backends: a real SGLang server, the Megatron-core trainer, a tiny model, minutes.
 
-    pip install -e ".[sglang,dev]"       # sglang 0.5.23 brings its own CUDA torch
-    python tools/gpu_check.py --out /tmp/gpu_check [--sglang-args --attention-backend triton]
+    pip install -e ".[sglang,megatron,dev]"   # sglang 0.5.23 brings its own CUDA torch
+    python tools/gpu_check.py --out /tmp/gpu_check [--trainer-backend torch] [--sglang-args --attention-backend triton]
 
 Not run in CI and never run on the CPU machines (sglang does not install there); run it when a GPU is lent.
 It prints one line per check and a JSON summary, and exits non-zero if a check fails:
@@ -11,8 +11,9 @@ It prints one line per check and a JSON summary, and exits non-zero if a check f
    engine vs the trainer's recomputation (transformers, CPU, float32) at policy_version 0, then again after
    ``update_weights_from_disk`` to other weights as policy_version 1 (the weight-version check included).
    An abort of a long request is exercised on the way.
-2. ``parity``: the whole job (``launch.py rollout.engine=sglang``) for 2 steps in ``sync`` and ``cgp`` modes with
-   ``--enable-deterministic-inference``: the same samples, then the same final weights.
+2. ``parity``: the whole job (``launch.py rollout.engine=sglang trainer.backend=megatron``) for 2 steps in
+   ``sync`` and ``cgp`` modes with ``--enable-deterministic-inference``: the same samples, then the same final
+   weights (``--trainer-backend torch`` checks the PyTorch trainer instead).
 
 Tolerances: log-probs within ``--logprob-atol`` (default 2e-3: float32 on both sides, different kernels);
 parity within 1e-5 on the weights (float32 training, only the order of additions differs) once samples match.
@@ -129,12 +130,13 @@ def check_logprobs(out: Path, sglang_args: list[str], atol: float) -> dict:
     return summary
 
 
-def check_parity(out: Path, sglang_args: list[str]) -> dict:
+def check_parity(out: Path, sglang_args: list[str], trainer_backend: str) -> dict:
     from safetensors.torch import load_file
 
     model_dir = out / "tiny-hf"
     args = ["num_rollout=2", "rollout_batch_size=4", "n_samples_per_prompt=4", "global_batch_size=16",
             "micro_batch_size=4", "rollout_max_response_len=8", "run.save_samples=true", "rollout.engine=sglang",
+            f"trainer.backend={trainer_backend}",
             f"model.path={model_dir}", "model.dtype=float32",
             "rollout.sglang_launch_args=[" + ",".join(SERVER_ARGS + ["--enable-deterministic-inference"]
                                                       + sglang_args) + "]"]
@@ -163,6 +165,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("gpu_check_out"))
     parser.add_argument("--logprob-atol", type=float, default=2e-3)
     parser.add_argument("--skip-parity", action="store_true")
+    parser.add_argument("--trainer-backend", choices=["megatron", "torch"], default="megatron")
     parser.add_argument("--sglang-args", nargs=argparse.REMAINDER, default=[],
                         help="extra sglang.launch_server arguments (last on the line)")
     args = parser.parse_args()
@@ -172,7 +175,7 @@ def main() -> int:
     summary = {"sglang_version": getattr(sglang, "__version__", "?")}
     summary |= check_logprobs(args.out, args.sglang_args, args.logprob_atol)
     if not args.skip_parity:
-        summary |= check_parity(args.out, args.sglang_args)
+        summary |= check_parity(args.out, args.sglang_args, args.trainer_backend)
     print(json.dumps(summary, indent=2))
     return 0 if all(v for k, v in summary.items() if k.endswith("_ok")) else 1
 
