@@ -159,3 +159,16 @@ def _require(environ: dict[str, str], keys: tuple[str, ...]) -> None:
             "(python launch.py, slurm/rolloutpipe.sbatch, or the TorchX component), not by hand. On Slurm the "
             "launcher's variables reach the tasks through sbatch's environment (--export=ALL)."
         )
+
+
+def trainer_process_group_backend() -> str:
+    """Bind this trainer rank to its GPU (the node-local task id picks it) and name the process-group backend:
+    gloo on CPU; on GPU NCCL for CUDA tensors (Megatron's gradients) and gloo for the CPU tensors of the
+    per-step metric reduction. Untested on GPU here (no GPU was available); tools/gpu_check.py exercises it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "gloo"
+    local = int(os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or 0)
+    torch.cuda.set_device(local % torch.cuda.device_count())
+    return "cpu:gloo,cuda:nccl"

@@ -51,7 +51,7 @@ from rolloutpipe.config import Config, ResumeMode
 from rolloutpipe.data import PromptSource, load_prompts, prepare_data_path
 from rolloutpipe.dispatcher import Dispatcher, PipelineMode
 from rolloutpipe.engine import EngineFactory
-from rolloutpipe.env import NodeEnv, Role
+from rolloutpipe.env import NodeEnv, Role, trainer_process_group_backend
 from rolloutpipe.metrics import RolloutStats, SpanRecorder, TrainStats, reduce_step, summary_line
 from rolloutpipe.model import load_model, load_tokenizer, save_hf_checkpoint
 from rolloutpipe.progress import Progress
@@ -304,7 +304,8 @@ class TrainerNode:
         self.distributed = env.world_size > 1
         if self.distributed:
             pg_store = dist.PrefixStore(transport.key("trainer_pg") + "/", transport.connect_another().store)
-            dist.init_process_group("gloo", store=pg_store, rank=env.rank, world_size=env.world_size)
+            dist.init_process_group(trainer_process_group_backend(), store=pg_store, rank=env.rank,
+                                    world_size=env.world_size)
         self.tokenizer = load_tokenizer(cfg.model)
         self.resumed = latest_checkpoint(env.run_dir) if cfg.run.resume is ResumeMode.auto else None
         model_cfg = cfg.model if self.resumed is None else replace(cfg.model, path=str(self.resumed.directory))

@@ -27,11 +27,12 @@ def init_parallel_state(*, tp_size: int, pp_size: int) -> bool:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+    from rolloutpipe.env import trainer_process_group_backend
     from rolloutpipe.megatron import cpu
 
     created = not dist.is_initialized()
     if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(trainer_process_group_backend(), store=dist.HashStore(), rank=0, world_size=1)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size,
                                              pipeline_model_parallel_size=pp_size)
     if torch.cuda.is_available():
