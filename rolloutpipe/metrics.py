@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import socket
+import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -31,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rolloutpipe.clock import ClockSync
-from rolloutpipe.types import Span
+from rolloutpipe.types import FinishReason, Span
 
 SPAN_FLUSH = "spans/flush"
 """The span each flush records of itself; its ``record_s`` attribute is the time spent in ``add`` since the
@@ -192,6 +193,24 @@ class RolloutStats:
     reward_mean: float
     reward_std: float
     response_len_mean: float
+
+    @classmethod
+    def of(cls, *, step: int, policy_version: int, start_s: float, last_group_s: float, weight_load_s: float,
+           selected: list, complete: list, num_filtered: int, num_returned: int, num_aborted: int) -> RolloutStats:
+        """The record of a step whose ``selected`` groups are trained, out of every ``complete`` one."""
+        samples = [s for g in complete for s in g.samples]
+        rewards = [s.reward for s in samples]
+        return cls(
+            step=step, policy_version=policy_version, start_s=start_s,
+            first_group_s=min(g.completed_s for g in selected), last_group_s=last_group_s,
+            weight_load_s=weight_load_s, num_groups=len(selected), num_samples=len(samples),
+            num_tokens=sum(len(s.response_ids) for s in samples),
+            num_truncated=sum(s.finish_reason is FinishReason.LENGTH for s in samples),
+            num_reward_errors=sum(s.reward_error is not None for s in samples),
+            num_filtered_groups=num_filtered, num_returned_prompts=num_returned, num_aborted_samples=num_aborted,
+            reward_mean=statistics.fmean(rewards), reward_std=statistics.pstdev(rewards),
+            response_len_mean=statistics.fmean(len(s.response_ids) for s in samples),
+        )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import queue
-import statistics
 import sys
 import time
 from dataclasses import asdict, replace
@@ -63,8 +62,9 @@ from rolloutpipe.rollout import (
     InFlight,
     RewardThreads,
     RolloutSchedule,
-    is_truncated,
+    check_reward_failures,
     make_requests,
+    write_samples,
 )
 from rolloutpipe.supervisor import EngineSupervisor
 from rolloutpipe.trace import finish_run
@@ -207,7 +207,8 @@ class RolloutNode:
             if group is None:  # an engine slot freed
                 schedule.on_slot_freed()
                 continue
-            self.check_reward_failures(step, [*schedule.complete.values(), group])
+            check_reward_failures(step, [*schedule.complete.values(), group], num_expected=cfg.rollout_batch_size * n,
+                                  max_fraction=cfg.reward.max_failure_fraction, reward_name=cfg.reward.name)
             resolution = schedule.on_group(group)
             if not resolution.trainable:
                 self.spans.add("rollout/group_dropped", step=step, start_s=group.completed_s, end_s=time.time(),
@@ -230,34 +231,13 @@ class RolloutNode:
         while not self.events.empty():
             self.events.get()
 
-        selected = schedule.selected()
-        samples = [s for g in schedule.complete.values() for s in g.samples]
-        rewards = [s.reward for s in samples]
         if cfg.run.save_samples:
-            self.save_samples(step, schedule.prompts, selected)
-        return RolloutStats(
-            step=step, policy_version=version, start_s=start_s,
-            first_group_s=min(g.completed_s for g in selected), last_group_s=last_group_s,
-            weight_load_s=weight_load_s, num_groups=len(selected), num_samples=len(samples),
-            num_tokens=sum(len(s.response_ids) for s in samples),
-            num_truncated=sum(map(is_truncated, samples)),
-            num_reward_errors=sum(s.reward_error is not None for s in samples),
-            num_filtered_groups=schedule.num_filtered, num_returned_prompts=len(unused), num_aborted_samples=num_aborted,
-            reward_mean=statistics.fmean(rewards), reward_std=statistics.pstdev(rewards),
-            response_len_mean=statistics.fmean(len(s.response_ids) for s in samples),
-        )
-
-    def check_reward_failures(self, step: int, groups) -> None:
-        """Stop before the failures reach the trainer's optimizer step once they pass the configured share."""
-        failed = [s for g in groups for s in g.samples if s.reward_error is not None]
-        expected = self.cfg.rollout_batch_size * self.cfg.n_samples_per_prompt
-        if len(failed) > self.cfg.reward.max_failure_fraction * expected:
-            raise RuntimeError(
-                f"step {step}: the reward function '{self.cfg.reward.name}' failed on {len(failed)} samples, more "
-                f"than reward.max_failure_fraction={self.cfg.reward.max_failure_fraction} of the step's {expected}; "
-                f"stopping instead of training on them. First error: {failed[0].reward_error}. Fix the reward "
-                "function (or its timeout, reward.timeout_s) and rerun."
-            )
+            write_samples(self.env.run_dir / "rollouts" / f"step={step}.jsonl", step, schedule.prompts,
+                          schedule.selected())
+        return RolloutStats.of(step=step, policy_version=version, start_s=start_s, last_group_s=last_group_s,
+                               weight_load_s=weight_load_s, selected=schedule.selected(),
+                               complete=list(schedule.complete.values()), num_filtered=schedule.num_filtered,
+                               num_returned=len(unused), num_aborted=num_aborted)
 
     def check_health(self, waiting_for: str) -> None:
         self.supervisor.check()  # a failed engine is replaced; past rollout.max_engine_failures it raises
@@ -265,20 +245,6 @@ class RolloutNode:
             if component.error is not None:
                 raise RuntimeError(f"{type(component).__name__} failed: {component.error!r}") from component.error
         self.transport.liveness.check(waiting_for=waiting_for)
-
-    def save_samples(self, step: int, prompts, groups) -> None:
-        path = self.env.run_dir / "rollouts" / f"step={step}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("w") as f:
-            for g in sorted(groups, key=lambda g: g.group):
-                for s, adv in zip(g.samples, g.advantages):
-                    f.write(json.dumps({
-                        "id": f"step={step}/group={g.group}/sample={s.index}", "batch": g.batch,
-                        "prompt_index": g.prompt_index,
-                        "prompt": prompts[g.group].text, "response": s.response_text, "response_ids": s.response_ids,
-                        "reward": s.reward, "advantage": adv, "finish_reason": s.finish_reason.value,
-                        "reward_error": s.reward_error,
-                    }) + "\n")
 
     def close(self) -> None:
         for engine in self.engines:

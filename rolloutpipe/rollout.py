@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import json
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from rolloutpipe.admission import StepSlots
@@ -506,5 +508,27 @@ class RolloutSchedule:
             self.admission.add_group(group, self.requests_for(group, prompt))
 
 
-def is_truncated(sample: Sample) -> bool:
-    return sample.finish_reason is FinishReason.LENGTH
+def check_reward_failures(step: int, groups, *, num_expected: int, max_fraction: float, reward_name: str) -> None:
+    """Stop before the failures reach the trainer's optimizer step once they pass the configured share."""
+    failed = [s for g in groups for s in g.samples if s.reward_error is not None]
+    if len(failed) > max_fraction * num_expected:
+        raise RuntimeError(
+            f"step {step}: the reward function '{reward_name}' failed on {len(failed)} samples, more than "
+            f"reward.max_failure_fraction={max_fraction} of the step's {num_expected}; stopping instead of training "
+            f"on them. First error: {failed[0].reward_error}. Fix the reward function (or its timeout, "
+            "reward.timeout_s) and rerun."
+        )
+
+
+def write_samples(path: Path, step: int, prompts: list[Prompt], groups: list[CompleteGroup]) -> None:
+    """Every sample of the step's trained groups, one JSON line each (``run.save_samples``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for g in sorted(groups, key=lambda g: g.group):
+            for s, adv in zip(g.samples, g.advantages):
+                f.write(json.dumps({
+                    "id": sample_id(step, g.group, s.index), "batch": g.batch, "prompt_index": g.prompt_index,
+                    "prompt": prompts[g.group].text, "response": s.response_text, "response_ids": s.response_ids,
+                    "reward": s.reward, "advantage": adv, "finish_reason": s.finish_reason.value,
+                    "reward_error": s.reward_error,
+                }) + "\n")

@@ -165,20 +165,10 @@ class Simulation:
         last_group_s = self.loop.now
         unused, num_aborted = schedule.finish()
         self.source.give_back([schedule.prompts[g] for g in unused])
-        selected = schedule.selected()
-        samples = [s for g in schedule.complete.values() for s in g.samples]
-        rewards = [s.reward for s in samples]
-        stats = RolloutStats(
-            step=step, policy_version=version, start_s=start_s,
-            first_group_s=min(g.completed_s for g in selected), last_group_s=last_group_s, weight_load_s=0.0,
-            num_groups=len(selected), num_samples=len(samples),
-            num_tokens=sum(len(s.response_ids) for s in samples),
-            num_truncated=sum(len(s.response_ids) == job.rollout_max_response_len for s in samples),
-            num_reward_errors=0, num_filtered_groups=schedule.num_filtered, num_returned_prompts=len(unused),
-            num_aborted_samples=num_aborted, reward_mean=statistics.fmean(rewards),
-            reward_std=statistics.pstdev(rewards),
-            response_len_mean=statistics.fmean(len(s.response_ids) for s in samples),
-        )
+        stats = RolloutStats.of(step=step, policy_version=version, start_s=start_s, last_group_s=last_group_s,
+                                weight_load_s=0.0, selected=schedule.selected(),
+                                complete=list(schedule.complete.values()), num_filtered=schedule.num_filtered,
+                                num_returned=len(unused), num_aborted=num_aborted)
         return stats, self.arrivals
 
     def _on_result(self, engine: str, requests: list[SimRequest], aborted: bool, finished_s: float) -> None:
@@ -188,6 +178,7 @@ class Simulation:
         (one event per group, not per sample: this is the simulator's hot path).
         """
         admission, assembler, rewarded_s, reward_free = self.admission, self.assembler, self.rewarded_s, self.reward_free
+        max_len = self.job.rollout_max_response_len
         for request in requests:
             admission.finished(request.request_id, engine)
             if self.record:
@@ -203,7 +194,8 @@ class Simulation:
                 rewarded_s[group] = done_s
             complete = assembler.add(Sample(
                 group=group, index=request.sample, response_ids=range(request.response_len), logprobs=[],
-                response_text="", finish_reason=FinishReason.STOP, reward=request.reward))
+                response_text="", reward=request.reward,
+                finish_reason=FinishReason.LENGTH if request.response_len == max_len else FinishReason.STOP))
             if complete is not None:
                 self.loop.at(rewarded_s.pop(group), self._on_group, complete)
         self.schedule.on_slot_freed()
