@@ -178,24 +178,24 @@ class Simulation:
         (one event per group, not per sample: this is the simulator's hot path).
         """
         admission, assembler, rewarded_s, reward_free = self.admission, self.assembler, self.rewarded_s, self.reward_free
-        max_len = self.job.rollout_max_response_len
+        max_len, reward_s, stop, length = self.job.rollout_max_response_len, self.reward_s, FinishReason.STOP, \
+            FinishReason.LENGTH
+        if self.record:
+            for request in requests:
+                self._span("rollout/request", "rollout", self.step, request.started_s, finished_s, engine=engine,
+                           queued_s=request.started_s - request.submitted_s, aborted=aborted)
         for request in requests:
             admission.finished(request.request_id, engine)
-            if self.record:
-                self._span("rollout/request", "rollout", self.step, request.started_s, finished_s,
-                           engine=admission.assigned[request.request_id].name,
-                           queued_s=request.started_s - request.submitted_s, aborted=aborted)
             if aborted:
                 continue
-            done_s = max(reward_free[0], finished_s) + self.reward_s
+            done_s = (reward_free[0] if reward_free[0] > finished_s else finished_s) + reward_s
             heapq.heapreplace(reward_free, done_s)
             group = request.group
             if done_s > rewarded_s.get(group, 0.0):
                 rewarded_s[group] = done_s
             complete = assembler.add(Sample(
                 group=group, index=request.sample, response_ids=range(request.response_len), logprobs=[],
-                response_text="", reward=request.reward,
-                finish_reason=FinishReason.LENGTH if request.response_len == max_len else FinishReason.STOP))
+                response_text="", reward=request.reward, finish_reason=length if request.response_len == max_len else stop))
             if complete is not None:
                 self.loop.at(rewarded_s.pop(group), self._on_group, complete)
         self.schedule.on_slot_freed()
