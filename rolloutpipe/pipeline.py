@@ -118,7 +118,7 @@ class RolloutNode:
         self.supervisor = EngineSupervisor(  # a failed engine: retry its requests elsewhere, restart it
             engines=self.engines, restart=factory.restart, where_to_look=factory.where_to_look,
             max_failures=cfg.rollout.max_engine_failures, request_timeout_s=cfg.rollout.request_timeout_s,
-            spans=self.spans)
+            spans=self.spans, check_peers=lambda what: transport.liveness.check(waiting_for=what))
         self.admission: Admission | None = None
         """The current step's; engine threads tell it which requests finished."""
         self.events: queue.Queue = queue.Queue()
@@ -435,7 +435,8 @@ class TrainerNode:
                             backend="nccl" if cfg.rollout.engine is EngineKind.sglang else "gloo")  # engines on GPUs
         self.transport.put_json(self.transport.key("weight_sync", "group"), group.to_json())
         self.broadcaster = Broadcaster(group=group, bucket_bytes=int(cfg.pipeline.weight_sync_bucket_mb * 2**20),
-                                       timeout_s=cfg.rollout.server_start_timeout_s + cfg.pipeline.connect_timeout_s)
+                                       timeout_s=cfg.rollout.server_start_timeout_s + cfg.pipeline.connect_timeout_s,
+                                       check=lambda what: self.transport.liveness.check(waiting_for=what))
 
     def sync_weights(self, version: int) -> float:
         """Publish policy ``version`` (a file, or a broadcast) and wait until every engine serves it (rank 0 only)."""
@@ -451,7 +452,7 @@ class TrainerNode:
                 state = self.trainer.hf_state()
                 buckets = self.broadcaster.plan(state)
                 self.transport.put_json(key, {"policy_version": version, "buckets": [asdict(b) for b in buckets]})
-                self.broadcaster.send(state, buckets)
+                self.broadcaster.send(state, buckets, version)
             if serves and self.cfg.pipeline.mode is not PipelineMode.async_one_step:
                 self.transport.wait_get(self.transport.key("serving", f"policy_version={version}"),
                                         what=f"the engines to serve policy_version {version}")

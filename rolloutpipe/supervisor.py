@@ -54,13 +54,16 @@ class EngineSupervisor:
 
     def __init__(self, *, engines: list[Engine], restart: Callable[[int, str, Engine], Engine],
                  where_to_look: Callable[[Engine], str], max_failures: int, request_timeout_s: float | None,
-                 spans: SpanRecorder) -> None:
+                 spans: SpanRecorder, check_peers: Callable[[str], None] = lambda what: None) -> None:
         self.engines = engines
         self.restart = restart
         self.where_to_look = where_to_look
         self.max_failures = max_failures
         self.request_timeout_s = request_timeout_s
         self.spans = spans
+        self.check_peers = check_peers
+        """Raises when the run is aborted or a peer is gone (transport.Liveness.check), while engines join or receive
+        a broadcast: those calls wait for trainer rank 0."""
         self.weights: tuple[str, int] | None = None
         """The path and policy_version every engine serves; None: the model's own weights (policy_version 0)."""
         self.weight_group: WeightGroup | None = None
@@ -105,13 +108,14 @@ class EngineSupervisor:
 
         The calls run at once (each returns only when the whole group has formed)."""
         self.weight_group = group
-        self._on_every_engine(f"joining the weight-update group at {group.master_address}:{group.master_port}",
+        self._on_every_engine(f"the engines to join the weight-update group at {group.master_address}:"
+                              f"{group.master_port}",
                               lambda slot, engine: engine.init_weights_update_group(group, 1 + slot * ranks_per_engine))
 
     def load_weights_distributed(self, buckets: list[Bucket], policy_version: int) -> None:
         """Serve ``policy_version`` on every engine from trainer rank 0's broadcast of ``buckets`` (between steps)."""
         self._on_every_engine(
-            f"receiving policy_version {policy_version}",
+            f"the engines to receive policy_version {policy_version}",
             lambda slot, engine: engine.update_weights_from_distributed(buckets, self.weight_group.group_name,
                                                                          policy_version))
 
@@ -130,12 +134,15 @@ class EngineSupervisor:
         for thread in threads:
             thread.start()
         for thread in threads:
-            thread.join()
+            while thread.is_alive():
+                self.check_peers(what)
+                thread.join(timeout=0.5)
         if errors:
             name, err = next(iter(errors.items()))
             engine = next(e for e in self.engines if e.name == name)
-            raise EngineFailed(f"{what} failed on {sorted(errors)}: {name}: {err}. With pipeline.weight_sync="
-                               f"distributed this stops the run. Look at {self.where_to_look(engine)}") from err
+            raise EngineFailed(f"weight sync failed on {sorted(errors)} (waiting for {what}): {name}: {err}. With "
+                               f"pipeline.weight_sync=distributed this stops the run. Look at "
+                               f"{self.where_to_look(engine)}") from err
 
     def _failure(self, engine: Engine) -> str | None:
         if engine.error is not None:

@@ -39,6 +39,9 @@ from __future__ import annotations
 
 import enum
 import socket
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
@@ -119,12 +122,23 @@ def join_group(group: WeightGroup, rank: int, *, timeout_s: float = 1800.0) -> d
     return pg
 
 
-def broadcast_bucket(pg: dist.ProcessGroup, state: dict[str, torch.Tensor], bucket: Bucket, device: str) -> None:
-    """Rank 0's side of one bucket: one broadcast per tensor, in the bucket's order (as the engines receive)."""
-    handles = [dist.broadcast(state[name].detach().to(device).contiguous(), src=0, group=pg, async_op=True)
-               for name in bucket.names]
-    for handle in handles:
-        handle.wait()
+def broadcast_bucket(pg: dist.ProcessGroup, state: dict[str, torch.Tensor], bucket: Bucket, device: str) -> list:
+    """Rank 0's side of one bucket: one broadcast per tensor, in the bucket's order (as the engines receive).
+    Returns the pending works (``wait_all``)."""
+    return [dist.broadcast(state[name].detach().to(device).contiguous(), src=0, group=pg, async_op=True)
+            for name in bucket.names]
+
+
+def wait_all(works: list, check: Callable[[], None], poll_s: float = 0.02, check_every_s: float = 0.5) -> None:
+    """Wait for collective ``works``, calling ``check`` (which raises when a peer is gone) every ``check_every_s``."""
+    next_check_s = time.monotonic() + check_every_s
+    for work in works:
+        while not work.is_completed():
+            if time.monotonic() >= next_check_s:
+                check()
+                next_check_s = time.monotonic() + check_every_s
+            time.sleep(poll_s)
+        work.wait()  # raises if the collective failed
 
 
 def receive_bucket(pg: dist.ProcessGroup, bucket: Bucket) -> dict[str, torch.Tensor]:
@@ -139,20 +153,42 @@ def receive_bucket(pg: dist.ProcessGroup, bucket: Bucket) -> dict[str, torch.Ten
 
 class Broadcaster:
     """Trainer rank 0's side: rank 0 of ``group`` (joined here, blocking until the engines have joined too), then
-    one ``send`` per policy version while the rollout node has the engines receive it."""
+    one ``send`` per policy version while the rollout node has the engines receive it.
 
-    def __init__(self, *, group: WeightGroup, bucket_bytes: int, timeout_s: float) -> None:
+    ``check(what)`` runs every half second while this waits for the engines, and raises when the run is aborted or
+    the rollout node stopped heart-beating (transport.Liveness.check), so a lost peer is not a silent hang.
+    """
+
+    def __init__(self, *, group: WeightGroup, bucket_bytes: int, timeout_s: float,
+                 check: Callable[[str], None]) -> None:
         self.group = group
         self.bucket_bytes = bucket_bytes
         self.device = "cuda" if group.backend == "nccl" else "cpu"
-        self._pg = join_group(group, 0, timeout_s=timeout_s)
+        self._check = check
+        joined: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                joined["pg"] = join_group(group, 0, timeout_s=timeout_s)
+            except BaseException as err:  # noqa: BLE001 - re-raised below, on the caller's thread
+                joined["error"] = err
+
+        thread = threading.Thread(target=join, name="weight-group-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            self._check(f"the engines to join the weight-update group at {group.master_address}:{group.master_port}")
+            thread.join(timeout=0.5)
+        if "error" in joined:
+            raise joined["error"]
+        self._pg = joined["pg"]
 
     def plan(self, state: dict[str, torch.Tensor]) -> list[Bucket]:
         return plan_buckets(state, self.bucket_bytes)
 
-    def send(self, state: dict[str, torch.Tensor], buckets: list[Bucket]) -> None:
+    def send(self, state: dict[str, torch.Tensor], buckets: list[Bucket], policy_version: int) -> None:
+        what = f"the engines to receive policy_version {policy_version}"
         for bucket in buckets:
-            broadcast_bucket(self._pg, state, bucket, self.device)
+            wait_all(broadcast_bucket(self._pg, state, bucket, self.device), lambda: self._check(what))
 
 
 def free_port() -> int:

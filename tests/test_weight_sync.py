@@ -70,7 +70,7 @@ def test_engines_serve_the_broadcast_weights_and_report_their_version(servers):
         group = WeightGroup(master_address="127.0.0.1", master_port=free_port(), world_size=1 + NUM_SERVERS)
         rank0: dict[str, Broadcaster] = {}
         joining = threading.Thread(target=lambda: rank0.update(b=Broadcaster(group=group, bucket_bytes=40_000,
-                                                                             timeout_s=60)))
+                                                                             timeout_s=60, check=lambda what: None)))
         joining.start()
         supervisor.join_weight_group(group, ranks_per_engine=1)
         joining.join()
@@ -80,7 +80,7 @@ def test_engines_serve_the_broadcast_weights_and_report_their_version(servers):
         state.pop("lm_head.weight")  # tied, as the trainer sends it
         buckets = rank0["b"].plan(state)
         assert len(buckets) > 2
-        sending = threading.Thread(target=rank0["b"].send, args=(state, buckets))
+        sending = threading.Thread(target=rank0["b"].send, args=(state, buckets, 1))
         sending.start()
         supervisor.load_weights_distributed(buckets, 1)
         sending.join()
