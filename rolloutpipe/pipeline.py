@@ -74,7 +74,15 @@ from rolloutpipe.tracking import open_tracker
 from rolloutpipe.trainer import OldLogprobSource, train_samples, trainer_class
 from rolloutpipe.transport import Liveness, StoreAddress, Transport
 from rolloutpipe.types import Prompt
-from rolloutpipe.weight_sync import Broadcaster, Bucket, WeightGroup, WeightSync, free_port, master_address
+from rolloutpipe.weight_sync import (
+    Broadcaster,
+    Bucket,
+    WeightGroup,
+    WeightSync,
+    free_port,
+    master_address,
+    weight_sync_backend,
+)
 
 POLL_S = 0.5
 
@@ -432,7 +440,8 @@ class TrainerNode:
         cfg = self.cfg
         group = WeightGroup(master_address=master_address(self.env.store_host), master_port=free_port(),
                             world_size=1 + cfg.rollout.num_engines * cfg.rollout.ranks_per_engine,
-                            backend="nccl" if cfg.rollout.engine is EngineKind.sglang else "gloo")  # engines on GPUs
+                            backend=weight_sync_backend(cfg.rollout.engine is EngineKind.sglang,
+                                                        self.trainer.hf_state()))
         self.transport.put_json(self.transport.key("weight_sync", "group"), group.to_json())
         self.broadcaster = Broadcaster(group=group, bucket_bytes=int(cfg.pipeline.weight_sync_bucket_mb * 2**20),
                                        timeout_s=cfg.rollout.server_start_timeout_s + cfg.pipeline.connect_timeout_s,

@@ -25,9 +25,10 @@ distributed (HTTP engines: ``rollout.engine=embedded_http`` or ``sglang``)
 
     Who calls the engines: the rollout node, not the trainer. It alone knows when no request is in flight, and it
     already owns the engine list, the weight-update session and the version check. The trainer's broadcast just
-    blocks until the engines join it. Backend: gloo when the engines run on CPU (the embedded engine), nccl for
-    SGLang on GPUs (untested here: no GPU). The group's membership is fixed when it forms, so a failed engine
-    cannot be replaced by a fresh one (it could not join); with distributed sync an engine failure stops the run.
+    blocks until the engines join it. Backend (``weight_sync_backend``): nccl when SGLang engines on GPUs meet a
+    trainer on GPUs (untested here: no GPU), gloo otherwise (the embedded engine; a CPU trainer). The group's
+    membership is fixed when it forms, so a failed engine cannot be replaced by a fresh one (it could not join);
+    with distributed sync an engine failure stops the run.
 
 The process group is formed the way SGLang 0.5.23 forms it on the engine side (``init_custom_process_group``:
 a ``tcp://`` rendezvous whose rank 0 hosts the store, a ``PrefixStore`` named after the group, torch's group
@@ -104,6 +105,16 @@ def master_address(store_host: str) -> str:
     if store_host in ("127.0.0.1", "localhost", "::1"):
         return "127.0.0.1"
     return socket.getfqdn()
+
+
+def weight_sync_backend(engines_on_gpus: bool, state: dict[str, torch.Tensor]) -> str:
+    """nccl when both ends hold CUDA tensors (SGLang engines, a trainer on GPUs: Megatron with CUDA), else gloo.
+
+    gloo also serves a CPU trainer broadcasting into SGLang's CUDA receive buffers (it copies through host memory);
+    nccl cannot start from CPU tensors, nor put two ranks on one GPU (a trainer sharing the engines' GPU).
+    """
+    on_gpu = next(iter(state.values())).is_cuda
+    return "nccl" if engines_on_gpus and on_gpu else "gloo"
 
 
 def join_group(group: WeightGroup, rank: int, *, timeout_s: float = 1800.0) -> dist.ProcessGroup:

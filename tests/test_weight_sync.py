@@ -19,7 +19,7 @@ from rolloutpipe.engine.http_client import SGLangEngine
 from rolloutpipe.metrics import read_spans
 from rolloutpipe.model import DType, ModelConfig, load_model
 from rolloutpipe.supervisor import EngineSupervisor
-from rolloutpipe.weight_sync import Broadcaster, WeightGroup, free_port, plan_buckets
+from rolloutpipe.weight_sync import Broadcaster, WeightGroup, free_port, plan_buckets, weight_sync_backend
 from tests.conftest import DENSE_REWARD, SMALL, read_samples, run_job
 from tests.test_sglang_client import MODEL, VOCAB_SIZE, Results, in_process, request
 
@@ -46,6 +46,12 @@ def test_buckets_keep_the_state_order_and_respect_the_size():
     buckets = plan_buckets(state, bucket_bytes=100)
     assert [b.names for b in buckets] == [["a", "b"], ["c"], ["d"]]  # c (400 bytes) alone: larger than a bucket
     assert buckets[0].dtypes == ["float64", "bfloat16"] and buckets[0].shapes == [[10], [3, 2]]
+
+
+def test_a_cpu_trainer_broadcasts_over_gloo_even_to_sglang_engines():
+    """nccl cannot send CPU tensors; gloo fills SGLang's CUDA buffers through host memory."""
+    assert weight_sync_backend(True, {"w": torch.zeros(2)}) == "gloo"
+    assert weight_sync_backend(False, {"w": torch.zeros(2)}) == "gloo"
 
 
 def test_distributed_weight_sync_needs_http_engines_and_says_so():

@@ -12,7 +12,9 @@ It prints one line per check and a JSON summary, and exits non-zero if a check f
    ``update_weights_from_disk`` to other weights as policy_version 1 (the weight-version check included).
    An abort of a long request is exercised on the way.
 2. ``parity``: the whole job (``launch.py rollout.engine=sglang``) for 2 steps in ``sync`` and ``cgp`` modes with
-   ``--enable-deterministic-inference``: the same samples, then the same final weights.
+   ``--enable-deterministic-inference``: the same samples, then the same final weights. A third run, ``cgp`` with
+   ``pipeline.weight_sync=distributed`` (the CPU trainer broadcasts over gloo into SGLang's CUDA receive buffers
+   through /init_weights_update_group and /update_weights_from_distributed), must match too.
 
 Tolerances: log-probs within ``--logprob-atol`` (default 2e-3: float32 on both sides, different kernels);
 parity within 1e-5 on the weights (float32 training, only the order of additions differs) once samples match.
@@ -139,11 +141,13 @@ def check_parity(out: Path, sglang_args: list[str]) -> dict:
             "rollout.sglang_launch_args=[" + ",".join(SERVER_ARGS + ["--enable-deterministic-inference"]
                                                       + sglang_args) + "]"]
     samples, weights = {}, {}
-    for mode in ("sync", "cgp"):
+    runs = {"sync": ["pipeline.mode=sync"], "cgp": ["pipeline.mode=cgp"],
+            "distributed": ["pipeline.mode=cgp", "pipeline.weight_sync=distributed"]}
+    for mode, overrides in runs.items():
         run_dir = out / f"run-{mode}"
         start = time.time()
-        proc = subprocess.run([sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", *args,
-                               f"pipeline.mode={mode}"], check=False, cwd=REPO, capture_output=True, text=True, timeout=900)
+        proc = subprocess.run([sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", *args, *overrides],
+                              check=False, cwd=REPO, capture_output=True, text=True, timeout=900)
         print(f"{mode} run: exit {proc.returncode} in {time.time() - start:.0f}s", flush=True)
         if proc.returncode != 0:
             return {"parity_ok": False, f"{mode}_stderr_tail": proc.stderr[-3000:]}
@@ -154,8 +158,15 @@ def check_parity(out: Path, sglang_args: list[str]) -> dict:
     same_samples = samples["sync"] == samples["cgp"]
     difference = max((weights["sync"][k] - weights["cgp"][k]).abs().max().item() for k in weights["sync"])
     print(f"parity: same samples {same_samples}, max |sync - cgp| weight = {difference:.2e}", flush=True)
+    same_distributed = samples["distributed"] == samples["cgp"]
+    distributed_difference = max((weights["distributed"][k] - weights["cgp"][k]).abs().max().item()
+                                 for k in weights["cgp"])
+    print(f"distributed weight sync: same samples {same_distributed}, max |distributed - disk| weight = "
+          f"{distributed_difference:.2e}", flush=True)
     return {"parity_same_samples": same_samples, "parity_max_weight_diff": difference,
-            "parity_ok": same_samples and difference < 1e-5}
+            "parity_ok": same_samples and difference < 1e-5,
+            "distributed_same_samples": same_distributed, "distributed_max_weight_diff": distributed_difference,
+            "distributed_ok": same_distributed and distributed_difference < 1e-5}
 
 
 def main() -> int:
