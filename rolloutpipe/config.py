@@ -25,9 +25,10 @@ from rolloutpipe.grpo import GRPOConfig
 from rolloutpipe.launcher import LauncherConfig
 from rolloutpipe.model import ModelConfig
 from rolloutpipe.rewards import RewardConfig
-from rolloutpipe.rollout import RolloutConfig
+from rolloutpipe.rollout import EngineKind, RolloutConfig
 from rolloutpipe.tracking import WandbConfig
 from rolloutpipe.trainer import TrainerConfig
+from rolloutpipe.weight_sync import WeightSync
 
 
 class ConfigError(ValueError):
@@ -44,8 +45,15 @@ class PipelineConfig:
     peer_timeout_s: float = 30.0
     """A process whose heart-beat stops this long is declared dead, and the run stops."""
     heartbeat_s: float = 1.0
+    weight_sync: WeightSync = WeightSync.disk
+    """How policy k+1 reaches the engines (weight_sync.py): ``disk`` (a safetensors file under run_dir/weights,
+    any engine) or ``distributed`` (trainer rank 0 broadcasts to the engines; HTTP engines only)."""
+    weight_sync_bucket_mb: float = 512.0
+    """With ``weight_sync=distributed``: tensors per /update_weights_from_distributed call, up to this size."""
 
     def __post_init__(self) -> None:
+        if self.weight_sync_bucket_mb <= 0:
+            raise ValueError(f"pipeline.weight_sync_bucket_mb={self.weight_sync_bucket_mb} must be > 0.")
         if self.peer_timeout_s <= 2 * self.heartbeat_s:
             raise ValueError(
                 f"pipeline.peer_timeout_s={self.peer_timeout_s} must exceed twice pipeline.heartbeat_s="
@@ -149,6 +157,19 @@ class Config:
                 "run.resume=auto is not supported with trainer.megatron.tensor_parallel_size > 1 yet (checkpoints "
                 "keep the optimizer state of trainer rank 0 only); resume with tensor_parallel_size=1."
             )
+        if self.pipeline.weight_sync is WeightSync.distributed:
+            if self.rollout.engine is EngineKind.embedded:
+                raise ValueError(
+                    "pipeline.weight_sync=distributed needs engines behind SGLang's HTTP API, which join the "
+                    "trainer's broadcast: set rollout.engine=embedded_http (CPU) or rollout.engine=sglang, or use "
+                    "pipeline.weight_sync=disk with rollout.engine=embedded."
+                )
+            if self.pipeline.mode is PipelineMode.async_one_step:
+                raise ValueError(
+                    "pipeline.weight_sync=distributed is not supported with pipeline.mode=async_one_step: trainer "
+                    "rank 0's broadcast would wait for the rollout's step boundary, removing the overlap that mode "
+                    "exists for. Use pipeline.weight_sync=disk (or pipeline.mode=sync or cgp)."
+                )
         if self.rollout.num_engines > self.rollout_batch_size:
             raise ValueError(
                 f"rollout.num_engines={self.rollout.num_engines} exceeds rollout_batch_size={self.rollout_batch_size}; "

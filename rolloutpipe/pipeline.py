@@ -14,6 +14,7 @@
                                                              batch complete -> all-reduce -> optimizer step
     rollout stats ------------------------------------------> metrics.jsonl (trainer rank 0)
                                                              rank 0 writes policy k+1 -> weight sync
+                                                             (a file, or a broadcast: weight_sync.py)
 
 On-policy by construction: every sample of step k comes from policy_version k, because engines load
 new weights only between steps and the rollout of step k+1 starts only when every engine serves k+1.
@@ -58,6 +59,7 @@ from rolloutpipe.rewards import RewardPool
 from rolloutpipe.rollout import (
     Admission,
     AdmissionPolicy,
+    EngineKind,
     GroupAssembler,
     InFlight,
     RewardThreads,
@@ -72,6 +74,15 @@ from rolloutpipe.tracking import open_tracker
 from rolloutpipe.trainer import OldLogprobSource, train_samples, trainer_class
 from rolloutpipe.transport import Liveness, StoreAddress, Transport
 from rolloutpipe.types import Prompt
+from rolloutpipe.weight_sync import (
+    Broadcaster,
+    Bucket,
+    WeightGroup,
+    WeightSync,
+    free_port,
+    master_address,
+    weight_sync_backend,
+)
 
 POLL_S = 0.5
 
@@ -115,7 +126,7 @@ class RolloutNode:
         self.supervisor = EngineSupervisor(  # a failed engine: retry its requests elsewhere, restart it
             engines=self.engines, restart=factory.restart, where_to_look=factory.where_to_look,
             max_failures=cfg.rollout.max_engine_failures, request_timeout_s=cfg.rollout.request_timeout_s,
-            spans=self.spans)
+            spans=self.spans, check_peers=lambda what: transport.liveness.check(waiting_for=what))
         self.admission: Admission | None = None
         """The current step's; engine threads tell it which requests finished."""
         self.events: queue.Queue = queue.Queue()
@@ -130,6 +141,10 @@ class RolloutNode:
         if self.resumed is not None:  # redo the step after the checkpoint from its start, with its weights
             self.supervisor.load_weights(str(self.resumed.weights_path), self.resumed.policy_version)
             serving, first_step = self.resumed.policy_version, self.resumed.step + 1
+        if self.cfg.pipeline.weight_sync is WeightSync.distributed:  # the engines join trainer rank 0's group
+            group = self.transport.wait_json(self.transport.key("weight_sync", "group"),
+                                             what="trainer rank 0's weight-update process group")
+            self.supervisor.join_weight_group(WeightGroup(**group), self.cfg.rollout.ranks_per_engine)
         self.transport.wait_get(self.transport.key("trainer", "ready"), what="the trainer to start")
         for step in range(first_step, self.cfg.num_rollout):
             version = self.cfg.pipeline.mode.policy_version_for(step)
@@ -146,7 +161,10 @@ class RolloutNode:
         record = self.transport.wait_json(self.transport.key("weights", f"policy_version={version}"),
                                           what=f"weights of policy_version {version}")
         start = time.time()
-        self.supervisor.load_weights(str(self.env.run_dir / record["path"]), version)
+        if "buckets" in record:  # pipeline.weight_sync=distributed: trainer rank 0 is broadcasting them now
+            self.supervisor.load_weights_distributed([Bucket(**b) for b in record["buckets"]], version)
+        else:
+            self.supervisor.load_weights(str(self.env.run_dir / record["path"]), version)
         self.transport.set(self.transport.key("serving", f"policy_version={version}"), "1")
         self.spans.add("sync/weights", step=version, start_s=start, end_s=time.time())
         return time.time() - start
@@ -283,6 +301,8 @@ class TrainerNode:
             old_logprobs=OldLogprobSource.engine if cfg.pipeline.mode is PipelineMode.async_one_step
             else cfg.trainer.old_logprobs,
         )
+        self.broadcaster: Broadcaster | None = None
+        """Rank 0 with pipeline.weight_sync=distributed, once ``open_weight_group`` ran."""
         self.metrics_path = env.run_dir / "metrics.jsonl"
         self.first_step = 0
         if self.resumed is not None:
@@ -297,6 +317,8 @@ class TrainerNode:
         from tqdm import tqdm
 
         is_writer = self.env.rank == 0
+        if is_writer and self.cfg.pipeline.weight_sync is WeightSync.distributed:
+            self.open_weight_group()
         if is_writer:  # the rollout starts its first step only now, so no step's timings include start-up
             self.tracker.wait_started()
             self.transport.set(self.transport.key("trainer", "ready"), "1")
@@ -380,15 +402,34 @@ class TrainerNode:
         stats.clip_fraction = num_clipped / max(stats.num_tokens, 1)
         return stats
 
+    def open_weight_group(self) -> None:
+        """Publish the weight-update process group and join it as rank 0; returns once every engine has joined."""
+        cfg = self.cfg
+        group = WeightGroup(master_address=master_address(self.env.store_host), master_port=free_port(),
+                            world_size=1 + cfg.rollout.num_engines * cfg.rollout.ranks_per_engine,
+                            backend=weight_sync_backend(cfg.rollout.engine is EngineKind.sglang,
+                                                        self.trainer.hf_state()))
+        self.transport.put_json(self.transport.key("weight_sync", "group"), group.to_json())
+        self.broadcaster = Broadcaster(group=group, bucket_bytes=int(cfg.pipeline.weight_sync_bucket_mb * 2**20),
+                                       timeout_s=cfg.rollout.server_start_timeout_s + cfg.pipeline.connect_timeout_s,
+                                       check=lambda what: self.transport.liveness.check(waiting_for=what))
+
     def sync_weights(self, version: int) -> float:
-        """Write policy ``version`` and wait until every engine serves it (rank 0 only)."""
+        """Publish policy ``version`` (a file, or a broadcast) and wait until every engine serves it (rank 0 only)."""
         start = time.time()
+        key = self.transport.key("weights", f"policy_version={version}")
+        serves = version < self.cfg.num_rollout  # the last policy only goes to the final checkpoint
         relative = Path("weights") / f"policy_v{version}.safetensors"
         with self.spans.span("sync/weights", step=version - 1):
-            self.trainer.save_weights(self.env.run_dir / relative)
-            self.transport.put_json(self.transport.key("weights", f"policy_version={version}"),
-                                    {"path": relative.as_posix(), "policy_version": version})
-            if version < self.cfg.num_rollout and self.cfg.pipeline.mode is not PipelineMode.async_one_step:
+            if self.broadcaster is None:
+                self.trainer.save_weights(self.env.run_dir / relative)
+                self.transport.put_json(key, {"path": relative.as_posix(), "policy_version": version})
+            elif serves:  # the rollout node has the engines receive the plan's buckets while they are sent
+                state = self.trainer.hf_state()
+                buckets = self.broadcaster.plan(state)
+                self.transport.put_json(key, {"policy_version": version, "buckets": [asdict(b) for b in buckets]})
+                self.broadcaster.send(state, buckets, version)
+            if serves and self.cfg.pipeline.mode is not PipelineMode.async_one_step:
                 self.transport.wait_get(self.transport.key("serving", f"policy_version={version}"),
                                         what=f"the engines to serve policy_version {version}")
         (self.env.run_dir / "weights" / f"policy_v{version - 1}.safetensors").unlink(missing_ok=True)

@@ -87,6 +87,12 @@ class RolloutConfig:
     """An engine that holds requests and hands none back for this long is hung and fails like a crashed one.
     None: no timeout. Set it well above the longest single generation (max response length at full batch)."""
 
+    @property
+    def ranks_per_engine(self) -> int:
+        """Ranks one engine takes in the weight-update process group (weight_sync.py): one per tensor-parallel
+        rank of an SGLang server (its GPUs, assuming --dp-size 1), one for the embedded engine."""
+        return self.sglang_gpus_per_engine if self.engine is EngineKind.sglang else 1
+
     def __post_init__(self) -> None:
         if self.num_engines < 1:
             raise ValueError(f"rollout.num_engines={self.num_engines} must be >= 1.")

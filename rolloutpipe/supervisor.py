@@ -14,6 +14,10 @@ failed) or, with ``rollout.request_timeout_s``, when it holds requests and hands
 3. A slot that fails more than ``rollout.max_engine_failures`` times stops the run with the engine's name and
    where its log is.
 
+With ``pipeline.weight_sync=distributed`` (weight_sync.py) the engines form one process group with trainer rank 0,
+whose membership is fixed when it forms: a fresh engine could not join it, so there an engine failure stops the
+run (with that reason) instead of step 2.
+
 The supervisor has no thread: the rollout loop calls ``check`` every poll and ``load_weights`` between steps.
 The restart runs on that loop (seconds for a server process), while the other engines keep generating what
 they hold; requests wait in Admission until an engine is in service again. Each recovery is logged (warning)
@@ -31,6 +35,7 @@ from rolloutpipe.engine.base import Engine
 from rolloutpipe.metrics import SpanRecorder
 from rolloutpipe.rollout import Admission
 from rolloutpipe.types import GenerationResult
+from rolloutpipe.weight_sync import Bucket, WeightGroup
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +54,20 @@ class EngineSupervisor:
 
     def __init__(self, *, engines: list[Engine], restart: Callable[[int, str, Engine], Engine],
                  where_to_look: Callable[[Engine], str], max_failures: int, request_timeout_s: float | None,
-                 spans: SpanRecorder) -> None:
+                 spans: SpanRecorder, check_peers: Callable[[str], None] = lambda what: None) -> None:
         self.engines = engines
         self.restart = restart
         self.where_to_look = where_to_look
         self.max_failures = max_failures
         self.request_timeout_s = request_timeout_s
         self.spans = spans
+        self.check_peers = check_peers
+        """Raises when the run is aborted or a peer is gone (transport.Liveness.check), while engines join or receive
+        a broadcast: those calls wait for trainer rank 0."""
         self.weights: tuple[str, int] | None = None
         """The path and policy_version every engine serves; None: the model's own weights (policy_version 0)."""
+        self.weight_group: WeightGroup | None = None
+        """With distributed weight sync: the process group every engine joined (``join_weight_group``)."""
         self.num_failures = [0] * len(engines)
         self._names = [e.name for e in engines]
         self._last_progress_s: dict[str, float] = {}
@@ -93,6 +103,47 @@ class EngineSupervisor:
                     reason = f"loading policy_version {policy_version} failed: {err!r}"
             self._recover(slot, engine, reason)
 
+    def join_weight_group(self, group: WeightGroup, ranks_per_engine: int) -> None:
+        """Every engine joins trainer rank 0's weight-update group, engine i as ranks 1 + i * ranks_per_engine ..
+
+        The calls run at once (each returns only when the whole group has formed)."""
+        self.weight_group = group
+        self._on_every_engine(f"the engines to join the weight-update group at {group.master_address}:"
+                              f"{group.master_port}",
+                              lambda slot, engine: engine.init_weights_update_group(group, 1 + slot * ranks_per_engine))
+
+    def load_weights_distributed(self, buckets: list[Bucket], policy_version: int) -> None:
+        """Serve ``policy_version`` on every engine from trainer rank 0's broadcast of ``buckets`` (between steps)."""
+        self._on_every_engine(
+            f"the engines to receive policy_version {policy_version}",
+            lambda slot, engine: engine.update_weights_from_distributed(buckets, self.weight_group.group_name,
+                                                                         policy_version))
+
+    def _on_every_engine(self, what: str, call: Callable[[int, Engine], None]) -> None:
+        """``call`` on every engine at once, one thread each; any failure stops the run (see module docstring)."""
+        errors: dict[str, BaseException] = {}
+
+        def run(slot: int, engine: Engine) -> None:
+            try:
+                call(slot, engine)
+            except Exception as err:  # noqa: BLE001 - reported below with the engine's name
+                errors[engine.name] = err
+
+        threads = [threading.Thread(target=run, args=(slot, engine), name=f"weights-{engine.name}", daemon=True)
+                   for slot, engine in enumerate(self.engines)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            while thread.is_alive():
+                self.check_peers(what)
+                thread.join(timeout=0.5)
+        if errors:
+            name, err = next(iter(errors.items()))
+            engine = next(e for e in self.engines if e.name == name)
+            raise EngineFailed(f"weight sync failed on {sorted(errors)} (waiting for {what}): {name}: {err}. With "
+                               f"pipeline.weight_sync=distributed this stops the run. Look at "
+                               f"{self.where_to_look(engine)}") from err
+
     def _failure(self, engine: Engine) -> str | None:
         if engine.error is not None:
             return repr(engine.error)
@@ -109,6 +160,11 @@ class EngineSupervisor:
                 f"(rollout.request_timeout_s={self.request_timeout_s:g}): hung")
 
     def _recover(self, slot: int, failed: Engine, reason: str) -> None:
+        if self.weight_group is not None:
+            raise EngineFailed(
+                f"engine {failed.name} failed: {reason}. With pipeline.weight_sync=distributed a failed engine cannot "
+                "be replaced (the weight-update process group's members are fixed when it forms); stopping the run. "
+                f"Use pipeline.weight_sync=disk to survive engine failures. Look at {self.where_to_look(failed)}")
         self.num_failures[slot] += 1
         num = self.num_failures[slot]
         base = self._names[slot]

@@ -201,15 +201,19 @@ class PolicyTrainer:
         return BatchResult(loss=float(loss) * scale, grad_norm=grad_norm, num_tokens=num_tokens,
                            num_clipped_tokens=num_clipped)
 
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        """The policy under HF names (tied lm_head left out, as save_pretrained does)."""
+        state = {k: v.detach() for k, v in self.model.state_dict().items()}
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        return state
+
     def save_weights(self, path: Path) -> float:
         """Write the policy as one safetensors file (HF names) atomically; returns seconds spent."""
         start = time.time()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        state = {k: v.detach().contiguous() for k, v in self.model.state_dict().items()}
-        if getattr(self.model.config, "tie_word_embeddings", False):
-            state.pop("lm_head.weight", None)
-        save_file(state, str(tmp), metadata={"format": "pt"})
+        save_file({k: v.contiguous() for k, v in self.hf_state().items()}, str(tmp), metadata={"format": "pt"})
         tmp.rename(path)
         return time.time() - start
 

@@ -7,7 +7,9 @@ The wheel of ``sglang==sglang_api.PINNED_VERSION`` is downloaded once (``pip dow
 - ``srt/managers/io_struct.py``: the fields of those request classes;
 - ``api/v1/api_types.py``: the schema ``/generate`` bodies are checked against (unknown ``sampling_params`` keys
   are rejected) and the fields of its response;
-- ``srt/arg_groups/fields/*.py``: the server flags ``sglang.launch_server`` accepts.
+- ``srt/arg_groups/fields/*.py``: the server flags ``sglang.launch_server`` accepts;
+- ``srt/model_executor/model_runner_components/weight_updater.py``: how a server joins the weight-update group and
+  receives the broadcast tensors (rolloutpipe/weight_sync.py is the other end).
 
 The client's calls are recorded, not declared: the tests run ``sglang_api``'s real functions against a fake
 ``urlopen`` and check every route called, every field sent and every response field read.
@@ -26,9 +28,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from rolloutpipe.engine import server_process, sglang_api
 from rolloutpipe.types import FinishReason, GenerationRequest, GenerationResult
+from rolloutpipe.weight_sync import WeightGroup, plan_buckets
 
 CACHE = Path(os.environ.get("ROLLOUTPIPE_CACHE", Path.home() / ".cache" / "rolloutpipe"))
 
@@ -65,6 +69,8 @@ class Source:
             self.http_server = tree("sglang/srt/entrypoints/http_server.py")
             self.io_struct = tree("sglang/srt/managers/io_struct.py")
             self.api_types = tree("sglang/api/v1/api_types.py")
+            self.weight_updater = tree("sglang/srt/model_executor/model_runner_components/weight_updater.py")
+            self.common_utils = tree("sglang/srt/utils/common.py")
             self.server_flags = {
                 "--" + field.replace("_", "-")
                 for name in z.namelist() if name.startswith("sglang/srt/arg_groups/fields/") and name.endswith(".py")
@@ -178,6 +184,11 @@ class FakeServer:
         if route == sglang_api.UPDATE_WEIGHTS_FROM_DISK:
             self.weight_version = body["weight_version"]
             return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+        if route == sglang_api.INIT_WEIGHTS_UPDATE_GROUP:
+            return {"success": True, "message": "Succeeded to initialize custom process group."}
+        if route == sglang_api.UPDATE_WEIGHTS_FROM_DISTRIBUTED:
+            self.weight_version = body.get("weight_version") or self.weight_version
+            return {"success": True, "message": "Succeeded to update parameter online."}
         if route == sglang_api.MODEL_INFO:
             return {"model_path": "/m", "weight_version": self.weight_version}
         if route == sglang_api.GENERATE:
@@ -218,6 +229,11 @@ def drive_the_client(fake: FakeServer, tmp_path: Path) -> None:
     weights.write_bytes(b"")
     sglang_api.update_weights_from_disk(url, str(weights), 1, timeout_s=5)
     assert fake.weight_version == "1"
+    group = WeightGroup(master_address="10.0.0.1", master_port=29600, world_size=3)
+    sglang_api.init_weights_update_group(url, group, 1, timeout_s=5)
+    state = {"model.embed_tokens.weight": torch.zeros(4, 2, dtype=torch.bfloat16), "model.norm.weight": torch.ones(2)}
+    sglang_api.update_weights_from_distributed(url, plan_buckets(state, 1), group.group_name, 2, timeout_s=5)
+    assert fake.weight_version == "2"
 
 
 # --- the checks ----------------------------------------------------------------------------------------------------
@@ -289,6 +305,37 @@ def test_every_launch_flag_exists(sglang, tmp_path):
                                           base_gpu_id=0, priority_scheduling=True, extra_args=[], log_dir=tmp_path)
     flags = [a for a in server.command if a.startswith("--")]
     assert not set(flags) - sglang.server_flags, sorted(set(flags) - sglang.server_flags)
+
+
+def test_distributed_update_bodies_carry_every_field_the_broadcast_needs(sglang, fake, tmp_path):
+    """The fields without defaults must be sent, and only the last bucket carries the version."""
+    drive_the_client(fake, tmp_path)
+    init = [b for _, route, b in fake.calls if route == sglang_api.INIT_WEIGHTS_UPDATE_GROUP]
+    updates = [b for _, route, b in fake.calls if route == sglang_api.UPDATE_WEIGHTS_FROM_DISTRIBUTED]
+    assert len(init) == 1 and len(updates) == 2
+    required = {"master_address", "master_port", "rank_offset", "world_size"}
+    assert required <= set(init[0]) and {"group_name", "backend"} <= set(init[0])
+    assert all({"names", "dtypes", "shapes", "group_name"} <= set(b) for b in updates)
+    assert [b.get("weight_version") for b in updates] == [None, "2"]
+    assert updates[0]["dtypes"] == ["bfloat16"] and updates[1]["shapes"] == [[2]]
+
+
+def test_a_server_joins_and_receives_as_the_trainer_side_sends(sglang):
+    """weight_sync.join_group / broadcast_bucket mirror these lines of 0.5.23 (read, not imported)."""
+    init = _method_source(sglang.weight_updater, "init_weights_update_group")
+    assert "rank = rank_offset + self.tp_rank" in init  # engine i's ranks start at its rank_offset
+    assert "init_method=na.to_tcp()" in init  # a tcp:// rendezvous, whose rank 0 (the trainer) hosts the store
+    group = _source_of(sglang.common_utils, "init_custom_process_group")
+    assert "PrefixStore(group_name, store)" in group and "_new_process_group_helper(" in group
+    assert "_world.pg_group_ranks[pg] = {i: i for i in range(world_size)}" in group
+    receive = _method_source(sglang.weight_updater, "receive_weights_from_distributed")
+    assert "getattr(torch, dtype)" in receive  # dtypes travel as torch attribute names: "bfloat16"
+    assert "for name, dtype, shape in zip(names, dtypes, shapes)" in receive  # one broadcast per tensor, in order
+    assert "src=0" in receive
+
+
+def _method_source(module: ast.Module, method: str) -> str:
+    return next(ast.unparse(n) for n in ast.walk(module) if isinstance(n, ast.FunctionDef) and n.name == method)
 
 
 def _source_of(module: ast.Module, function: str) -> str:

@@ -13,7 +13,10 @@ It prints one line per check and a JSON summary, and exits non-zero if a check f
    An abort of a long request is exercised on the way.
 2. ``parity``: the whole job (``launch.py rollout.engine=sglang trainer.backend=megatron``) for 2 steps in
    ``sync`` and ``cgp`` modes with ``--enable-deterministic-inference``: the same samples, then the same final
-   weights (``--trainer-backend torch`` checks the PyTorch trainer instead).
+   weights (``--trainer-backend torch`` checks the PyTorch trainer instead). Then ``cgp`` with
+   ``pipeline.weight_sync=distributed`` and the PyTorch trainer (its CPU weights broadcast over gloo into SGLang's
+   CUDA receive buffers through /init_weights_update_group and /update_weights_from_distributed; nccl would need
+   a GPU of its own for the trainer) must match the same run with disk sync.
 
 Tolerances: log-probs within ``--logprob-atol`` (default 2e-3: float32 on both sides, different kernels);
 parity within 1e-5 on the weights (float32 training, only the order of additions differs) once samples match.
@@ -141,11 +144,14 @@ def check_parity(out: Path, sglang_args: list[str], trainer_backend: str) -> dic
             "rollout.sglang_launch_args=[" + ",".join(SERVER_ARGS + ["--enable-deterministic-inference"]
                                                       + sglang_args) + "]"]
     samples, weights = {}, {}
-    for mode in ("sync", "cgp"):
+    runs = {"sync": ["pipeline.mode=sync"], "cgp": ["pipeline.mode=cgp"],
+            "disk": ["pipeline.mode=cgp", "trainer.backend=torch"],
+            "distributed": ["pipeline.mode=cgp", "trainer.backend=torch", "pipeline.weight_sync=distributed"]}
+    for mode, overrides in runs.items():
         run_dir = out / f"run-{mode}"
         start = time.time()
-        proc = subprocess.run([sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", *args,
-                               f"pipeline.mode={mode}"], check=False, cwd=REPO, capture_output=True, text=True, timeout=900)
+        proc = subprocess.run([sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", *args, *overrides],
+                              check=False, cwd=REPO, capture_output=True, text=True, timeout=900)
         print(f"{mode} run: exit {proc.returncode} in {time.time() - start:.0f}s", flush=True)
         if proc.returncode != 0:
             return {"parity_ok": False, f"{mode}_stderr_tail": proc.stderr[-3000:]}
@@ -156,8 +162,15 @@ def check_parity(out: Path, sglang_args: list[str], trainer_backend: str) -> dic
     same_samples = samples["sync"] == samples["cgp"]
     difference = max((weights["sync"][k] - weights["cgp"][k]).abs().max().item() for k in weights["sync"])
     print(f"parity: same samples {same_samples}, max |sync - cgp| weight = {difference:.2e}", flush=True)
+    same_distributed = samples["distributed"] == samples["disk"]
+    distributed_difference = max((weights["distributed"][k] - weights["disk"][k]).abs().max().item()
+                                 for k in weights["disk"])
+    print(f"distributed weight sync: same samples {same_distributed}, max |distributed - disk| weight = "
+          f"{distributed_difference:.2e}", flush=True)
     return {"parity_same_samples": same_samples, "parity_max_weight_diff": difference,
-            "parity_ok": same_samples and difference < 1e-5}
+            "parity_ok": same_samples and difference < 1e-5,
+            "distributed_same_samples": same_distributed, "distributed_max_weight_diff": distributed_difference,
+            "distributed_ok": same_distributed and distributed_difference < 1e-5}
 
 
 def main() -> int:

@@ -4,14 +4,18 @@ An engine takes one request at a time and hands each back, finished, to the comp
 given at construction, from its own thread. It runs at most ``concurrency`` requests at once; the
 others wait inside the engine in submission order (what an SGLang server does with its waiting
 queue). Weights change only between steps, when the rollout manager calls
-``update_weights_from_disk`` with no request in flight.
+``update_weights_from_disk`` (or, for engines behind SGLang's HTTP API, ``update_weights_from_distributed``:
+``JoinsWeightGroup``) with no request in flight.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from rolloutpipe.types import GenerationRequest, GenerationResult
+
+if TYPE_CHECKING:
+    from rolloutpipe.weight_sync import Bucket, WeightGroup
 
 OnResult = Callable[[GenerationResult], None]
 
@@ -40,3 +44,14 @@ class Engine(Protocol):
 
     def shutdown(self) -> None:
         """Stop the engine thread; requests still queued are aborted."""
+
+
+class JoinsWeightGroup(Engine, Protocol):
+    """An engine that receives weights from trainer rank 0's broadcasts (rolloutpipe/weight_sync.py):
+    ``http_client.SGLangEngine``, for SGLang servers and the embedded engine's server."""
+
+    def init_weights_update_group(self, group: WeightGroup, rank_offset: int) -> None:
+        """Join ``group`` as ranks ``rank_offset`` ..; returns once every member has joined."""
+
+    def update_weights_from_distributed(self, buckets: list[Bucket], group_name: str, policy_version: int) -> None:
+        """Receive the broadcast ``buckets`` (every engine of the group at once) and serve ``policy_version``."""

@@ -201,17 +201,25 @@ class EmbeddedEngine:
         """Load HF-named safetensors weights; only between steps. Submits wait until the load is done."""
         from safetensors.torch import load_file
 
+        state = load_file(path)
+        _add_tied_copies(self._model, state)
+        self.load_weights(state, policy_version, complete=True)
+
+    def load_weights(self, state: dict[str, torch.Tensor], policy_version: int | None, *, complete: bool) -> None:
+        """Load HF-named tensors: every parameter (``complete``) or some (one bucket of a broadcast, whose last
+        bucket gives the version); only between steps. ``policy_version`` None leaves the served version as is."""
         with self._lock:
             self._raise_if_unusable()
             if self._in_flight_ids:
                 raise RuntimeError(
-                    f"engine {self.name}: update_weights_from_disk called with {len(self._in_flight_ids)} requests "
-                    "in flight; weights may change only when no request is in flight (between steps)."
+                    f"engine {self.name}: weights loaded with {len(self._in_flight_ids)} requests in flight; "
+                    "weights may change only when no request is in flight (between steps)."
                 )
-            state = load_file(path)
-            _add_tied_copies(self._model, state)
-            self._model.load_state_dict(state, strict=True)
-            self._policy_version = policy_version
+            _, unexpected = self._model.load_state_dict(state, strict=complete)
+            if unexpected:
+                raise ValueError(f"engine {self.name}: the model has no parameters {unexpected}")
+            if policy_version is not None:
+                self._policy_version = policy_version
 
     def num_in_flight(self) -> int:
         with self._lock:

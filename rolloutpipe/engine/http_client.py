@@ -33,10 +33,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from rolloutpipe.engine import sglang_api
 from rolloutpipe.engine.base import OnResult
 from rolloutpipe.types import FinishReason, GenerationRequest, GenerationResult
+
+if TYPE_CHECKING:
+    from rolloutpipe.weight_sync import Bucket, WeightGroup
 
 log = logging.getLogger(__name__)
 
@@ -138,16 +142,30 @@ class SGLangEngine:
             self._send_abort(request_id)
 
     def update_weights_from_disk(self, path: str, policy_version: int) -> None:
+        self._check_idle("update_weights_from_disk")
+        sglang_api.update_weights_from_disk(self.url, path, policy_version, timeout_s=self._weight_update_timeout_s)
+        self._policy_version = policy_version
+
+    def init_weights_update_group(self, group: WeightGroup, rank_offset: int) -> None:
+        """Join the trainer's weight-update process group (rolloutpipe/weight_sync.py); blocks until it forms."""
+        sglang_api.init_weights_update_group(self.url, group, rank_offset, timeout_s=self._weight_update_timeout_s)
+
+    def update_weights_from_distributed(self, buckets: list[Bucket], group_name: str, policy_version: int) -> None:
+        """Receive ``policy_version`` from the trainer's broadcasts (all engines of the group at the same time)."""
+        self._check_idle("update_weights_from_distributed")
+        sglang_api.update_weights_from_distributed(self.url, buckets, group_name, policy_version,
+                                                   timeout_s=self._weight_update_timeout_s)
+        self._policy_version = policy_version
+
+    def _check_idle(self, what: str) -> None:
         with self._lock:
             self._raise_if_unusable()
             num_in_flight = len(self._waiting) + len(self._running)
             if num_in_flight:
                 raise RuntimeError(
-                    f"engine {self.name}: update_weights_from_disk called with {num_in_flight} requests in flight; "
+                    f"engine {self.name}: {what} called with {num_in_flight} requests in flight; "
                     "weights may change only when no request is in flight (between steps)."
                 )
-        sglang_api.update_weights_from_disk(self.url, path, policy_version, timeout_s=self._weight_update_timeout_s)
-        self._policy_version = policy_version
 
     def num_in_flight(self) -> int:
         with self._lock:

@@ -11,7 +11,10 @@ What it mimics of SGLang 0.5.23, and only that: /generate (token ids in and out,
 priority), /health, /model_info (``weight_version``), /abort_request (a rid or all; an unknown rid is ignored),
 /pause_generation (aborts what runs, holds new requests) and /continue_generation, /flush_cache (400 while
 requests run), /begin_weight_update and /end_weight_update around /update_weights_from_disk (400 outside a
-session, as 0.5.23 does for its other weight-update routes).
+session, as 0.5.23 does for its other weight-update routes) and /update_weights_from_distributed (400 outside a
+session, as in 0.5.23), after /init_weights_update_group (gloo only: this engine runs on CPU; the group is formed
+as SGLang forms it, see rolloutpipe/weight_sync.py). A bucket's tensors are loaded as they arrive; the version
+changes with the bucket that carries ``weight_version``.
 
 Threads: ``ThreadingHTTPServer`` runs one thread per connection; a /generate thread submits to the engine and waits
 for its result, which the engine's scheduler thread hands over through ``_Waiter``. The process stops on SIGTERM
@@ -35,8 +38,12 @@ from typing import Any
 from rolloutpipe.engine import sglang_api
 from rolloutpipe.engine.embedded import EmbeddedEngine
 from rolloutpipe.types import GenerationResult
+from rolloutpipe.weight_sync import Bucket, WeightGroup, join_group, receive_bucket
 
 log = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_S = 600.0
+"""How long /init_weights_update_group waits for the other members of the group."""
 
 
 class _Waiter:
@@ -60,6 +67,8 @@ class EmbeddedServer:
         self._waiters: dict[str, _Waiter] = {}
         self._paused = False
         self._session_open = False
+        self._groups: dict = {}
+        """Weight-update process groups by name (/init_weights_update_group)."""
         self.engine: EmbeddedEngine = engine_factory(self._on_result)
         self.httpd = _Server((host, port), _handler_for(self))
 
@@ -152,6 +161,36 @@ class EmbeddedServer:
                                "message": f"Succeeded to update model weights. Weight version updated to "
                                           f"{policy_version}."}
 
+    def init_weights_update_group(self, body: dict[str, Any]) -> tuple[int, Any]:
+        fields, rank_offset = sglang_api.parse_init_weights_update_group_body(body)
+        group = WeightGroup(**fields)
+        if group.backend != "gloo":
+            return HTTPStatus.BAD_REQUEST, {"success": False, "message": f"backend {group.backend!r}: the embedded "
+                                            "engine runs on CPU and joins weight-update groups over gloo only"}
+        try:
+            self._groups[group.group_name] = join_group(group, rank_offset, timeout_s=JOIN_TIMEOUT_S)
+        except (RuntimeError, ValueError) as err:
+            return HTTPStatus.BAD_REQUEST, {"success": False,
+                                            "message": f"Failed to initialize custom process group: {err}."}
+        return HTTPStatus.OK, {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def update_weights_from_distributed(self, body: dict[str, Any]) -> tuple[int, Any]:
+        bucket, group_name, policy_version = sglang_api.parse_update_weights_from_distributed_body(body)
+        with self._lock:
+            session_open = self._session_open
+        if not session_open:
+            return HTTPStatus.BAD_REQUEST, {"success": False, "message": "update_weights_from_distributed must run "
+                                            "between begin_weight_update() and end_weight_update()"}
+        if group_name not in self._groups:
+            return HTTPStatus.BAD_REQUEST, {"success": False, "message": f"Group {group_name} not in "
+                                            f"{list(self._groups)}. Please call `init_weights_update_group` first."}
+        tensors = receive_bucket(self._groups[group_name], Bucket(**bucket))
+        try:
+            self.engine.load_weights(tensors, policy_version, complete=False)
+        except (RuntimeError, ValueError) as err:
+            return HTTPStatus.BAD_REQUEST, {"success": False, "message": f"Failed to update parameter online: {err}"}
+        return HTTPStatus.OK, {"success": True, "message": "Succeeded to update parameter online."}
+
     def model_info(self) -> tuple[int, Any]:
         return HTTPStatus.OK, {"model_path": self.model_path, "is_generation": True,
                                "weight_version": str(self.engine.policy_version)}
@@ -187,6 +226,8 @@ def _handler_for(server: EmbeddedServer) -> type[BaseHTTPRequestHandler]:
         sglang_api.BEGIN_WEIGHT_UPDATE: server.begin_weight_update,
         sglang_api.END_WEIGHT_UPDATE: server.end_weight_update,
         sglang_api.UPDATE_WEIGHTS_FROM_DISK: server.update_weights_from_disk,
+        sglang_api.INIT_WEIGHTS_UPDATE_GROUP: server.init_weights_update_group,
+        sglang_api.UPDATE_WEIGHTS_FROM_DISTRIBUTED: server.update_weights_from_distributed,
     }
     gets = {sglang_api.HEALTH: server.health, sglang_api.MODEL_INFO: server.model_info}
 

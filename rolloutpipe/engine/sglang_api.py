@@ -29,6 +29,12 @@ Facts about 0.5.23 that shape this module (read in its source):
   is where in-place-packed weights are restored and re-packed, so it is wrapped the same way. The version is a
   string (``weight_version``), carried by the update, reported by ``/model_info`` and by every ``/generate``
   response's ``meta_info``; we use ``str(policy_version)``.
+- ``/init_weights_update_group`` (InitWeightsUpdateGroupReqInput: master_address, master_port, rank_offset,
+  world_size, group_name, backend) makes the server's tensor-parallel rank r join a torch process group as rank
+  ``rank_offset + r``; it answers once every member has joined. ``/update_weights_from_distributed``
+  (UpdateWeightsFromDistributedReqInput: names, dtypes, shapes as lists, group_name, flush_cache, weight_version)
+  receives one broadcast from rank 0 per listed tensor, in list order, and loads them. Both answer
+  ``{"success", "message"}``, HTTP 400 on failure. rolloutpipe/weight_sync.py is the trainer's side.
 - ``/update_weights_from_disk`` takes a *directory* (``model_path``) and loads every ``*.safetensors`` in it;
   ``model_dir_for`` turns the trainer's one-file-per-version layout into that.
 """
@@ -40,11 +46,15 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rolloutpipe.types import FinishReason, GenerationRequest, GenerationResult
+
+if TYPE_CHECKING:
+    from rolloutpipe.weight_sync import Bucket, WeightGroup
 
 PINNED_VERSION = "0.5.23"
 
@@ -58,8 +68,11 @@ FLUSH_CACHE = "/flush_cache"
 BEGIN_WEIGHT_UPDATE = "/begin_weight_update"
 UPDATE_WEIGHTS_FROM_DISK = "/update_weights_from_disk"
 END_WEIGHT_UPDATE = "/end_weight_update"
+INIT_WEIGHTS_UPDATE_GROUP = "/init_weights_update_group"
+UPDATE_WEIGHTS_FROM_DISTRIBUTED = "/update_weights_from_distributed"
 ROUTES = (GENERATE, HEALTH, MODEL_INFO, ABORT_REQUEST, PAUSE_GENERATION, CONTINUE_GENERATION, FLUSH_CACHE,
-          BEGIN_WEIGHT_UPDATE, UPDATE_WEIGHTS_FROM_DISK, END_WEIGHT_UPDATE)
+          BEGIN_WEIGHT_UPDATE, UPDATE_WEIGHTS_FROM_DISK, END_WEIGHT_UPDATE, INIT_WEIGHTS_UPDATE_GROUP,
+          UPDATE_WEIGHTS_FROM_DISTRIBUTED)
 
 CONTROL_TIMEOUT_S = 60.0
 """Every call but /generate and the weight load: these answer at once on a healthy server."""
@@ -185,6 +198,35 @@ def parse_update_weights_from_disk_body(body: dict[str, Any]) -> tuple[str, int]
     return body["model_path"], int(body["weight_version"])
 
 
+def init_weights_update_group_body(group: WeightGroup, rank_offset: int) -> dict[str, Any]:
+    return {"master_address": group.master_address, "master_port": group.master_port, "rank_offset": rank_offset,
+            "world_size": group.world_size, "group_name": group.group_name, "backend": group.backend}
+
+
+def parse_init_weights_update_group_body(body: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """(WeightGroup fields, rank_offset): the server side of ``init_weights_update_group_body``."""
+    group = {k: body[k] for k in ("master_address", "master_port", "world_size", "group_name", "backend")}
+    return group, body["rank_offset"]
+
+
+def update_weights_from_distributed_body(bucket: Bucket, group_name: str,
+                                         policy_version: int | None) -> dict[str, Any]:
+    """One bucket; ``policy_version`` only on the last one, so the served version changes once all weights are in."""
+    body: dict[str, Any] = {"names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes,
+                            "group_name": group_name, "flush_cache": policy_version is not None}
+    if policy_version is not None:
+        body["weight_version"] = str(policy_version)
+    return body
+
+
+def parse_update_weights_from_distributed_body(body: dict[str, Any]) -> tuple[dict[str, Any], str, int | None]:
+    """(Bucket fields, group_name, policy_version or None): the server side of the body above."""
+    version = body.get("weight_version")
+    bucket = {"names": list(body["names"]), "dtypes": list(body["dtypes"]),
+              "shapes": [list(s) for s in body["shapes"]]}
+    return bucket, body["group_name"], None if version is None else int(version)
+
+
 def served_weight_version(model_info: dict[str, Any]) -> str:
     return model_info["weight_version"]
 
@@ -268,29 +310,56 @@ def abort(base_url: str, request_id: str) -> None:
     call(base_url, ABORT_REQUEST, abort_body(request_id))
 
 
-def update_weights_from_disk(base_url: str, weights_path: str, policy_version: int, *, timeout_s: float) -> None:
-    """Serve ``policy_version`` from ``weights_path``, between steps, and check that the server reports it.
+@contextmanager
+def weight_update_session(base_url: str):
+    """pause -> begin_weight_update -> (the body's update calls) -> end_weight_update -> flush_cache -> continue.
 
-    pause -> begin_weight_update -> update_weights_from_disk (with the version) -> end_weight_update ->
-    flush_cache -> continue, then /model_info must report the new version. The flush is explicit because radix
-    cache entries computed with the old weights must never serve the new policy, whatever the update's flags did.
-    The session is closed and generation resumed even when a call in between fails.
+    The flush is explicit because radix cache entries computed with the old weights must never serve the new
+    policy, whatever the update's flags did. The session is closed and generation resumed even when a call in
+    between fails; the flush only after a successful update.
     """
-    model_dir = model_dir_for(weights_path)
     call(base_url, PAUSE_GENERATION, pause_body())
     try:
         call(base_url, BEGIN_WEIGHT_UPDATE, begin_weight_update_body())
         try:
-            answer = call(base_url, UPDATE_WEIGHTS_FROM_DISK, update_weights_from_disk_body(model_dir, policy_version),
-                          timeout_s=timeout_s)
+            yield
         finally:
             call(base_url, END_WEIGHT_UPDATE, end_weight_update_body())
-        if not answer["success"]:
-            raise SGLangError(f"{base_url}{UPDATE_WEIGHTS_FROM_DISK} failed: {answer['message']}")
         call(base_url, FLUSH_CACHE, {})
     finally:
         call(base_url, CONTINUE_GENERATION, continue_body())
+
+
+def update_weights_from_disk(base_url: str, weights_path: str, policy_version: int, *, timeout_s: float) -> None:
+    """Serve ``policy_version`` from ``weights_path``, between steps, and check that the server reports it."""
+    model_dir = model_dir_for(weights_path)
+    with weight_update_session(base_url):
+        answer = call(base_url, UPDATE_WEIGHTS_FROM_DISK, update_weights_from_disk_body(model_dir, policy_version),
+                      timeout_s=timeout_s)
+        if not answer["success"]:
+            raise SGLangError(f"{base_url}{UPDATE_WEIGHTS_FROM_DISK} failed: {answer['message']}")
     check_serves(base_url, policy_version, hint=f"(after loading {model_dir})")
+
+
+def init_weights_update_group(base_url: str, group: WeightGroup, rank_offset: int, *, timeout_s: float) -> None:
+    """Make the server join ``group`` from ``rank_offset``; returns once every member has joined."""
+    call(base_url, INIT_WEIGHTS_UPDATE_GROUP, init_weights_update_group_body(group, rank_offset), timeout_s=timeout_s)
+
+
+def update_weights_from_distributed(base_url: str, buckets: list[Bucket], group_name: str, policy_version: int, *,
+                                    timeout_s: float) -> None:
+    """Receive ``policy_version`` from the trainer's broadcasts, between steps, and check the version served.
+
+    The trainer broadcasts the same buckets in the same order; every engine of the group must make these calls at
+    the same time (each broadcast waits for all of them).
+    """
+    with weight_update_session(base_url):
+        for i, bucket in enumerate(buckets):
+            last = i == len(buckets) - 1
+            call(base_url, UPDATE_WEIGHTS_FROM_DISTRIBUTED,
+                 update_weights_from_distributed_body(bucket, group_name, policy_version if last else None),
+                 timeout_s=timeout_s)
+    check_serves(base_url, policy_version, hint=f"(after {len(buckets)} broadcast buckets)")
 
 
 def check_serves(base_url: str, policy_version: int, *, hint: str = "") -> None:
