@@ -23,19 +23,19 @@ class EventLoop:
         self.now = 0.0
         self._heap: list = []
         self._seq = 0
-        self._done: Callable[[], bool] = lambda: False
 
     def at(self, time_s: float, callback: Callable, arg=None) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (time_s, self._seq, callback, arg))
 
     def runs_next(self, time_s: float) -> bool:
-        """Whether an event at ``time_s`` would be the next one and the run goes on (lets a hot callback
-        continue inline instead of pushing and popping itself)."""
-        return (not self._heap or time_s < self._heap[0][0]) and not self._done()
+        """Whether an event at ``time_s`` would be the next one (lets a hot callback continue inline instead of
+        pushing and popping itself). The run's ``done`` condition only changes in an event of its own, so a
+        callback that goes on before the next event cannot miss it."""
+        return not self._heap or time_s < self._heap[0][0]
 
     def run_until(self, done: Callable[[], bool]) -> None:
-        heap, self._done = self._heap, done
+        heap = self._heap
         while heap and not done():
             self.now, _, callback, arg = heapq.heappop(heap)
             callback(arg)
@@ -169,39 +169,40 @@ class SimEngine:
         while this engine's next finish comes before every other event, go on without the event heap."""
         if version != self._version:  # the running batch changed since this was scheduled
             return
-        loop, running, model = self.loop, self._running, self.model
+        loop, running, model, heappop = self.loop, self._running, self.model, heapq.heappop
         base, per_request, per_context = model.decode_base_s, model.decode_per_request_s, \
             model.decode_per_context_token_s
         per_finish = model.per_finish_s
+        until, num_running = running[0][0], len(running)
+        k = until - self._iteration
+        finish_s = self._time_s + k * (base + per_request * num_running
+                                       + per_context * (self._context_offset + num_running * self._iteration)) \
+            + per_context * num_running * k * (k - 1) / 2
         while True:
-            until, num_running = running[0][0], len(running)
-            k = until - self._iteration
-            elapsed = k * (base + per_request * num_running
-                           + per_context * (self._context_offset + num_running * self._iteration)) \
-                + per_context * num_running * k * (k - 1) / 2
-            self._time_s += elapsed
-            self.busy_s += elapsed
+            self.busy_s += finish_s - self._time_s
             self._iteration = until
             done = []
+            offset = self._context_offset
             while running and running[0][0] == until:
-                request = heapq.heappop(running)[2]
-                self._context_offset -= request.prompt_len - request.joined_at
+                request = heappop(running)[2]
+                offset -= request.prompt_len - request.joined_at
                 done.append(request)
+            self._context_offset = offset
             if per_finish:
-                self._time_s += per_finish * len(done)
+                finish_s += per_finish * len(done)
                 self.busy_s += per_finish * len(done)
-            loop.now = self._time_s
+            self._time_s = loop.now = finish_s
             if self._waiting:
                 self._admit()
             self._version += 1
             self.on_result(self.name, done, False, loop.now)
             if not running:
                 return
-            k = running[0][0] - self._iteration
-            num_running = len(running)
-            next_s = self._time_s + k * (base + per_request * num_running
-                                         + per_context * (self._context_offset + num_running * self._iteration)) \
+            until, num_running = running[0][0], len(running)
+            k = until - self._iteration
+            finish_s = self._time_s + k * (base + per_request * num_running
+                                           + per_context * (self._context_offset + num_running * self._iteration)) \
                 + per_context * num_running * k * (k - 1) / 2
-            if self._join_pending or not loop.runs_next(next_s):
-                loop.at(next_s, self._on_finish, self._version)
+            if self._join_pending or not loop.runs_next(finish_s):
+                loop.at(finish_s, self._on_finish, self._version)
                 return
