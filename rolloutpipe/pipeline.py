@@ -39,7 +39,6 @@ import queue
 import sys
 import time
 from dataclasses import asdict, replace
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -59,7 +58,6 @@ from rolloutpipe.rewards import RewardPool
 from rolloutpipe.rollout import (
     Admission,
     AdmissionPolicy,
-    EngineKind,
     GroupAssembler,
     InFlight,
     RewardThreads,
@@ -74,15 +72,7 @@ from rolloutpipe.tracking import open_tracker
 from rolloutpipe.trainer import OldLogprobSource, train_samples, trainer_class
 from rolloutpipe.transport import Liveness, StoreAddress, Transport
 from rolloutpipe.types import Prompt
-from rolloutpipe.weight_sync import (
-    Broadcaster,
-    Bucket,
-    WeightGroup,
-    WeightSync,
-    free_port,
-    master_address,
-    weight_sync_backend,
-)
+from rolloutpipe.weight_sync import Bucket, WeightGroup, WeightPublisher, WeightSync
 
 POLL_S = 0.5
 
@@ -301,8 +291,8 @@ class TrainerNode:
             old_logprobs=OldLogprobSource.engine if cfg.pipeline.mode is PipelineMode.async_one_step
             else cfg.trainer.old_logprobs,
         )
-        self.broadcaster: Broadcaster | None = None
-        """Rank 0 with pipeline.weight_sync=distributed, once ``open_weight_group`` ran."""
+        self.weights = WeightPublisher(cfg=cfg, run_dir=env.run_dir, transport=transport, trainer=self.trainer)
+        """Rank 0's: policy k+1 to the engines, as a file or a broadcast (weight_sync.py)."""
         self.metrics_path = env.run_dir / "metrics.jsonl"
         self.first_step = 0
         if self.resumed is not None:
@@ -317,8 +307,8 @@ class TrainerNode:
         from tqdm import tqdm
 
         is_writer = self.env.rank == 0
-        if is_writer and self.cfg.pipeline.weight_sync is WeightSync.distributed:
-            self.open_weight_group()
+        if is_writer:
+            self.weights.open()
         if is_writer:  # the rollout starts its first step only now, so no step's timings include start-up
             self.tracker.wait_started()
             self.transport.set(self.transport.key("trainer", "ready"), "1")
@@ -402,33 +392,12 @@ class TrainerNode:
         stats.clip_fraction = num_clipped / max(stats.num_tokens, 1)
         return stats
 
-    def open_weight_group(self) -> None:
-        """Publish the weight-update process group and join it as rank 0; returns once every engine has joined."""
-        cfg = self.cfg
-        group = WeightGroup(master_address=master_address(self.env.store_host), master_port=free_port(),
-                            world_size=1 + cfg.rollout.num_engines * cfg.rollout.ranks_per_engine,
-                            backend=weight_sync_backend(cfg.rollout.engine is EngineKind.sglang,
-                                                        self.trainer.hf_state()))
-        self.transport.put_json(self.transport.key("weight_sync", "group"), group.to_json())
-        self.broadcaster = Broadcaster(group=group, bucket_bytes=int(cfg.pipeline.weight_sync_bucket_mb * 2**20),
-                                       timeout_s=cfg.rollout.server_start_timeout_s + cfg.pipeline.connect_timeout_s,
-                                       check=lambda what: self.transport.liveness.check(waiting_for=what))
-
     def sync_weights(self, version: int) -> float:
         """Publish policy ``version`` (a file, or a broadcast) and wait until every engine serves it (rank 0 only)."""
         start = time.time()
-        key = self.transport.key("weights", f"policy_version={version}")
         serves = version < self.cfg.num_rollout  # the last policy only goes to the final checkpoint
-        relative = Path("weights") / f"policy_v{version}.safetensors"
         with self.spans.span("sync/weights", step=version - 1):
-            if self.broadcaster is None:
-                self.trainer.save_weights(self.env.run_dir / relative)
-                self.transport.put_json(key, {"path": relative.as_posix(), "policy_version": version})
-            elif serves:  # the rollout node has the engines receive the plan's buckets while they are sent
-                state = self.trainer.hf_state()
-                buckets = self.broadcaster.plan(state)
-                self.transport.put_json(key, {"policy_version": version, "buckets": [asdict(b) for b in buckets]})
-                self.broadcaster.send(state, buckets, version)
+            self.weights.publish(version, serves=serves)
             if serves and self.cfg.pipeline.mode is not PipelineMode.async_one_step:
                 self.transport.wait_get(self.transport.key("serving", f"policy_version={version}"),
                                         what=f"the engines to serve policy_version {version}")

@@ -206,3 +206,48 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+class WeightPublisher:
+    """Trainer rank 0's side of both ways (module docstring): ``open`` once, ``publish`` each new policy.
+
+    ``publish`` returns once the policy is on its way: the file written and announced, or every bucket broadcast
+    (which needs the engines to receive them, so it returns after the rollout node has had them loaded).
+    """
+
+    def __init__(self, *, cfg, run_dir, transport, trainer) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.transport = transport
+        self.trainer = trainer
+        self.broadcaster: Broadcaster | None = None
+
+    def open(self) -> None:
+        """distributed: publish the weight-update process group and join it as rank 0 (returns once every engine
+        has joined)."""
+        from rolloutpipe.rollout import EngineKind
+
+        cfg = self.cfg
+        if cfg.pipeline.weight_sync is not WeightSync.distributed:
+            return
+        group = WeightGroup(master_address=master_address(self.transport.address.host), master_port=free_port(),
+                            world_size=1 + cfg.rollout.num_engines * cfg.rollout.ranks_per_engine,
+                            backend=weight_sync_backend(cfg.rollout.engine is EngineKind.sglang,
+                                                        self.trainer.hf_state()))
+        self.transport.put_json(self.transport.key("weight_sync", "group"), group.to_json())
+        self.broadcaster = Broadcaster(group=group, bucket_bytes=int(cfg.pipeline.weight_sync_bucket_mb * 2**20),
+                                       timeout_s=cfg.rollout.server_start_timeout_s + cfg.pipeline.connect_timeout_s,
+                                       check=lambda what: self.transport.liveness.check(waiting_for=what))
+
+    def publish(self, version: int, *, serves: bool) -> None:
+        """Send policy ``version``; ``serves`` is False for the last one, which only goes to the final checkpoint."""
+        key = self.transport.key("weights", f"policy_version={version}")
+        if self.broadcaster is None:
+            relative = f"weights/policy_v{version}.safetensors"
+            self.trainer.save_weights(self.run_dir / relative)
+            self.transport.put_json(key, {"path": relative, "policy_version": version})
+        elif serves:  # the rollout node has the engines receive the plan's buckets while they are sent
+            state = self.trainer.hf_state()
+            buckets = self.broadcaster.plan(state)
+            self.transport.put_json(key, {"policy_version": version, "buckets": [asdict(b) for b in buckets]})
+            self.broadcaster.send(state, buckets, version)
