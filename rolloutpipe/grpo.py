@@ -67,6 +67,37 @@ class LossSums:
     ratio_sum: float
 
 
+class BatchTotals:
+    """One rank's running sums over a training batch's micro-batches, until its optimizer step.
+
+    ``reduce`` sums them over the data-parallel ranks (one all-reduce of one float64 tensor), so every rank
+    divides by the same normaliser (``normaliser``) once the batch is complete.
+    """
+
+    def __init__(self) -> None:
+        self.loss = 0.0
+        self.num_tokens = 0
+        self.num_samples = 0
+        self.num_clipped_tokens = 0
+
+    def add(self, sums: LossSums) -> None:
+        self.loss += float(sums.loss.detach())
+        self.num_tokens += sums.num_tokens
+        self.num_samples += sums.num_samples
+        self.num_clipped_tokens += sums.num_clipped_tokens
+
+    def reduce(self, all_reduce=None) -> BatchTotals:
+        """The batch's totals over the ranks (``all_reduce``: an in-place sum over the group, or None alone)."""
+        values = torch.tensor([self.loss, self.num_tokens, self.num_samples, self.num_clipped_tokens],
+                              dtype=torch.float64)
+        if all_reduce is not None:
+            all_reduce(values)
+        total = BatchTotals()
+        total.loss = float(values[0])
+        total.num_tokens, total.num_samples, total.num_clipped_tokens = (int(v) for v in values[1:].tolist())
+        return total
+
+
 def policy_loss_sums(
     logprobs: torch.Tensor,  # [B, T] log p of response tokens under the current weights
     old_logprobs: torch.Tensor,  # [B, T] under policy_version k (the weights that generated them)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from rolloutpipe.grpo import GRPOConfig, LossSums, normaliser, policy_loss_sums
+from rolloutpipe.grpo import BatchTotals, GRPOConfig, LossSums, normaliser, policy_loss_sums
 from rolloutpipe.types import CompleteGroup
 
 
@@ -147,10 +147,7 @@ class PolicyTrainer:
             model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay
         )
         self._snapshot: dict[str, torch.Tensor] | None = None
-        self._loss_sum = 0.0
-        self._num_tokens = 0
-        self._num_samples = 0
-        self._num_clipped = 0
+        self._totals = BatchTotals()
 
     def begin_step(self) -> None:
         """Remember policy_version k's parameters when later batches must clip against them."""
@@ -167,10 +164,7 @@ class PolicyTrainer:
         advantages = torch.tensor([s.advantage for s in samples], dtype=logprobs.dtype)
         sums = policy_loss_sums(logprobs, old, advantages, mask, self.grpo)
         sums.loss.backward()
-        self._loss_sum += float(sums.loss.detach())
-        self._num_tokens += sums.num_tokens
-        self._num_samples += sums.num_samples
-        self._num_clipped += sums.num_clipped_tokens
+        self._totals.add(sums)
         return sums
 
     def finish_batch(self) -> BatchResult:
@@ -179,8 +173,6 @@ class PolicyTrainer:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        counts = torch.tensor([self._num_tokens, self._num_samples, self._num_clipped], dtype=torch.float64)
-        loss = torch.tensor([self._loss_sum], dtype=torch.float64)
         if self.distributed:
             flat = torch.cat([p.grad.reshape(-1) for p in params])
             dist.all_reduce(flat)
@@ -188,18 +180,16 @@ class PolicyTrainer:
             for p in params:
                 p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
-            dist.all_reduce(counts)
-            dist.all_reduce(loss)
-        num_tokens, num_samples, num_clipped = (int(c) for c in counts.tolist())
-        scale = 1.0 / normaliser(self.grpo, num_tokens=num_tokens, num_samples=num_samples)
+        total = self._totals.reduce(dist.all_reduce if self.distributed else None)
+        scale = 1.0 / normaliser(self.grpo, num_tokens=total.num_tokens, num_samples=total.num_samples)
         for p in params:
             p.grad.mul_(scale)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._loss_sum, self._num_tokens, self._num_samples, self._num_clipped = 0.0, 0, 0, 0
-        return BatchResult(loss=float(loss) * scale, grad_norm=grad_norm, num_tokens=num_tokens,
-                           num_clipped_tokens=num_clipped)
+        self._totals = BatchTotals()
+        return BatchResult(loss=total.loss * scale, grad_norm=grad_norm, num_tokens=total.num_tokens,
+                           num_clipped_tokens=total.num_clipped_tokens)
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """The policy under HF names (tied lm_head left out, as save_pretrained does)."""

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from rolloutpipe.grpo import GRPOConfig, LossSums, normaliser, policy_loss_sums
+from rolloutpipe.grpo import BatchTotals, GRPOConfig, LossSums, normaliser, policy_loss_sums
 from rolloutpipe.megatron import cpu
 from rolloutpipe.megatron.convert import Layout, hf_to_megatron, megatron_to_hf
 from rolloutpipe.megatron.model import build_gpt_model, check_supported, destroy_parallel_state, init_parallel_state
@@ -100,10 +100,7 @@ class MegatronTrainer:
         self._tp_shards: list[dict[str, torch.Tensor]] | None = None
         self._gather_shards()
         self._snapshot: dict[str, torch.Tensor] | None = None
-        self._loss_sum = 0.0
-        self._num_tokens = 0
-        self._num_samples = 0
-        self._num_clipped = 0
+        self._totals = BatchTotals()
 
     def begin_step(self) -> None:
         """Remember policy_version k's parameters when later batches must clip against them."""
@@ -126,31 +123,25 @@ class MegatronTrainer:
             advantages = torch.tensor([s.advantage for s in samples], dtype=logprobs.dtype, device=logprobs.device)
             sums = policy_loss_sums(logprobs, old, advantages, mask, self.grpo)
             sums.loss.backward()  # into DDP's gradient buffers; nothing is communicated until finish_batch
-        self._loss_sum += float(sums.loss.detach())
-        self._num_tokens += sums.num_tokens
-        self._num_samples += sums.num_samples
-        self._num_clipped += sums.num_clipped_tokens
+        self._totals.add(sums)
         return sums
 
     def finish_batch(self) -> BatchResult:
         """Sum over data-parallel ranks, normalise once, clip and step: the batch's one optimizer update."""
         from megatron.core.distributed import finalize_model_grads
 
-        counts = torch.tensor([self._num_tokens, self._num_samples, self._num_clipped, self._loss_sum],
-                              dtype=torch.float64)
         with cpu.cuda_calls_on_cpu():
-            dist.all_reduce(counts, group=self.dp_group)
-            num_tokens, num_samples, num_clipped = (int(c) for c in counts[:3].tolist())
-            scale = 1.0 / normaliser(self.grpo, num_tokens=num_tokens, num_samples=num_samples)
+            total = self._totals.reduce(lambda values: dist.all_reduce(values, group=self.dp_group))
+            scale = 1.0 / normaliser(self.grpo, num_tokens=total.num_tokens, num_samples=total.num_samples)
             finalize_model_grads([self.ddp])
             self.ddp.scale_gradients(scale)
             _, grad_norm, _ = self.optimizer.step()
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
         self._gather_shards()
-        self._loss_sum, self._num_tokens, self._num_samples, self._num_clipped = 0.0, 0, 0, 0
-        return BatchResult(loss=float(counts[3]) * scale, grad_norm=float(grad_norm), num_tokens=num_tokens,
-                           num_clipped_tokens=num_clipped)
+        self._totals = BatchTotals()
+        return BatchResult(loss=total.loss * scale, grad_norm=float(grad_norm), num_tokens=total.num_tokens,
+                           num_clipped_tokens=total.num_clipped_tokens)
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """The policy under HF names, full tensors (a tensor-parallel group's first rank; tied lm_head left out)."""
