@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +87,8 @@ def run_sweep(cfg: SimulateConfig, raw_job: Any, raw_sim: Any) -> list[Row]:
         if bad:
             raise ConfigError(f"sweep keys must start with job. or sim.: {bad}")
         sim = _bind(SimConfig, raw_sim, sim_over, "sim")
+        if cfg.timeline and not rows:  # the picture draws steps 1 and 2 of the first setting
+            sim = replace(sim, num_span_steps=max(sim.num_span_steps, 3))
         for mode in cfg.modes:
             job = load_config(OmegaConf.merge(OmegaConf.to_container(raw_job), OmegaConf.from_dotlist([f"{k}={v}" for k, v in job_over.items()]),
                                               MODES[mode]))
@@ -133,7 +135,8 @@ def draw(rows: list[Row], path: Path) -> list[Path]:
     first = [r for r in rows if r.setting == rows[0].setting]
     runs = [RunTimeline(label=f"{r.mode} (simulated)", mode=r.mode, spans=r.result.spans,
                         metrics={m["step"]: m for m in r.result.records}) for r in first]
-    return draw_timeline(runs, path, steps=[1, 2], title=f"simulated: {rows[0].setting}")
+    setting = rows[0].setting
+    return draw_timeline(runs, path, steps=[1, 2], title="simulated" + (f": {setting}" if setting != "-" else ""))
 
 
 def _vs(value: float, base: float) -> str:
