@@ -301,6 +301,8 @@ class Admission:
         self._unfinished: set[str] = set()
         self._num_held: dict[str, int] = {}
         """Unfinished requests per engine name (names are unique: a restarted engine gets a new one)."""
+        self._total_held = 0
+        """Their sum: while it is at least every engine's concurrency, no engine has a free slot (pump is hot)."""
         self._waiting: dict[int, list[GenerationRequest]] = {}
         """FGD's held groups (and requests to retry), in group order."""
         self._orphans: list[tuple[int, GenerationRequest]] = []
@@ -348,6 +350,7 @@ class Admission:
                 return False
             self._unfinished.discard(request_id)
             self._num_held[engine_name] -= 1
+            self._total_held -= 1
             return True
 
     def abort_groups(self, groups: list[int]) -> int:
@@ -385,6 +388,7 @@ class Admission:
         with self._lock:
             held = {r for r in self._unfinished if self.assigned[r] is engine}
             self._unfinished.difference_update(held)
+            self._total_held -= self._num_held.get(engine.name, 0)
             self._num_held[engine.name] = 0
         self._out_of_service.append(engine)
         self._serving = self._in_service()
@@ -411,6 +415,8 @@ class Admission:
 
     def _most_free(self) -> Engine | None:
         """The engine in service with the most free slots, if it has one (a lock-free read of the counts)."""
+        if self._total_held >= self.concurrency * len(self._serving):
+            return None
         held, best, fewest = self._num_held, None, self.concurrency
         for engine in self._serving:
             num = held.get(engine.name, 0)
@@ -431,6 +437,7 @@ class Admission:
             self.assigned[request.request_id] = engine
             self._unfinished.add(request.request_id)
             self._num_held[engine.name] = self._num_held.get(engine.name, 0) + 1
+            self._total_held += 1
         self._submitted.setdefault(group, {})[request.request_id] = request
         try:
             engine.submit(request)

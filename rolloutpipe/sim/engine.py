@@ -144,16 +144,16 @@ class SimEngine:
             self.busy_s += elapsed
 
     def _admit(self) -> None:
-        num_prompt_tokens = 0
-        while self._waiting and len(self._running) < self.concurrency:
-            request = self._waiting.popleft()
-            request.joined_at = self._iteration
+        num_prompt_tokens, iteration, waiting, running = 0, self._iteration, self._waiting, self._running
+        while waiting and len(running) < self.concurrency:
+            request = waiting.popleft()
+            request.joined_at = iteration
             request.started_s = self._time_s
-            heapq.heappush(self._running, (self._iteration + request.response_len, request.request_id, request))
-            self._context_offset += request.prompt_len - self._iteration
+            heapq.heappush(running, (iteration + request.response_len, request.request_id, request))
             num_prompt_tokens += request.prompt_len
+            self._context_offset += request.prompt_len - iteration
         if num_prompt_tokens:
-            prefill = self.model.prefill_s(num_prompt_tokens)
+            prefill = self.model.prefill_base_s + self.model.prefill_per_token_s * num_prompt_tokens
             self._time_s += prefill
             self.busy_s += prefill
 

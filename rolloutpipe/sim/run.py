@@ -161,7 +161,7 @@ class Simulation:
         self.arrivals: list[tuple[float, SimHandle]] = []
         self.first_group_s: float | None = None
         schedule.start()
-        self.loop.run_until(schedule.full)
+        self.loop.run_until(schedule.slots.full)  # = schedule.full, one call less per event
         last_group_s = self.loop.now
         unused, num_aborted = schedule.finish()
         self.source.give_back([schedule.prompts[g] for g in unused])
