@@ -125,16 +125,18 @@ def test_calibration_fit_recovers_known_coefficients():
     assert geometric_mean_tokens(lengths, 100) == pytest.approx(45, rel=0.05)
 
 
-def test_simulate_command_sweeps_and_prints_every_mode(tmp_path):
+def test_simulate_command_sweeps_prints_every_mode_and_draws_the_timeline(tmp_path):
     result = subprocess.run(
         [sys.executable, "tools/simulate.py", "sim/hardware=h100_qwen3_1p7b", "num_steps=3",
-         "+sweep.job.rollout.concurrency=[16,32]", f"csv={tmp_path / 'sim.csv'}"],
+         "+sweep.job.rollout.concurrency=[16,32]", f"csv={tmp_path / 'sim.csv'}",
+         f"timeline={tmp_path / 'sim.png'}"],
         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     rows = [line.split() for line in result.stdout.splitlines()[2:]]
     assert {(r[0], r[1]) for r in rows} == {(f"concurrency={n}", m) for n in (16, 32)
                                             for m in ("sync", "cgp", "cgp+fgd", "async_one_step")}
     assert len((tmp_path / "sim.csv").read_text().splitlines()) == 9
+    assert (tmp_path / "sim.png").stat().st_size > 10_000, "the timeline of the first setting, drawn like a real run's"
 
 
 def test_simulate_command_rejects_a_bad_key_with_a_hint():

@@ -1,0 +1,33 @@
+"""On a GPU machine: the SGLang engine and the Megatron trainer, end to end (tools/gpu_check.py).
+
+Skips without CUDA or without the sglang and megatron extras (``pip install -e ".[sglang,megatron,dev]"``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from .conftest import REPO
+
+pytestmark = pytest.mark.gpu
+
+
+def skip_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs an NVIDIA GPU (CUDA is not available here)"
+    if importlib.util.find_spec("sglang") is None or importlib.util.find_spec("megatron") is None:
+        return 'needs the GPU extras: pip install -e ".[sglang,megatron,dev]"'
+    return None
+
+
+@pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
+@pytest.mark.timeout(900)
+def test_sglang_engine_and_megatron_trainer_agree_and_cgp_equals_sync(tmp_path):
+    result = subprocess.run([sys.executable, "tools/gpu_check.py", "--out", str(tmp_path)], cwd=REPO,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
