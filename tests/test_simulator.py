@@ -132,7 +132,7 @@ def test_simulate_command_sweeps_prints_every_mode_and_draws_the_timeline(tmp_pa
          f"timeline={tmp_path / 'sim.png'}"],
         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    rows = [line.split() for line in result.stdout.splitlines()[2:]]
+    rows = [line.split() for line in result.stdout.splitlines()[2:] if not line.startswith("timeline:")]
     assert {(r[0], r[1]) for r in rows} == {(f"concurrency={n}", m) for n in (16, 32)
                                             for m in ("sync", "cgp", "cgp+fgd", "async_one_step")}
     assert len((tmp_path / "sim.csv").read_text().splitlines()) == 9
