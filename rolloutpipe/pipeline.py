@@ -239,11 +239,11 @@ class RolloutNode:
         while not self.events.empty():
             self.events.get()
 
+        selected = schedule.selected()
         if cfg.run.save_samples:
-            write_samples(self.env.run_dir / "rollouts" / f"step={step}.jsonl", step, schedule.prompts,
-                          schedule.selected())
+            write_samples(self.env.run_dir / "rollouts" / f"step={step}.jsonl", step, schedule.prompts, selected)
         return RolloutStats.of(step=step, policy_version=version, start_s=start_s, last_group_s=last_group_s,
-                               weight_load_s=weight_load_s, selected=schedule.selected(),
+                               weight_load_s=weight_load_s, selected=selected,
                                complete=list(schedule.complete.values()), num_filtered=schedule.num_filtered,
                                num_returned=len(unused), num_aborted=num_aborted)
 
@@ -401,7 +401,9 @@ class TrainerNode:
             if serves and self.cfg.pipeline.mode is not PipelineMode.async_one_step:
                 self.transport.wait_get(self.transport.key("serving", f"policy_version={version}"),
                                         what=f"the engines to serve policy_version {version}")
-        (self.env.run_dir / "weights" / f"policy_v{version - 1}.safetensors").unlink(missing_ok=True)
+        # sync/cgp: the engines serve ``version`` now. async_one_step does not wait: the rollout may still be
+        # about to load version - 1 (the next step's policy), so only version - 2 is surely done with.
+        self.weights.retire(version - (2 if self.cfg.pipeline.mode is PipelineMode.async_one_step else 1))
         return time.time() - start
 
     def reduce(self, step: int, stats: TrainStats) -> dict:

@@ -156,7 +156,7 @@ class PolicyTrainer:
             self._snapshot = {k: v.detach().clone() for k, v in self.model.named_parameters()}
 
     def forward_backward(self, samples: list[TrainSample], *, first_batch_of_step: bool) -> LossSums:
-        input_ids, targets, mask = self._pack(samples)  # [B, L], [B, L-1], [B, L-1]
+        input_ids, targets, mask = pack(samples, pad_id=self.pad_id, dtype=self._dtype())  # [B, L], [B, L-1] x 2
         attention = _real_tokens(samples, input_ids.shape[1])  # [B, L]
         logits = self.model(input_ids=input_ids, attention_mask=attention.long()).logits[:, :-1]
         logprobs = token_logprobs(logits, targets, self.temperature)  # [B, L-1]
@@ -212,9 +212,6 @@ class PolicyTrainer:
         return self.model
 
     # -- helpers ---------------------------------------------------------------------------------
-    def _pack(self, samples: list[TrainSample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return pack(samples, pad_id=self.pad_id, dtype=self._dtype())
-
     def _old_logprobs(self, samples, input_ids, attention, targets, logprobs, mask, first_batch_of_step):
         if self.old_logprobs is OldLogprobSource.engine:
             return engine_logprobs(samples, like=logprobs)

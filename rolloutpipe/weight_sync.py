@@ -243,7 +243,7 @@ class WeightPublisher:
         """Send policy ``version``; ``serves`` is False for the last one, which only goes to the final checkpoint."""
         key = self.transport.key("weights", f"policy_version={version}")
         if self.broadcaster is None:
-            relative = f"weights/policy_v{version}.safetensors"
+            relative = _weights_file(version)
             self.trainer.save_weights(self.run_dir / relative)
             self.transport.put_json(key, {"path": relative, "policy_version": version})
         elif serves:  # the rollout node has the engines receive the plan's buckets while they are sent
@@ -251,3 +251,12 @@ class WeightPublisher:
             buckets = self.broadcaster.plan(state)
             self.transport.put_json(key, {"policy_version": version, "buckets": [asdict(b) for b in buckets]})
             self.broadcaster.send(state, buckets, version)
+
+    def retire(self, version: int) -> None:
+        """Delete policy ``version``'s file (disk sync) once no engine can still need it."""
+        (self.run_dir / _weights_file(version)).unlink(missing_ok=True)
+
+
+def _weights_file(version: int) -> str:
+    """Where disk sync writes policy ``version``, relative to the run directory."""
+    return f"weights/policy_v{version}.safetensors"

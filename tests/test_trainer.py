@@ -8,7 +8,7 @@ import torch
 
 from rolloutpipe.grpo import GRPOConfig
 from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
-from rolloutpipe.trainer import OldLogprobSource, PolicyTrainer, TrainerConfig, TrainSample
+from rolloutpipe.trainer import OldLogprobSource, PolicyTrainer, TrainerConfig, TrainSample, pack
 
 from .test_embedded_engine import request, run_all
 
@@ -36,7 +36,7 @@ def test_engine_and_trainer_agree_on_the_log_probs_of_the_serving_policy():
     model = load_model(ModelConfig(dtype=DType.float64), len(build_tiny_tokenizer()))
     samples = generated_samples(copy.deepcopy(model), 6)
     trainer = make_trainer(model, multi_step=False)
-    input_ids, targets, mask = trainer._pack(samples)
+    input_ids, targets, mask = pack(samples, pad_id=trainer.pad_id, dtype=torch.float64)
     logits = model(input_ids=input_ids).logits[:, :-1]
     logprobs = torch.log_softmax(logits / TEMPERATURE, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     for b, s in enumerate(samples):
@@ -57,7 +57,7 @@ def test_batches_after_the_first_optimizer_step_clip_against_the_rollout_policy(
     assert moved > 1e-4
 
     second = samples[4:]
-    input_ids, targets, mask = trainer._pack(second)
+    input_ids, targets, mask = pack(second, pad_id=trainer.pad_id, dtype=torch.float64)
     attention = torch.ones_like(input_ids, dtype=torch.bool)
     for b, s in enumerate(second):
         attention[b, len(s.prompt_ids) + len(s.response_ids):] = False

@@ -166,19 +166,25 @@ class SimEngine:
 
     def _on_finish(self, version: int) -> None:
         """The hot path of the simulator, kept inline: finish the requests of the next finishing iteration;
-        while this engine's next finish comes before every other event, go on without the event heap."""
+        while this engine's next finish comes before every other event, go on without the event heap.
+        (The time of the next finish is ``model.decode_s`` written out: a call per finish costs ~10%.)"""
         if version != self._version:  # the running batch changed since this was scheduled
             return
         loop, running, model, heappop = self.loop, self._running, self.model, heapq.heappop
         base, per_request, per_context = model.decode_base_s, model.decode_per_request_s, \
             model.decode_per_context_token_s
         per_finish = model.per_finish_s
-        until, num_running = running[0][0], len(running)
-        k = until - self._iteration
-        finish_s = self._time_s + k * (base + per_request * num_running
-                                       + per_context * (self._context_offset + num_running * self._iteration)) \
-            + per_context * num_running * k * (k - 1) / 2
-        while True:
+        first = True
+        while running:
+            until, num_running = running[0][0], len(running)
+            k = until - self._iteration
+            finish_s = self._time_s + k * (base + per_request * num_running
+                                           + per_context * (self._context_offset + num_running * self._iteration)) \
+                + per_context * num_running * k * (k - 1) / 2
+            if not first and (self._join_pending or not loop.runs_next(finish_s)):
+                loop.at(finish_s, self._on_finish, self._version)
+                return
+            first = False
             self.busy_s += finish_s - self._time_s
             self._iteration = until
             done = []
@@ -196,13 +202,3 @@ class SimEngine:
                 self._admit()
             self._version += 1
             self.on_result(self.name, done, False, loop.now)
-            if not running:
-                return
-            until, num_running = running[0][0], len(running)
-            k = until - self._iteration
-            finish_s = self._time_s + k * (base + per_request * num_running
-                                           + per_context * (self._context_offset + num_running * self._iteration)) \
-                + per_context * num_running * k * (k - 1) / 2
-            if self._join_pending or not loop.runs_next(finish_s):
-                loop.at(finish_s, self._on_finish, self._version)
-                return
