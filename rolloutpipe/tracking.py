@@ -18,10 +18,10 @@ Never in the way of training.
     ``offline`` (the default) writes ``<run_dir>/wandb/offline-run-*`` and needs no network; ``wandb sync``
     uploads it later. ``online`` tries for ``wandb.init_timeout_s``; if W&B cannot be reached (no network,
     no API key) it warns and falls back to offline, so nothing is lost. ``disabled`` logs nothing. The run
-    starts on the tracker's thread; the trainer waits for it at most 15 s before its first step (so the
-    start-up's CPU is not spent inside a step), and logging a step only enqueues. A logging error warns
-    once and turns the tracker off; ``finish`` waits at most ``wandb.finish_timeout_s`` for the upload
-    and then leaves it to ``wandb sync``.
+    starts on the tracker's thread and ``open_tracker`` waits for it, at most 15 s (so its start-up is
+    neither spent inside a step nor parsing source beside the trainer's imports); logging a step only
+    enqueues. A logging error warns once and turns the tracker off; ``finish`` waits at most
+    ``wandb.finish_timeout_s`` for the upload and then leaves it to ``wandb sync``.
 """
 
 from __future__ import annotations
@@ -184,8 +184,8 @@ def open_tracker(cfg: WandbConfig, *, run_dir: Path, run_id: str, config: Any, e
                  job_type: str = "train") -> Tracker:
     """A tracker for this process: a W&B run when ``enabled`` and ``cfg.mode`` is not disabled.
 
-    ``config`` is the job's Config (logged as the W&B run config) or a plain dict. Returns at once; the
-    run starts on the tracker's own thread.
+    ``config`` is the job's Config (logged as the W&B run config) or a plain dict. The run starts on the
+    tracker's own thread; this waits for that start (at most 15 s, see ``Tracker.wait_started``).
     """
     if not enabled or cfg.mode is WandbMode.disabled:
         return Tracker()
@@ -223,8 +223,14 @@ def open_tracker(cfg: WandbConfig, *, run_dir: Path, run_id: str, config: Any, e
                 return None
 
     # online may take init_timeout_s (W&B waits about twice that) before the offline fallback starts
-    return Tracker(start, finish_timeout_s=cfg.finish_timeout_s, wait_start_s=3 * cfg.init_timeout_s + 30,
-                   gantt_spec=cfg.gantt_spec)
+    tracker = Tracker(start, finish_timeout_s=cfg.finish_timeout_s, wait_start_s=3 * cfg.init_timeout_s + 30,
+                      gantt_spec=cfg.gantt_spec)
+    # Importing wandb and wandb.init parse Python source (pydantic reads docstrings with ast.parse), and
+    # CPython 3.11 keeps one AST recursion counter per interpreter, so two threads parsing at once can fail
+    # either of them with "SystemError: AST constructor recursion depth mismatch"
+    # (cpython gh-106905). The caller is about to import torch and transformers, which parse too: wait here.
+    tracker.wait_started()
+    return tracker
 
 
 # ------------------------------------------------------------------------------------------------

@@ -109,6 +109,17 @@ def test_online_without_credentials_or_network_falls_back_to_offline_with_a_warn
     assert list(offline.glob("run-*.wandb"))
 
 
+def test_an_offline_run_has_started_when_open_tracker_returns(tmp_path, monkeypatch):
+    """The trainer imports torch and transformers right after open_tracker; wandb's start parses source too,
+    and two threads parsing at once can fail on CPython 3.11 (gh-106905), so the start is over by then."""
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    cfg = WandbConfig(mode=WandbMode.offline, system_metrics=False)
+    tracker = open_tracker(cfg, run_dir=tmp_path, run_id="started", config={"seed": 1}, enabled=True)
+    assert tracker.run is not None
+    tracker.finish(None, None)
+
+
 def test_a_long_table_keeps_the_latest_whole_steps():
     rows = [[step, i] for step in range(5) for i in range(step + 1)]  # step k has k + 1 rows
     assert latest_steps(rows, 0, max_rows=100) == rows
