@@ -72,13 +72,16 @@ class StepSlots:
         self.states[group] = GroupState.TRAINABLE if trainable else GroupState.FILTERED
         del self._pending[bisect.bisect_left(self._pending, group)]
         bisect.insort(self._unplaced if trainable else self._filtered, group)
-        return self._place_new()
+        return self._place_new(group)
 
-    def _place_new(self) -> list[Placement]:
-        new, size, per_batch = [], self.rollout_batch_size, self.groups_per_batch
-        for g in self._unplaced:
-            pending_below = bisect.bisect_left(self._pending, g)
-            trainable_below = g - pending_below - bisect.bisect_left(self._filtered, g)
+    def _place_new(self, resolved: int) -> list[Placement]:
+        """Only groups from ``resolved`` up can be placed now: the counts below a lower group did not change."""
+        new, size, per_batch, pending, filtered = [], self.rollout_batch_size, self.groups_per_batch, \
+            self._pending, self._filtered
+        first = bisect.bisect_left(self._unplaced, resolved)
+        for g in self._unplaced[first:]:
+            pending_below = bisect.bisect_left(pending, g)
+            trainable_below = g - pending_below - (bisect.bisect_left(filtered, g) if filtered else 0)
             if pending_below >= per_batch or trainable_below >= size:
                 break  # later groups have at least as many below them
             lo, hi = trainable_below, trainable_below + pending_below
@@ -86,7 +89,7 @@ class StepSlots:
                 self.placed[g] = lo // per_batch
                 new.append(Placement(group=g, batch=self.placed[g]))
         if new:
-            self._unplaced = [g for g in self._unplaced if g not in self.placed]
+            self._unplaced[first:] = [g for g in self._unplaced[first:] if g not in self.placed]
         return new
 
     def num_to_admit(self) -> int:
@@ -111,9 +114,11 @@ class StepSlots:
         if filled >= self.rollout_batch_size:
             return []
         budget = self.groups_per_batch - filled % self.groups_per_batch  # slots left in that batch
-        frontier, filtered_before_start = [], bisect.bisect_left(self._filtered, start)
-        for g in self._pending:  # a pending group is needed if fewer than `budget` live groups lie from start to it
-            if (g - start) - (bisect.bisect_left(self._filtered, g) - filtered_before_start) >= budget:
+        # A pending group is needed if fewer than `budget` live (not filtered) groups lie from start to it, that
+        # is if it lies below `end`, the budget-th live group from start: each filtered group pushes end by one.
+        end = start + budget
+        for f in self._filtered[bisect.bisect_left(self._filtered, start):]:
+            if f >= end:
                 break
-            frontier.append(g)
-        return frontier
+            end += 1
+        return self._pending[:bisect.bisect_left(self._pending, end)]

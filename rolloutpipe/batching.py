@@ -22,6 +22,8 @@ from typing import Any, Callable
 class MicroBatch:
     batch: int
     samples: list[Any]
+    rank: int = 0
+    """The data-parallel rank that trains it."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -33,41 +35,52 @@ class OptimizerStep:
 
 @dataclass(kw_only=True, slots=True)
 class BatchConsumer:
-    """One rank's share of one step's training batches (see module docstring)."""
+    """One rank's share of one step's training batches (see module docstring); with ``rank=None`` every
+    rank's (the simulator's trainer node group: one consumer, micro-batches tagged with their rank)."""
 
     num_batches: int
     groups_per_batch: int
     micro_batch_size: int
-    rank: int = 0
+    rank: int | None = 0
     world_size: int = 1
     current: int = 0
     """The training batch being trained."""
     _arrived: list[list[Any]] = field(default_factory=list)
     _next_in_batch: int = 0
-    _local: list[Any] = field(default_factory=list)
+    _local: list[list[Any]] = field(default_factory=list)
+    """Per rank: samples not cut into a micro-batch yet."""
 
     def __post_init__(self) -> None:
         self._arrived = [[] for _ in range(self.num_batches)]
+        self._local = [[] for _ in range(self.world_size)]
 
     def arrive(self, handle: Any, load: Callable[[Any], list[Any]]) -> list[MicroBatch | OptimizerStep]:
-        """The work ``handle`` makes possible on this rank, in order; ``load`` turns a handle into samples
-        (called only for this rank's groups)."""
-        self._arrived[handle.batch].append(handle)
+        """The work ``handle`` makes possible, in order; ``load`` turns a handle into samples (called only
+        for the consumer's own groups)."""
+        arrived = self._arrived
+        arrived[handle.batch].append(handle)
+        if handle.batch != self.current:  # it waits for its batch's turn (every handle before it is taken)
+            return []
         work: list[MicroBatch | OptimizerStep] = []
-        while self.current < self.num_batches and self._next_in_batch < len(self._arrived[self.current]):
-            batch = self._arrived[self.current]
-            if self._next_in_batch % self.world_size == self.rank:
-                self._local.extend(load(batch[self._next_in_batch]))
-                while len(self._local) >= self.micro_batch_size:
-                    work.append(MicroBatch(batch=self.current, samples=self._local[: self.micro_batch_size]))
-                    self._local = self._local[self.micro_batch_size :]
-            self._next_in_batch += 1
-            if self._next_in_batch == self.groups_per_batch:  # the training batch is complete
-                if self._local:
-                    work.append(MicroBatch(batch=self.current, samples=self._local))
-                    self._local = []
-                work.append(OptimizerStep(batch=self.current, groups=[h.group for h in batch]))
-                self.current, self._next_in_batch = self.current + 1, 0
+        current, taken, size = self.current, self._next_in_batch, self.micro_batch_size
+        while current < self.num_batches and taken < len(arrived[current]):
+            batch = arrived[current]
+            owner = taken % self.world_size
+            if self.rank is None or owner == self.rank:
+                local = self._local[owner]
+                local.extend(load(batch[taken]))
+                while len(local) >= size:
+                    work.append(MicroBatch(batch=current, samples=local[:size], rank=owner))
+                    del local[:size]
+            taken += 1
+            if taken == self.groups_per_batch:  # the training batch is complete: remainders, then the step
+                for rank, local in enumerate(self._local):
+                    if local:
+                        work.append(MicroBatch(batch=current, samples=local, rank=rank))
+                        self._local[rank] = []
+                work.append(OptimizerStep(batch=current, groups=[h.group for h in batch]))
+                current, taken = current + 1, 0
+        self.current, self._next_in_batch = current, taken
         return work
 
     def done(self) -> bool:

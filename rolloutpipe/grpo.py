@@ -50,7 +50,7 @@ def group_advantages(rewards: list[float], *, normalize_std: bool) -> list[float
     mean = math.fsum(rewards) / len(rewards)
     centered = [r - mean for r in rewards]
     if normalize_std and len(rewards) > 1:
-        std = math.sqrt(math.fsum(c * c for c in centered) / (len(rewards) - 1))  # unbiased, as torch.std
+        std = math.sqrt(math.fsum([c * c for c in centered]) / (len(rewards) - 1))  # unbiased, as torch.std
         centered = [c / (std + 1e-6) for c in centered]
     return centered
 

@@ -198,19 +198,19 @@ class RolloutStats:
     def of(cls, *, step: int, policy_version: int, start_s: float, last_group_s: float, weight_load_s: float,
            selected: list, complete: list, num_filtered: int, num_returned: int, num_aborted: int) -> RolloutStats:
         """The record of a step whose ``selected`` groups are trained, out of every ``complete`` one."""
-        samples = [s for g in complete for s in g.samples]
+        samples = [s for g in complete for s in g.samples]  # (list comprehensions: the simulator calls this)
         rewards = [s.reward for s in samples]
         lengths = [len(s.response_ids) for s in samples]
-        mean = math.fsum(rewards) / len(rewards)  # statistics.pstdev is exact and ~50x slower: the simulator calls this
+        mean = math.fsum(rewards) / len(rewards)  # statistics.pstdev is exact and ~50x slower
         return cls(
             step=step, policy_version=policy_version, start_s=start_s,
             first_group_s=min(g.completed_s for g in selected), last_group_s=last_group_s,
             weight_load_s=weight_load_s, num_groups=len(selected), num_samples=len(samples),
             num_tokens=sum(lengths),
-            num_truncated=sum(s.finish_reason is FinishReason.LENGTH for s in samples),
-            num_reward_errors=sum(s.reward_error is not None for s in samples),
+            num_truncated=[s.finish_reason for s in samples].count(FinishReason.LENGTH),
+            num_reward_errors=len(samples) - [s.reward_error for s in samples].count(None),
             num_filtered_groups=num_filtered, num_returned_prompts=num_returned, num_aborted_samples=num_aborted,
-            reward_mean=mean, reward_std=math.sqrt(math.fsum((r - mean) ** 2 for r in rewards) / len(rewards)),
+            reward_mean=mean, reward_std=math.sqrt(math.fsum([(r - mean) ** 2 for r in rewards]) / len(rewards)),
             response_len_mean=sum(lengths) / len(lengths),
         )
 

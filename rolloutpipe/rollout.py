@@ -140,7 +140,9 @@ class GroupAssembler:
 
     def add(self, sample: Sample) -> CompleteGroup | None:
         with self._lock:
-            samples = self._pending.setdefault(sample.group, {})
+            samples = self._pending.get(sample.group)
+            if samples is None:
+                samples = self._pending[sample.group] = {}
             samples[sample.index] = sample
             if len(samples) < self.n_samples:
                 return None
@@ -298,7 +300,7 @@ class Admission:
         self.engines = engines
         self.concurrency = concurrency
         self.assigned: dict[str, Engine] = {}
-        self._unfinished: set[str] = set()
+        """The engine holding each unfinished request."""
         self._num_held: dict[str, int] = {}
         """Unfinished requests per engine name (names are unique: a restarted engine gets a new one)."""
         self._total_held = 0
@@ -310,6 +312,8 @@ class Admission:
         self._out_of_service: list[Engine] = []
         self._serving = list(engines)
         """``engines`` minus those out of service (recomputed on take_out / put_back only: pump is hot)."""
+        self._capacity = concurrency * len(engines)
+        """Slots of the engines in service."""
         self._submitted: dict[int, dict[str, GenerationRequest]] = {}
         self._aborted: set[str] = set()
         self._next_engine = 0
@@ -327,14 +331,14 @@ class Admission:
 
         ``frontier`` is called only when a slot is free (it scans the step's groups).
         """
-        if not self._waiting or (engine := self._most_free()) is None:
-            return
-        held = [g for g in frontier() if g in self._waiting]
-        held.reverse()  # popped from the end: frontier groups in group order
+        if not self._waiting or self._total_held >= self._capacity or (engine := self._most_free()) is None:
+            return  # (the capacity test is _most_free's first, here without a call: pump runs after every finish)
+        held = (g for g in frontier() if g in self._waiting)  # lazily: usually one group goes out
         while self._waiting:
-            group = held.pop() if held else next(iter(self._waiting))
-            for request in self._waiting.pop(group):
-                self._submit(group, request, engine)
+            group = next(held, None)
+            if group is None:
+                group = next(iter(self._waiting))
+            self._submit(group, self._waiting.pop(group), engine)
             if (engine := self._most_free()) is None:
                 return
 
@@ -345,10 +349,12 @@ class Admission:
         was already handed back, or belongs to another step.
         """
         with self._lock:
-            engine = self.assigned.get(request_id)
-            if request_id not in self._unfinished or engine is None or engine.name != engine_name:
+            engine = self.assigned.pop(request_id, None)
+            if engine is None:
                 return False
-            self._unfinished.discard(request_id)
+            if engine.name != engine_name:
+                self.assigned[request_id] = engine
+                return False
             self._num_held[engine_name] -= 1
             self._total_held -= 1
             return True
@@ -364,7 +370,7 @@ class Admission:
             num_aborted += len(self._waiting.pop(group, []))
             for request_id in self._submitted.get(group, {}):
                 with self._lock:
-                    engine = self.assigned[request_id] if request_id in self._unfinished else None
+                    engine = self.assigned.get(request_id)
                     self._aborted.add(request_id)
                 if engine is not None:
                     engine.abort(request_id)
@@ -374,7 +380,7 @@ class Admission:
     def num_in_flight(self) -> int:
         """Requests submitted and not handed back yet (on any engine)."""
         with self._lock:
-            return len(self._unfinished)
+            return len(self.assigned)
 
     def num_held(self, engine: Engine) -> int:
         with self._lock:
@@ -386,12 +392,14 @@ class Admission:
         Requests already aborted (unused over-sampled groups) are dropped instead: nobody waits for them.
         """
         with self._lock:
-            held = {r for r in self._unfinished if self.assigned[r] is engine}
-            self._unfinished.difference_update(held)
+            held = {r for r, e in self.assigned.items() if e is engine}
+            for r in held:
+                del self.assigned[r]
             self._total_held -= self._num_held.get(engine.name, 0)
             self._num_held[engine.name] = 0
         self._out_of_service.append(engine)
         self._serving = self._in_service()
+        self._capacity = self.concurrency * len(self._serving)
         retry = [(group, request) for group, requests in self._submitted.items() for request in requests.values()
                  if request.request_id in held and request.request_id not in self._aborted]  # submission order
         for group, request in retry:
@@ -406,6 +414,7 @@ class Admission:
         """``replacement`` (already in ``engines``) serves from now on; FIFO hands it the requests that waited."""
         self._out_of_service.remove(failed)
         self._serving = self._in_service()
+        self._capacity = self.concurrency * len(self._serving)
         orphans, self._orphans = self._orphans, []
         for group, request in orphans:
             self._submit_round_robin(group, request)
@@ -415,7 +424,7 @@ class Admission:
 
     def _most_free(self) -> Engine | None:
         """The engine in service with the most free slots, if it has one (a lock-free read of the counts)."""
-        if self._total_held >= self.concurrency * len(self._serving):
+        if self._total_held >= self._capacity:
             return None
         held, best, fewest = self._num_held, None, self.concurrency
         for engine in self._serving:
@@ -429,23 +438,25 @@ class Admission:
         if not engines:
             self._orphans.append((group, request))
             return
-        self._submit(group, request, engines[self._next_engine % len(engines)])
+        self._submit(group, [request], engines[self._next_engine % len(engines)])
         self._next_engine += 1
 
-    def _submit(self, group: int, request: GenerationRequest, engine: Engine) -> None:
+    def _submit(self, group: int, requests: list[GenerationRequest], engine: Engine) -> None:
         with self._lock:
-            self.assigned[request.request_id] = engine
-            self._unfinished.add(request.request_id)
-            self._num_held[engine.name] = self._num_held.get(engine.name, 0) + 1
-            self._total_held += 1
-        self._submitted.setdefault(group, {})[request.request_id] = request
-        try:
-            engine.submit(request)
-        except Exception:
-            if engine.error is None:
-                raise
-            # it failed since the supervisor last looked: the request stays assigned to it until the supervisor
-            # takes the engine out and puts its requests back in line
+            for request in requests:
+                self.assigned[request.request_id] = engine
+            self._num_held[engine.name] = self._num_held.get(engine.name, 0) + len(requests)
+            self._total_held += len(requests)
+        submitted = self._submitted.setdefault(group, {})
+        for request in requests:
+            submitted[request.request_id] = request
+            try:
+                engine.submit(request)
+            except Exception:
+                if engine.error is None:
+                    raise
+                # it failed since the supervisor last looked: the request stays assigned to it until the
+                # supervisor takes the engine out and puts its requests back in line
 
 
 @dataclass(kw_only=True, slots=True)

@@ -170,6 +170,24 @@ def certain_batches(states: list[GroupState], size: int, per_batch: int) -> dict
     return certain
 
 
+def frontier_by_definition(states: list[GroupState], size: int, per_batch: int) -> list[int]:
+    """Walk the groups from the first pending one: the next incomplete batch has ``budget`` slots left, and a
+    pending group is needed while fewer than ``budget`` live (pending or trainable) groups lie before it."""
+    pending = [g for g, s in enumerate(states) if s is GroupState.PENDING]
+    start = pending[0] if pending else len(states)
+    filled = sum(s is GroupState.TRAINABLE for s in states[:start])
+    if filled >= size:
+        return []
+    budget, live, frontier = per_batch - filled % per_batch, 0, []
+    for g in range(start, len(states)):
+        if live >= budget:
+            break
+        if states[g] is GroupState.PENDING:
+            frontier.append(g)
+        live += states[g] is not GroupState.FILTERED
+    return frontier
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_incremental_placement_matches_the_rule_after_every_completion(seed):
     rng = random.Random(seed)
@@ -181,5 +199,6 @@ def test_incremental_placement_matches_the_rule_after_every_completion(seed):
         pending = [g for g, s in enumerate(slots.states) if s is GroupState.PENDING]
         slots.resolve(rng.choice(pending), trainable=rng.random() > 0.3)
         assert slots.placed == certain_batches(slots.states, size, per_batch)
+        assert slots.frontier() == frontier_by_definition(slots.states, size, per_batch)
         for _ in range(slots.num_to_admit()):
             slots.admit()

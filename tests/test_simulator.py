@@ -45,11 +45,16 @@ def iteration_by_iteration(lengths: list[int], prompt_len: int, concurrency: int
 def test_engine_finish_times_equal_an_iteration_by_iteration_run():
     lengths, finished = [7, 3, 12, 3, 5, 9, 1], {}
     loop = EventLoop()
-    engine = SimEngine(name="e", concurrency=3, model=MODEL, loop=loop,
-                       on_result=lambda name, done, aborted, t: finished.update({r.request_id: t for r in done}))
+
+    def on_result(name, done, aborted, t):
+        finished.update({r.request_id: t for r in done})
+        if len(finished) == len(lengths):
+            loop.stop()
+
+    engine = SimEngine(name="e", concurrency=3, model=MODEL, loop=loop, on_result=on_result)
     for i, n in enumerate(lengths):
         engine.submit(SimRequest(i, i, 0, 4, n, 1.0))
-    loop.run_until(lambda: len(finished) == len(lengths))
+    loop.run()
     expected = iteration_by_iteration(lengths, prompt_len=4, concurrency=3)
     assert [finished[i] for i in range(len(lengths))] == pytest.approx(expected, rel=1e-12)
 

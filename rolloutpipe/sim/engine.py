@@ -16,6 +16,7 @@ from collections import deque
 from typing import Callable
 
 from rolloutpipe.sim.models import EngineModel
+from rolloutpipe.types import FinishReason, Sample
 
 
 class EventLoop:
@@ -23,54 +24,67 @@ class EventLoop:
         self.now = 0.0
         self._heap: list = []
         self._seq = 0
+        self._stopped = False
 
     def at(self, time_s: float, callback: Callable, arg=None) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (time_s, self._seq, callback, arg))
 
-    def runs_next(self, time_s: float) -> bool:
-        """Whether an event at ``time_s`` would be the next one (lets a hot callback continue inline instead of
-        pushing and popping itself). The run's ``done`` condition only changes in an event of its own, so a
-        callback that goes on before the next event cannot miss it."""
-        return not self._heap or time_s < self._heap[0][0]
-
-    def run_until(self, done: Callable[[], bool]) -> None:
+    def runs_next_or_at(self, time_s: float, callback: Callable, arg=None) -> bool:
+        """True if an event at ``time_s`` would be the next one: the caller goes on inline instead of pushing
+        and popping itself (a hot callback); otherwise the event is scheduled (``at``) and this returns False."""
         heap = self._heap
-        while heap and not done():
-            self.now, _, callback, arg = heapq.heappop(heap)
+        if not self._stopped and (not heap or time_s < heap[0][0]):
+            return True
+        self._seq += 1
+        heapq.heappush(heap, (time_s, self._seq, callback, arg))
+        return False
+
+    def run(self) -> None:
+        """Run events in order until one calls ``stop``; the events left stay (``clear`` drops them)."""
+        heap, pop = self._heap, heapq.heappop
+        self._stopped = False
+        while heap:
+            self.now, _, callback, arg = pop(heap)
             callback(arg)
-        if not done():
-            raise RuntimeError("simulation stalled: no event left before the step was full (a model bug)")
+            if self._stopped:
+                return
+        raise RuntimeError("simulation stalled: no event left before the run was stopped (a model bug)")
+
+    def stop(self) -> None:
+        self._stopped = True
 
     def clear(self) -> None:
         self._heap.clear()
 
 
-class SimRequest:
-    """One sample to generate, with what the models decided about it up front (a plain class: the
-    simulator makes millions, and a positional ``__init__`` is the cheapest)."""
+class SimRequest(Sample):
+    """One sample to generate, with what the models decided about it up front. It is also the ``Sample`` it
+    becomes (the real GroupAssembler takes it as it is), so a finish creates no object; a plain positional
+    ``__init__``, because the simulator makes millions. The sample fields a simulated sample never varies are
+    class constants (read-only on an instance)."""
 
-    __slots__ = ("request_id", "group", "sample", "prompt_len", "response_len", "reward", "priority",
-                 "submitted_s", "started_s", "joined_at")
+    __slots__ = ("request_id", "prompt_len", "response_len", "submitted_s", "started_s", "joined_at")
+    logprobs = ()
+    response_text = ""
+    reward_error = None
 
-    def __init__(self, request_id: int, group: int, sample: int, prompt_len: int, response_len: int,
-                 reward: float) -> None:
+    def __init__(self, request_id: int, group: int, index: int, prompt_len: int, response_len: int,
+                 reward: float, truncated: bool = False) -> None:
         self.request_id = request_id
         self.group = group
-        self.sample = sample
+        self.index = index
         self.prompt_len = prompt_len
         self.response_len = response_len
+        self.response_ids = range(response_len)
+        self.finish_reason = FinishReason.LENGTH if truncated else FinishReason.STOP
         self.reward = reward
-        self.priority = 0
-        self.submitted_s = 0.0
-        self.started_s = 0.0
-        self.joined_at = 0
-        """The engine's iteration count when the request joined the running batch."""
+        # set by the engine: submitted_s (submit), started_s and joined_at (the engine's iteration count when the
+        # request joined the running batch)
 
 
 OnSimResult = Callable[[str, list[SimRequest], bool, float], None]
 """(engine name, requests finished in the same iteration, aborted, finished_s)."""
-
 
 class SimEngine:
     def __init__(self, *, name: str, concurrency: int, model: EngineModel, loop: EventLoop,
@@ -81,8 +95,11 @@ class SimEngine:
         self.loop = loop
         self.on_result = on_result
         self._waiting: deque[SimRequest] = deque()
-        self._running: list[tuple[int, int, SimRequest]] = []
-        """Heap of (iteration at which it finishes, request id, request)."""
+        self._finishing: dict[int, list[SimRequest]] = {}
+        """The running requests, by the iteration at which they finish."""
+        self._ends: list[int] = []
+        """Heap of the keys of ``_finishing`` (small ints: the cheapest heap there is)."""
+        self._num_running = 0
         self._iteration = 0
         self._time_s = 0.0
         """Time at which iteration ``_iteration`` starts."""
@@ -90,17 +107,18 @@ class SimEngine:
         """Sum over running requests of (prompt_len - joined_at): their context is this + B * iteration."""
         self._version = 0
         self._join_pending = False
-        self.busy_s = 0.0
+        self._decode_terms = (model.decode_base_s, model.decode_per_request_s, model.decode_per_context_token_s,
+                              model.per_finish_s)
         self.error: BaseException | None = None
         """Never set: simulated engines do not fail (the Engine protocol's health field)."""
 
     def num_in_flight(self) -> int:
-        return len(self._waiting) + len(self._running)
+        return len(self._waiting) + self._num_running
 
     def submit(self, request: SimRequest) -> None:
         request.submitted_s = self.loop.now
         self._waiting.append(request)
-        if len(self._running) < self.concurrency and not self._join_pending:
+        if self._num_running < self.concurrency and not self._join_pending:
             self._join_pending = True  # requests submitted together join together, after the current event
             self.loop.at(self.loop.now, self._join)
 
@@ -116,52 +134,63 @@ class SimEngine:
                 self._waiting.remove(request)
                 self.on_result(self.name, [request], True, self.loop.now)
                 return
-        for i, (_, rid, request) in enumerate(self._running):
-            if rid == request_id:
-                self._catch_up(self.loop.now)
-                self._running[i] = self._running[-1]
-                self._running.pop()
-                heapq.heapify(self._running)
-                self._context_offset -= request.prompt_len - request.joined_at
-                self._schedule()
-                self.on_result(self.name, [request], True, self.loop.now)
-                return
+        for end, requests in self._finishing.items():
+            for request in requests:
+                if request.request_id == request_id:
+                    self._catch_up(self.loop.now)
+                    requests.remove(request)
+                    if not requests:
+                        del self._finishing[end]
+                        self._ends.remove(end)
+                        heapq.heapify(self._ends)
+                    self._num_running -= 1
+                    self._context_offset -= request.prompt_len - request.joined_at
+                    self._schedule()
+                    self.on_result(self.name, [request], True, self.loop.now)
+                    return
 
     # -- time ---------------------------------------------------------------------------------------------
     def _context(self) -> int:
-        return self._context_offset + len(self._running) * self._iteration
+        return self._context_offset + self._num_running * self._iteration
 
     def _catch_up(self, now: float) -> None:
         """Run the whole iterations that end by ``now``; a request joining now starts after them."""
-        if not self._running:
+        if not self._num_running:
             self._time_s = max(self._time_s, now)
             return
-        k = self.model.iterations_within(now - self._time_s, len(self._running), self._context())
+        k = self.model.iterations_within(now - self._time_s, self._num_running, self._context())
         if k:
-            elapsed = self.model.decode_s(k, len(self._running), self._context())
+            elapsed = self.model.decode_s(k, self._num_running, self._context())
             self._iteration += k
             self._time_s += elapsed
-            self.busy_s += elapsed
 
     def _admit(self) -> None:
-        num_prompt_tokens, iteration, waiting, running = 0, self._iteration, self._waiting, self._running
-        while waiting and len(running) < self.concurrency:
+        num_prompt_tokens, iteration, waiting, finishing = 0, self._iteration, self._waiting, self._finishing
+        num_running = self._num_running
+        while waiting and num_running < self.concurrency:
             request = waiting.popleft()
             request.joined_at = iteration
             request.started_s = self._time_s
-            heapq.heappush(running, (iteration + request.response_len, request.request_id, request))
+            end = iteration + request.response_len
+            same_end = finishing.get(end)
+            if same_end is None:
+                finishing[end] = [request]
+                heapq.heappush(self._ends, end)
+            else:
+                same_end.append(request)
+            num_running += 1
             num_prompt_tokens += request.prompt_len
             self._context_offset += request.prompt_len - iteration
+        self._num_running = num_running
         if num_prompt_tokens:
             prefill = self.model.prefill_base_s + self.model.prefill_per_token_s * num_prompt_tokens
             self._time_s += prefill
-            self.busy_s += prefill
 
     def _schedule(self) -> None:
         self._version += 1
-        if self._running:
-            k = self._running[0][0] - self._iteration
-            finish_s = self._time_s + self.model.decode_s(k, len(self._running), self._context())
+        if self._num_running:
+            k = self._ends[0] - self._iteration
+            finish_s = self._time_s + self.model.decode_s(k, self._num_running, self._context())
             self.loop.at(finish_s, self._on_finish, self._version)
 
     def _on_finish(self, version: int) -> None:
@@ -170,35 +199,44 @@ class SimEngine:
         (The time of the next finish is ``model.decode_s`` written out: a call per finish costs ~10%.)"""
         if version != self._version:  # the running batch changed since this was scheduled
             return
-        loop, running, model, heappop = self.loop, self._running, self.model, heapq.heappop
-        base, per_request, per_context = model.decode_base_s, model.decode_per_request_s, \
-            model.decode_per_context_token_s
-        per_finish = model.per_finish_s
+        loop, ends, finishing, heappop = self.loop, self._ends, self._finishing, heapq.heappop
+        base, per_request, per_context, per_finish = self._decode_terms
         first = True
-        while running:
-            until, num_running = running[0][0], len(running)
-            k = until - self._iteration
-            finish_s = self._time_s + k * (base + per_request * num_running
-                                           + per_context * (self._context_offset + num_running * self._iteration)) \
-                + per_context * num_running * k * (k - 1) / 2
-            if not first and (self._join_pending or not loop.runs_next(finish_s)):
-                loop.at(finish_s, self._on_finish, self._version)
-                return
-            first = False
-            self.busy_s += finish_s - self._time_s
-            self._iteration = until
-            done = []
+        while ends:
+            if first:  # the event's time is that formula's, as _schedule or the previous round computed it
+                finish_s, first = loop.now, False
+            else:
+                num_running, iteration, k = self._num_running, self._iteration, ends[0] - self._iteration
+                finish_s = self._time_s + k * (base + per_request * num_running
+                                               + per_context * (self._context_offset + num_running * iteration)) \
+                    + per_context * num_running * k * (k - 1) / 2
+                if self._join_pending:
+                    loop.at(finish_s, self._on_finish, self._version)
+                    return
+                if not loop.runs_next_or_at(finish_s, self._on_finish, self._version):
+                    return
+            self._iteration = end = heappop(ends)
+            done = finishing.pop(end)
+            if len(done) > 1:
+                done.sort(key=_request_id)  # the same order whatever the order they joined in
             offset = self._context_offset
-            while running and running[0][0] == until:
-                request = heappop(running)[2]
+            for request in done:
                 offset -= request.prompt_len - request.joined_at
-                done.append(request)
             self._context_offset = offset
+            self._num_running -= len(done)
             if per_finish:
                 finish_s += per_finish * len(done)
-                self.busy_s += per_finish * len(done)
             self._time_s = loop.now = finish_s
             if self._waiting:
                 self._admit()
             self._version += 1
-            self.on_result(self.name, done, False, loop.now)
+            # what on_result submits to this engine joins right after it, without a join event of its own
+            self._join_pending = True
+            self.on_result(self.name, done, False, finish_s)
+            self._join_pending = False
+            if self._waiting and self._num_running < self.concurrency:
+                self._admit()
+
+
+def _request_id(request: SimRequest) -> int:
+    return request.request_id
