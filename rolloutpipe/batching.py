@@ -14,8 +14,9 @@ simulator (rolloutpipe/sim) runs it with simulated groups on a virtual clock.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass(kw_only=True, slots=True)

@@ -21,9 +21,9 @@ import json
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from rolloutpipe.admission import StepSlots
 from rolloutpipe.engine.base import Engine

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from rolloutpipe.sim.models import EngineModel
 from rolloutpipe.types import FinishReason, Sample
@@ -85,6 +85,7 @@ class SimRequest(Sample):
 
 OnSimResult = Callable[[str, list[SimRequest], bool, float], None]
 """(engine name, requests finished in the same iteration, aborted, finished_s)."""
+
 
 class SimEngine:
     def __init__(self, *, name: str, concurrency: int, model: EngineModel, loop: EventLoop,
