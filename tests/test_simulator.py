@@ -149,3 +149,12 @@ def test_simulate_command_rejects_a_bad_key_with_a_hint():
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "rollout_batch_size" in result.stderr
+
+
+def test_speed_bench_times_the_scale_preset_and_says_whether_the_target_is_met():
+    result = subprocess.run([sys.executable, "bench/sim_speed.py", "--steps", "2", "--modes", "sync", "cgp+fgd"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line.split() for line in result.stdout.splitlines()[2:]]
+    assert [(r[0], r[1]) for r in rows] == [("sync", "2"), ("cgp+fgd", "2")]
+    assert all(float(r[2]) > 0 and r[5] in ("met", "missed") for r in rows)
