@@ -307,9 +307,8 @@ class TrainerNode:
         from tqdm import tqdm
 
         is_writer = self.env.rank == 0
-        if is_writer:
-            self.weights.open()
         if is_writer:  # the rollout starts its first step only now, so no step's timings include start-up
+            self.weights.open()
             self.transport.set(self.transport.key("trainer", "ready"), "1")
         progress = tqdm(total=self.cfg.num_rollout, initial=self.first_step, desc="RL steps", unit="step",
                         disable=not (is_writer and sys.stderr.isatty()))

@@ -1,6 +1,6 @@
 """Rollout engines: the ``Engine`` protocol (base.py) and its implementations.
 
-``build_engines`` is the one place the rollout node turns ``rollout.engine`` into engines:
+``EngineFactory`` is the one place the rollout node turns ``rollout.engine`` into engines (``build_all``):
 
 - ``embedded``: EmbeddedEngine threads in the rollout process.
 - ``embedded_http``: one embedded-engine server process per engine (engine/http_server.py), or the servers of
@@ -9,7 +9,7 @@
   servers of ``rollout.engine_urls``, driven by the same client. Untested here (no GPU); tools/gpu_check.py.
 
 Servers the rollout node started are stopped by their engine's ``shutdown``; attached servers are left running.
-``EngineFactory.restart`` builds one engine again after a failure (rolloutpipe/supervisor.py decides when).
+``restart`` builds one engine again after a failure (rolloutpipe/supervisor.py decides when).
 """
 
 from __future__ import annotations
@@ -147,7 +147,3 @@ class EngineFactory:
             self._log_dir.mkdir(parents=True, exist_ok=True)
         return self._log_dir
 
-
-def build_engines(cfg: Config, *, vocab_size: int, on_result: OnResult) -> list[Engine]:
-    """The rollout node's engines, all serving policy_version 0 (the model of ``cfg.model``)."""
-    return EngineFactory(cfg, vocab_size=vocab_size, on_result=on_result).build_all()

@@ -232,9 +232,9 @@ class SimEngine:
                 self._admit()
             self._version += 1
             # what on_result submits to this engine joins right after it, without a join event of its own
-            self._join_pending = True
+            join_pending, self._join_pending = self._join_pending, True
             self.on_result(self.name, done, False, finish_s)
-            self._join_pending = False
+            self._join_pending = join_pending  # a join event scheduled before this finish is still coming
             if self._waiting and self._num_running < self.concurrency:
                 self._admit()
 
