@@ -25,7 +25,14 @@ from __future__ import annotations
 
 import bisect
 import enum
+import threading
+import time
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
+
+from rolloutpipe.grpo import group_advantages
+from rolloutpipe.types import CompleteGroup, Prompt, Sample
 
 
 class GroupState(enum.Enum):
@@ -122,3 +129,326 @@ class StepSlots:
                 break
             end += 1
         return self._pending[:bisect.bisect_left(self._pending, end)]
+
+
+class Request(Protocol):
+    """What Admission reads of a request: a GenerationRequest (its id a string) or a simulated one (an int)."""
+
+    @property
+    def request_id(self) -> Hashable: ...
+
+
+class EngineView(Protocol):
+    """What Admission uses of an engine: engine.base.Engine has it, and so has the simulator's SimEngine."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def error(self) -> BaseException | None: ...
+
+    def submit(self, request: Any) -> None: ...
+
+    def abort(self, request_id: Any) -> None: ...
+
+
+class AdmissionPolicy(enum.Enum):
+    fifo = "fifo"
+    """Submit every request of the step at once in prompt order, spread over the engines request by request
+    (a router's round robin), and let the engines interleave them: Slime's behaviour, the baseline."""
+    fgd = "fgd"
+    """Frontier-group dispatch: hold requests on the rollout node and fill free engine slots with the
+    frontier groups first, all samples of a group together, on the engine with the most free slots."""
+
+
+class GroupAssembler:
+    """Collects rewarded samples; a group is complete when all ``n_samples`` are in. Thread-safe.
+
+    ``prompts`` is the step's list of admitted prompts, indexed by group; it grows as groups are admitted.
+    """
+
+    def __init__(self, *, step: int, policy_version: int, prompts: list[Prompt], n_samples: int,
+                 normalize_std: bool) -> None:
+        self.step = step
+        self.policy_version = policy_version
+        self.prompts = prompts
+        self.n_samples = n_samples
+        self.normalize_std = normalize_std
+        self._pending: dict[int, dict[int, Sample]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, sample: Sample) -> CompleteGroup | None:
+        with self._lock:
+            samples = self._pending.get(sample.group)
+            if samples is None:
+                samples = self._pending[sample.group] = {}
+            samples[sample.index] = sample
+            if len(samples) < self.n_samples:
+                return None
+            del self._pending[sample.group]
+            ordered = [samples[i] for i in range(self.n_samples)]
+            prompt = self.prompts[sample.group]
+            group = CompleteGroup(
+                step=self.step,
+                group=sample.group,
+                policy_version=self.policy_version,
+                prompt_index=prompt.index,
+                prompt_ids=prompt.input_ids,
+                samples=ordered,
+                advantages=group_advantages([s.reward for s in ordered], normalize_std=self.normalize_std),
+                completed_s=time.time(),
+            )
+            return group
+
+
+class Admission:
+    """Hands the step's requests to the engines under FIFO or FGD (see AdmissionPolicy).
+
+    Called from the rollout loop only (``finished`` also from engine threads, hence the lock): ``add_group`` when
+    a group is admitted, ``pump`` whenever an engine may have a free slot (a request finished) or the frontier
+    moved, ``abort_groups`` when the step is full. ``assigned`` remembers which engine holds each request, and
+    Admission counts what each engine holds itself (a crashed engine cannot be asked).
+
+    Engine failure (the EngineSupervisor decides when): ``take_out`` puts a failed engine's unfinished requests
+    back in line, unchanged (same id, same seed), and they go to the engines in service as new ones would:
+    under FIFO at once, round robin; under FGD by ``pump``, frontier groups first. ``put_back`` puts its
+    replacement (``engines`` is the supervisor's list, replaced in place) into service. A result counts only
+    if it comes from the engine the request is assigned to now (``finished``), so a late result of the failed
+    engine is ignored and no sample is counted twice.
+    """
+
+    def __init__(self, *, policy: AdmissionPolicy, engines: Sequence[EngineView], concurrency: int) -> None:
+        self.policy = policy
+        self.engines = engines
+        self.concurrency = concurrency
+        self.assigned: dict[Hashable, EngineView] = {}
+        """The engine holding each unfinished request."""
+        self._num_held: dict[str, int] = {}
+        """Unfinished requests per engine name (names are unique: a restarted engine gets a new one)."""
+        self._total_held = 0
+        """Their sum: while it is at least every engine's concurrency, no engine has a free slot (pump is hot)."""
+        self._waiting: dict[int, list[Request]] = {}
+        """FGD's held groups (and requests to retry), in group order."""
+        self._orphans: list[tuple[int, Request]] = []
+        """FIFO's requests to retry while no engine is in service."""
+        self._out_of_service: list[EngineView] = []
+        self._serving = list(engines)
+        """``engines`` minus those out of service (recomputed on take_out / put_back only: pump is hot)."""
+        self._capacity = concurrency * len(engines)
+        """Slots of the engines in service."""
+        self._submitted: dict[int, dict[Hashable, Request]] = {}
+        self._aborted: set[Hashable] = set()
+        self._next_engine = 0
+        self._lock = threading.Lock()
+
+    def add_group(self, group: int, requests: Sequence[Request]) -> None:
+        if self.policy is AdmissionPolicy.fifo:
+            for request in requests:
+                self._submit_round_robin(group, request)
+        else:
+            self._waiting[group] = list(requests)
+
+    def pump(self, frontier: Callable[[], list[int]]) -> None:
+        """FGD: fill free engine slots, frontier groups first, a whole group at a time.
+
+        ``frontier`` is called only when a slot is free (it scans the step's groups).
+        """
+        if not self._waiting or self._total_held >= self._capacity or (engine := self._most_free()) is None:
+            return  # (the capacity test is _most_free's first, here without a call: pump runs after every finish)
+        held = (g for g in frontier() if g in self._waiting)  # lazily: usually one group goes out
+        while self._waiting:
+            group = next(held, None)
+            if group is None:
+                group = next(iter(self._waiting))
+            self._submit(group, self._waiting.pop(group), engine)
+            if (engine := self._most_free()) is None:
+                return
+
+    def finished(self, request_id: Hashable, engine_name: str) -> bool:
+        """An engine handed the request back (any finish reason); returns whether the result counts.
+
+        It does not when the request is no longer assigned to that engine (a late result of a failed engine) or
+        was already handed back, or belongs to another step.
+        """
+        with self._lock:
+            engine = self.assigned.pop(request_id, None)
+            if engine is None:
+                return False
+            if engine.name != engine_name:
+                self.assigned[request_id] = engine
+                return False
+            self._num_held[engine_name] -= 1
+            self._total_held -= 1
+            return True
+
+    def abort_groups(self, groups: list[int]) -> int:
+        """Drop waiting requests and abort submitted ones of ``groups``; returns how many were aborted."""
+        num_aborted = 0
+        dropped = set(groups)
+        num_orphans = len(self._orphans)
+        self._orphans = [(g, r) for g, r in self._orphans if g not in dropped]
+        num_aborted += num_orphans - len(self._orphans)
+        for group in groups:
+            num_aborted += len(self._waiting.pop(group, []))
+            for request_id in self._submitted.get(group, {}):
+                with self._lock:
+                    engine = self.assigned.get(request_id)
+                    self._aborted.add(request_id)
+                if engine is not None:
+                    engine.abort(request_id)
+                    num_aborted += 1
+        return num_aborted
+
+    def num_in_flight(self) -> int:
+        """Requests submitted and not handed back yet (on any engine)."""
+        with self._lock:
+            return len(self.assigned)
+
+    def num_held(self, engine: EngineView) -> int:
+        with self._lock:
+            return self._num_held.get(engine.name, 0)
+
+    def take_out(self, engine: EngineView) -> int:
+        """Take a failed engine out of service and put its unfinished requests back in line; returns how many.
+
+        Requests already aborted (unused over-sampled groups) are dropped instead: nobody waits for them.
+        """
+        with self._lock:
+            held = {r for r, e in self.assigned.items() if e is engine}
+            for r in held:
+                del self.assigned[r]
+            self._total_held -= self._num_held.get(engine.name, 0)
+            self._num_held[engine.name] = 0
+        self._out_of_service.append(engine)
+        self._serving = self._in_service()
+        self._capacity = self.concurrency * len(self._serving)
+        retry = [(group, request) for group, requests in self._submitted.items() for request in requests.values()
+                 if request.request_id in held and request.request_id not in self._aborted]  # submission order
+        for group, request in retry:
+            if self.policy is AdmissionPolicy.fifo:
+                self._submit_round_robin(group, request)
+            else:
+                self._waiting.setdefault(group, []).append(request)
+        self._waiting = dict(sorted(self._waiting.items()))
+        return len(retry)
+
+    def put_back(self, failed: EngineView, replacement: EngineView) -> None:
+        """``replacement`` (already in ``engines``) serves from now on; FIFO hands it the requests that waited."""
+        self._out_of_service.remove(failed)
+        self._serving = self._in_service()
+        self._capacity = self.concurrency * len(self._serving)
+        orphans, self._orphans = self._orphans, []
+        for group, request in orphans:
+            self._submit_round_robin(group, request)
+
+    def _in_service(self) -> list[EngineView]:
+        return [e for e in self.engines if e not in self._out_of_service]
+
+    def _most_free(self) -> EngineView | None:
+        """The engine in service with the most free slots, if it has one (a lock-free read of the counts)."""
+        if self._total_held >= self._capacity:
+            return None
+        held, best, fewest = self._num_held, None, self.concurrency
+        for engine in self._serving:
+            num = held.get(engine.name, 0)
+            if num < fewest:
+                best, fewest = engine, num
+        return best
+
+    def _submit_round_robin(self, group: int, request: Request) -> None:
+        engines = self._serving
+        if not engines:
+            self._orphans.append((group, request))
+            return
+        self._submit(group, [request], engines[self._next_engine % len(engines)])
+        self._next_engine += 1
+
+    def _submit(self, group: int, requests: Sequence[Request], engine: EngineView) -> None:
+        with self._lock:
+            for request in requests:
+                self.assigned[request.request_id] = engine
+            self._num_held[engine.name] = self._num_held.get(engine.name, 0) + len(requests)
+            self._total_held += len(requests)
+        submitted = self._submitted.setdefault(group, {})
+        for request in requests:
+            submitted[request.request_id] = request
+            try:
+                engine.submit(request)
+            except Exception:
+                if engine.error is None:
+                    raise
+                # it failed since the supervisor last looked: the request stays assigned to it until the
+                # supervisor takes the engine out and puts its requests back in line
+
+
+@dataclass(kw_only=True, slots=True)
+class Resolution:
+    """What one complete group changed: whether it is trainable, and the groups now placed in their batches."""
+
+    trainable: bool
+    placed: list[CompleteGroup]
+
+
+class RolloutSchedule:
+    """One step's rollout bookkeeping: which groups to admit and when, and which complete groups go out.
+
+    Pure (no threads, no clock, no I/O): the rollout node (pipeline.py) drives it with real engines and
+    the simulator (rolloutpipe/sim) with simulated ones, so both run the same scheduling code.
+    ``draw(k)`` returns the next k prompts of the source; ``requests_for(group, prompt)`` makes a
+    group's requests. ``start`` admits the step's groups (plus over-sampling when filtering);
+    ``on_group`` resolves a complete group (filter, place, admit a replacement, refill engines);
+    ``on_slot_freed`` refills engines; once ``full``, ``finish`` aborts what is not needed.
+    """
+
+    def __init__(self, *, rollout_batch_size: int, groups_per_batch: int, filter_zero_variance: bool,
+                 over_sampling_groups: int, admission: Admission, draw: Callable[[int], list[Prompt]],
+                 requests_for: Callable[[int, Prompt], Sequence[Request]]) -> None:
+        self.slots = StepSlots(rollout_batch_size=rollout_batch_size, groups_per_batch=groups_per_batch)
+        self.filter_zero_variance = filter_zero_variance
+        self.num_initial_groups = rollout_batch_size + (over_sampling_groups if filter_zero_variance else 0)
+        self.admission = admission
+        self.draw = draw
+        self.requests_for = requests_for
+        self.prompts: list[Prompt] = []
+        """The step's admitted prompts, by group."""
+        self.complete: dict[int, CompleteGroup] = {}
+        self.num_filtered = 0
+
+    def start(self) -> None:
+        self._admit(self.num_initial_groups)
+        self.admission.pump(self.slots.frontier)
+
+    def on_group(self, group: CompleteGroup) -> Resolution:
+        self.complete[group.group] = group
+        trainable = not (self.filter_zero_variance and len({s.reward for s in group.samples}) == 1)
+        self.num_filtered += not trainable
+        placed = []
+        for p in self.slots.resolve(group.group, trainable=trainable):
+            self.complete[p.group].batch = p.batch
+            placed.append(self.complete[p.group])
+        self._admit(self.slots.num_to_admit())
+        self.admission.pump(self.slots.frontier)
+        return Resolution(trainable=trainable, placed=placed)
+
+    def on_slot_freed(self) -> None:
+        self.admission.pump(self.slots.frontier)
+
+    def full(self) -> bool:
+        return self.slots.full()
+
+    def finish(self) -> tuple[list[int], int]:
+        """Abort the over-sampled groups past the last selected one; returns them and the requests aborted.
+
+        Their prompts (``self.prompts[g]``) go back to the source.
+        """
+        unused = self.slots.unused()
+        return unused, self.admission.abort_groups(unused)
+
+    def selected(self) -> list[CompleteGroup]:
+        return [self.complete[g] for g in self.slots.selected()]
+
+    def _admit(self, num_groups: int) -> None:
+        for prompt in self.draw(num_groups) if num_groups else []:
+            group = self.slots.admit()
+            self.prompts.append(prompt)
+            self.admission.add_group(group, self.requests_for(group, prompt))

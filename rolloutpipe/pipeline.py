@@ -43,6 +43,7 @@ from dataclasses import asdict, replace
 import torch
 import torch.distributed as dist
 
+from rolloutpipe.admission import Admission, AdmissionPolicy, GroupAssembler, RolloutSchedule
 from rolloutpipe.batching import BatchConsumer, MicroBatch
 from rolloutpipe.checkpoint import latest_checkpoint, load_optimizer, save_checkpoint
 from rolloutpipe.clock import sync_clock
@@ -55,17 +56,7 @@ from rolloutpipe.metrics import RolloutStats, SpanRecorder, TrainStats, reduce_s
 from rolloutpipe.model import load_model, load_tokenizer, save_hf_checkpoint
 from rolloutpipe.progress import Progress
 from rolloutpipe.rewards import RewardPool
-from rolloutpipe.rollout import (
-    Admission,
-    AdmissionPolicy,
-    GroupAssembler,
-    InFlight,
-    RewardThreads,
-    RolloutSchedule,
-    check_reward_failures,
-    make_requests,
-    write_samples,
-)
+from rolloutpipe.rollout import InFlight, RewardThreads, check_reward_failures, make_requests, write_samples
 from rolloutpipe.supervisor import EngineSupervisor
 from rolloutpipe.trace import finish_run
 from rolloutpipe.tracking import open_tracker

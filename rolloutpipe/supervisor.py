@@ -31,9 +31,9 @@ import threading
 import time
 from typing import Callable
 
+from rolloutpipe.admission import Admission
 from rolloutpipe.engine.base import Engine
 from rolloutpipe.metrics import SpanRecorder
-from rolloutpipe.rollout import Admission
 from rolloutpipe.types import GenerationResult
 from rolloutpipe.weight_sync import Bucket, WeightGroup
 

@@ -8,6 +8,7 @@ One id scheme is used by logs, store keys and traces: ``step=<k>/group=<g>/sampl
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,7 +86,8 @@ class Sample:
     group: int
     index: int
     """Sample index within its group, 0 .. n_samples_per_prompt - 1."""
-    response_ids: list[int]
+    response_ids: Sequence[int]
+    """A list (the simulator's samples: a range of their length)."""
     logprobs: list[float]
     """Engine log-probs of ``response_ids`` (see GenerationResult.output_logprobs)."""
     response_text: str

@@ -26,6 +26,12 @@ SMALL = [
 DENSE_REWARD = ["reward.name=letter_fraction", "reward.import_modules=[tests.fixtures.dense_rewards]"]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _simulator_build_cache(tmp_path_factory):
+    """The compiled simulator (rolloutpipe/sim/compiled.py) is built once per test session, not in ~/.cache."""
+    os.environ.setdefault("ROLLOUTPIPE_CACHE", str(tmp_path_factory.mktemp("rolloutpipe-cache")))
+
+
 def node_environ() -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_CPP_LOG_LEVEL": "ERROR"}
     env.pop("RP_ROLE", None)

@@ -5,9 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from rolloutpipe.admission import GroupState, StepSlots
+from rolloutpipe.admission import Admission, AdmissionPolicy, GroupState, StepSlots
 from rolloutpipe.data import PromptSource
-from rolloutpipe.rollout import Admission, AdmissionPolicy
 from rolloutpipe.types import Prompt
 
 

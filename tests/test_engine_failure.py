@@ -5,7 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from rolloutpipe.rollout import Admission, AdmissionPolicy, RolloutConfig
+from rolloutpipe.admission import Admission, AdmissionPolicy
+from rolloutpipe.rollout import RolloutConfig
 from rolloutpipe.supervisor import EngineFailed, EngineSupervisor
 from rolloutpipe.types import FinishReason, GenerationResult
 

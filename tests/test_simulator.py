@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -12,8 +13,8 @@ from rolloutpipe import admission
 from rolloutpipe.config import load_config
 from rolloutpipe.sim.calibrate import _fit, geometric_mean_tokens
 from rolloutpipe.sim.engine import EventLoop, SimEngine, SimRequest
-from rolloutpipe.sim.models import EngineModel, LengthModel, RewardModel, TrainerModel
-from rolloutpipe.sim.run import SimConfig, simulate
+from rolloutpipe.sim.models import EngineModel, LengthModel, RewardModel, SimConfig, TrainerModel
+from rolloutpipe.sim.run import simulate
 
 from .conftest import REPO
 
@@ -135,7 +136,7 @@ def test_simulate_command_sweeps_prints_every_mode_and_draws_the_timeline(tmp_pa
         [sys.executable, "tools/simulate.py", "sim/hardware=h100_qwen3_1p7b", "num_steps=3",
          "+sweep.job.rollout.concurrency=[16,32]", f"csv={tmp_path / 'sim.csv'}",
          f"timeline={tmp_path / 'sim.png'}"],
-        cwd=REPO, capture_output=True, text=True, timeout=120)
+        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     rows = [line.split() for line in result.stdout.splitlines()[2:] if not line.startswith("timeline:")]
     assert {(r[0], r[1]) for r in rows} == {(f"concurrency={n}", m) for n in (16, 32)
@@ -152,9 +153,51 @@ def test_simulate_command_rejects_a_bad_key_with_a_hint():
 
 
 def test_speed_bench_times_the_scale_preset_and_says_whether_the_target_is_met():
-    result = subprocess.run([sys.executable, "bench/sim_speed.py", "--steps", "2", "--modes", "sync", "cgp+fgd"],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    pytest.importorskip("mypyc", reason="the bench's compiled variant needs mypyc: pip install -e .[sim]")
+    result = subprocess.run([sys.executable, "bench/sim_speed.py", "--steps", "2", "--modes", "sync", "cgp+fgd",
+                             "--variants", "compiled", "interpreted"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    rows = [line.split() for line in result.stdout.splitlines()[2:]]
-    assert [(r[0], r[1]) for r in rows] == [("sync", "2"), ("cgp+fgd", "2")]
-    assert all(float(r[2]) > 0 and r[5] in ("met", "missed") for r in rows)
+    lines = result.stdout.splitlines()
+    rows = [line.split() for line in lines[2:6]]
+    assert [(r[0], r[1], r[2]) for r in rows] == [(v, m, "2") for v in ("compiled", "interpreted")
+                                                 for m in ("sync", "cgp+fgd")]
+    assert all(float(r[3]) > 0 and r[6] in ("met", "missed") for r in rows)
+    assert [line.split(":")[0] for line in lines[6:]] == ["sync", "cgp+fgd"]  # the interpreted / compiled ratios
+
+
+def compared_runs() -> list:
+    """Records and spans of small runs that take every path of the simulator: each mode, FGD, several ranks and
+    reward workers, dynamic filtering with over-sampling (its aborts), span recording."""
+    flat = SimConfig(lengths=SIM.lengths, engine=MODEL, trainer=SIM.trainer, num_span_steps=2,
+                     rewards=RewardModel(pass_alpha=0.3, pass_beta=0.3))
+    runs = [(job(**{"pipeline.mode": "sync"}), SIM),
+            (job(**{"rollout.admission": "fgd", "trainer.num_ranks": 2, "reward.num_workers": 3}), SIM),
+            (job(**{"pipeline.mode": "async_one_step"}), SIM),
+            (job(**{"rollout.admission": "fgd", "rollout.filter_zero_variance": True,
+                    "rollout.over_sampling_groups": 2}), flat)]
+    out = []
+    for j, sim in runs:
+        result = simulate(j, sim)
+        out.append([result.records, [[s.name, s.role, s.rank, s.step, s.start_s, s.end_s, s.attrs]
+                                     for s in result.spans]])
+    return out
+
+
+def test_the_compiled_simulator_gives_exactly_what_the_sources_give():
+    """sim/compiled.py: the same five files compiled with mypyc, in a child process, against the sources here."""
+    pytest.importorskip("mypyc", reason="the compiled simulator needs mypyc: pip install -e .[sim]")
+    child = ("import json, sys\n"
+             "from rolloutpipe.sim import compiled\n"
+             "assert compiled.activate('1')\n"
+             "from tests.test_simulator import compared_runs\n"
+             "import rolloutpipe.admission, rolloutpipe.sim.run\n"
+             "assert all(m.__file__.endswith('.so') for m in (rolloutpipe.admission, rolloutpipe.sim.run))\n"
+             "print(json.dumps(compared_runs()))\n")
+    result = subprocess.run([sys.executable, "-c", child], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    compiled = json.loads(result.stdout.splitlines()[-1])
+    expected = json.loads(json.dumps(compared_runs()))
+    assert len(compiled) == len(expected) == 4
+    for got, want in zip(compiled, expected):
+        assert got == want

@@ -39,8 +39,13 @@ from rolloutpipe.sim.calibrate import (  # noqa: E402
     overheads_from_run,
     response_lengths,
 )
-from rolloutpipe.sim.models import EngineModel, LengthKind, LengthModel, TrainerModel  # noqa: E402
-from rolloutpipe.sim.run import SimConfig  # noqa: E402
+from rolloutpipe.sim.models import (  # noqa: E402
+    EngineModel,
+    LengthKind,
+    LengthModel,
+    SimConfig,  # noqa: E402
+    TrainerModel,
+)
 
 MAX_RESPONSE_LEN = 192  # the benchmark's default response budget
 CALIBRATION_RUNS = {

@@ -19,6 +19,10 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from rolloutpipe.sim import compiled
+
+COMPILED = compiled.activate()  # before the modules it compiles are imported (sim/compiled.py)
+
 from rolloutpipe.config import ConfigError
 from rolloutpipe.sim.sweep import SimulateConfig, draw, format_table, run_sweep, write_csv
 
@@ -34,6 +38,8 @@ def main(raw: DictConfig) -> None:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     print(format_table(rows))
+    print(f"(simulator {'compiled with mypyc' if COMPILED else 'interpreted'}: rolloutpipe/sim/compiled.py)",
+          file=sys.stderr)
     if cfg.csv:
         write_csv(rows, Path(cfg.csv))
     if cfg.timeline:

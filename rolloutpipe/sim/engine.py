@@ -61,13 +61,16 @@ class EventLoop:
 class SimRequest(Sample):
     """One sample to generate, with what the models decided about it up front. It is also the ``Sample`` it
     becomes (the real GroupAssembler takes it as it is), so a finish creates no object; a plain positional
-    ``__init__``, because the simulator makes millions. The sample fields a simulated sample never varies are
-    class constants (read-only on an instance)."""
+    ``__init__``, because the simulator makes millions."""
 
-    __slots__ = ("request_id", "prompt_len", "response_len", "submitted_s", "started_s", "joined_at")
-    logprobs = ()
-    response_text = ""
-    reward_error = None
+    request_id: int
+    prompt_len: int
+    response_len: int
+    submitted_s: float
+    """Set by the engine: when it received the request, when the request joined the running batch, and the
+    engine's iteration count then."""
+    started_s: float
+    joined_at: int
 
     def __init__(self, request_id: int, group: int, index: int, prompt_len: int, response_len: int,
                  reward: float, truncated: bool = False) -> None:
@@ -77,10 +80,15 @@ class SimRequest(Sample):
         self.prompt_len = prompt_len
         self.response_len = response_len
         self.response_ids = range(response_len)
+        self.logprobs = _NO_LOGPROBS
+        self.response_text = ""
         self.finish_reason = FinishReason.LENGTH if truncated else FinishReason.STOP
         self.reward = reward
-        # set by the engine: submitted_s (submit), started_s and joined_at (the engine's iteration count when the
-        # request joined the running batch)
+        self.reward_error = None
+
+
+_NO_LOGPROBS: list[float] = []
+"""Every simulated sample's (shared, never written: the simulator has no trainer that reads them)."""
 
 
 OnSimResult = Callable[[str, list[SimRequest], bool, float], None]
@@ -108,8 +116,13 @@ class SimEngine:
         """Sum over running requests of (prompt_len - joined_at): their context is this + B * iteration."""
         self._version = 0
         self._join_pending = False
-        self._decode_terms = (model.decode_base_s, model.decode_per_request_s, model.decode_per_context_token_s,
-                              model.per_finish_s)
+        # the cost model's terms as floats of this class (compiled, sim/compiled.py: native arithmetic)
+        self._decode_base_s = float(model.decode_base_s)
+        self._decode_per_request_s = float(model.decode_per_request_s)
+        self._decode_per_context_s = float(model.decode_per_context_token_s)
+        self._per_finish_s = float(model.per_finish_s)
+        self._prefill_base_s = float(model.prefill_base_s)
+        self._prefill_per_token_s = float(model.prefill_per_token_s)
         self.error: BaseException | None = None
         """Never set: simulated engines do not fail (the Engine protocol's health field)."""
 
@@ -184,7 +197,7 @@ class SimEngine:
             self._context_offset += request.prompt_len - iteration
         self._num_running = num_running
         if num_prompt_tokens:
-            prefill = self.model.prefill_base_s + self.model.prefill_per_token_s * num_prompt_tokens
+            prefill = self._prefill_base_s + self._prefill_per_token_s * num_prompt_tokens
             self._time_s += prefill
 
     def _schedule(self) -> None:
@@ -201,7 +214,8 @@ class SimEngine:
         if version != self._version:  # the running batch changed since this was scheduled
             return
         loop, ends, finishing, heappop = self.loop, self._ends, self._finishing, heapq.heappop
-        base, per_request, per_context, per_finish = self._decode_terms
+        base, per_request, per_context = self._decode_base_s, self._decode_per_request_s, self._decode_per_context_s
+        per_finish = self._per_finish_s
         first = True
         while ends:
             if first:  # the event's time is that formula's, as _schedule or the previous round computed it

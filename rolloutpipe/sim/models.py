@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -163,3 +163,16 @@ class RewardModel:
 
     def draw_pass_rates(self, rng: np.random.Generator, size: int) -> np.ndarray:
         return rng.beta(self.pass_alpha, self.pass_beta, size)
+
+
+@dataclass(kw_only=True, slots=True)
+class SimConfig:
+    engine: EngineModel = field(default_factory=EngineModel)
+    trainer: TrainerModel = field(default_factory=TrainerModel)
+    overheads: OverheadModel = field(default_factory=OverheadModel)
+    lengths: LengthModel = field(default_factory=LengthModel)
+    rewards: RewardModel = field(default_factory=RewardModel)
+    num_prompts: int = 4096
+    """Size of the synthetic data set (its prompts get lengths and pass rates once)."""
+    num_span_steps: int = 0
+    """Record spans (for the timeline picture) of the first N steps."""

@@ -23,32 +23,19 @@ from __future__ import annotations
 import gc
 import heapq
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
+from rolloutpipe.admission import Admission, GroupAssembler, RolloutSchedule
 from rolloutpipe.batching import BatchConsumer, MicroBatch
 from rolloutpipe.config import Config
 from rolloutpipe.data import PromptSource
 from rolloutpipe.dispatcher import PipelineMode, Release
 from rolloutpipe.metrics import RolloutStats, TrainStats, reduce_step
-from rolloutpipe.rollout import Admission, GroupAssembler, RolloutSchedule
 from rolloutpipe.sim.engine import EventLoop, SimEngine, SimRequest
-from rolloutpipe.sim.models import EngineModel, LengthModel, OverheadModel, RewardModel, TrainerModel
+from rolloutpipe.sim.models import LengthModel, SimConfig
 from rolloutpipe.types import CompleteGroup, Prompt, Span
-
-
-@dataclass(kw_only=True, slots=True)
-class SimConfig:
-    engine: EngineModel = field(default_factory=EngineModel)
-    trainer: TrainerModel = field(default_factory=TrainerModel)
-    overheads: OverheadModel = field(default_factory=OverheadModel)
-    lengths: LengthModel = field(default_factory=LengthModel)
-    rewards: RewardModel = field(default_factory=RewardModel)
-    num_prompts: int = 4096
-    """Size of the synthetic data set (its prompts get lengths and pass rates once)."""
-    num_span_steps: int = 0
-    """Record spans (for the timeline picture) of the first N steps."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -130,7 +117,9 @@ class Simulation:
 
     # -- rollout --------------------------------------------------------------------------------------------
     def _rollout_step(self, step: int, version: int, start_s: float) -> tuple[RolloutStats, list]:
-        job, sim, n = self.job, self.sim, self.job.n_samples_per_prompt
+        job, sim = self.job, self.sim
+        n: int = job.n_samples_per_prompt
+        max_len: int = job.rollout_max_response_len
         self.loop.clear()
         self.loop.now = start_s
         rng = np.random.default_rng((job.seed, step))
@@ -139,7 +128,7 @@ class Simulation:
 
         def requests_for(group: int, prompt: Prompt) -> list[SimRequest]:
             lengths, uniforms = draws.row(group)
-            prompt_len, pass_rate, max_len = len(prompt.input_ids), prompt.label, job.rollout_max_response_len
+            prompt_len, pass_rate = len(prompt.input_ids), float(prompt.label)
             return [SimRequest(group * n + s, group, s, prompt_len, lengths[s], 1.0 if uniforms[s] < pass_rate else 0.0,
                                lengths[s] == max_len)
                     for s in range(n)]
@@ -156,14 +145,11 @@ class Simulation:
         self.release = Release(self.mode)
         self.step, self.record = step, step < sim.num_span_steps
         self.reward_free = [start_s] * job.reward.num_workers  # a heap of when each worker is free
-        self.reward_s = sim.overheads.reward_s
+        self.reward_s = float(sim.overheads.reward_s)
         self.rewarded_s: dict[int, float] = {}
         self.dispatcher_free = start_s
         self.arrivals: list[tuple[float, SimHandle]] = []
         self.first_group_s: float | None = None
-        self._per_result = (admission.finished, self.assembler.add, schedule.on_slot_freed, self.rewarded_s,
-                            self.reward_free, self.reward_s)
-        """What _on_result needs, in one attribute: it runs once per finished request."""
         schedule.start()
         self.loop.run()  # until _on_group finds the step full
         last_group_s = self.loop.now
@@ -181,13 +167,14 @@ class Simulation:
         A sample goes into the assembler at once; its group is complete when its last reward is done
         (one event per group, not per sample: this is the simulator's hot path).
         """
-        finished, add, slot_freed, rewarded_s, reward_free, reward_s = self._per_result
+        admission, assembler, rewarded_s, reward_free, reward_s = \
+            self.admission, self.assembler, self.rewarded_s, self.reward_free, self.reward_s
         if self.record:
             for request in requests:
                 self._span("rollout/request", "rollout", self.step, request.started_s, finished_s, engine=engine,
                            queued_s=request.started_s - request.submitted_s, aborted=aborted)
         for request in requests:
-            finished(request.request_id, engine)
+            admission.finished(request.request_id, engine)
             if aborted:
                 continue
             done_s = (reward_free[0] if reward_free[0] > finished_s else finished_s) + reward_s
@@ -195,10 +182,10 @@ class Simulation:
             group = request.group
             if done_s > rewarded_s.get(group, 0.0):
                 rewarded_s[group] = done_s
-            complete = add(request)  # a SimRequest is its Sample
+            complete = assembler.add(request)  # a SimRequest is its Sample
             if complete is not None:
                 self.loop.at(rewarded_s.pop(group), self._on_group, complete)
-        slot_freed()
+        self.schedule.on_slot_freed()
 
     def _on_group(self, group: CompleteGroup) -> None:
         group.completed_s = self.loop.now
@@ -217,7 +204,7 @@ class Simulation:
     def _publish(self, group: CompleteGroup) -> None:
         start = max(self.loop.now, self.dispatcher_free)
         self.dispatcher_free = start + self.sim.overheads.publish_s
-        prompt_len, lengths = len(group.prompt_ids), [s.response_len for s in group.samples]
+        prompt_len, lengths = len(group.prompt_ids), [len(s.response_ids) for s in group.samples]
         handle = SimHandle(group=group.group, batch=group.batch, sample_tokens=[prompt_len + n for n in lengths],
                            num_response_tokens=sum(lengths))
         self.arrivals.append((self.dispatcher_free, handle))

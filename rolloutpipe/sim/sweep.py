@@ -19,7 +19,8 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from rolloutpipe.config import Config, ConfigError, load_config
-from rolloutpipe.sim.run import SimConfig, SimResult, simulate
+from rolloutpipe.sim.models import SimConfig
+from rolloutpipe.sim.run import SimResult, simulate
 
 MODES = {
     "sync": {"pipeline": {"mode": "sync"}, "rollout": {"admission": "fifo"}},
