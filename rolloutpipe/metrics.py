@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rolloutpipe.clock import ClockSync
-from rolloutpipe.types import FinishReason, Span
+from rolloutpipe.types import CompleteGroup, FinishReason, Span
 
 SPAN_FLUSH = "spans/flush"
 """The span each flush records of itself; its ``record_s`` attribute is the time spent in ``add`` since the
@@ -142,7 +142,7 @@ def read_span_files(run_dir: Path) -> list[SpanFile]:
     for path in sorted((run_dir / "spans").glob("*.jsonl")):
         first: dict = {}
         header: dict = {}
-        spans = []
+        spans: list[Span] = []
         lines = path.read_text().splitlines()
         for i, line in enumerate(lines):
             try:
@@ -196,7 +196,8 @@ class RolloutStats:
 
     @classmethod
     def of(cls, *, step: int, policy_version: int, start_s: float, last_group_s: float, weight_load_s: float,
-           selected: list, complete: list, num_filtered: int, num_returned: int, num_aborted: int) -> RolloutStats:
+           selected: list[CompleteGroup], complete: list[CompleteGroup], num_filtered: int, num_returned: int,
+           num_aborted: int) -> RolloutStats:
         """The record of a step whose ``selected`` groups are trained, out of every ``complete`` one."""
         samples = [s for g in complete for s in g.samples]  # (list comprehensions: the simulator calls this)
         rewards = [s.reward for s in samples]

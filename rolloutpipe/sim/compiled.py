@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent
-MODULES = ("types.py", "admission.py", "batching.py", "sim/engine.py", "sim/run.py")
+MODULES = ("types.py", "admission.py", "batching.py", "metrics.py", "sim/engine.py", "sim/run.py")
 """Paths under the package of the files compiled."""
 
 _MYPY_SETTINGS = """\
