@@ -1,5 +1,12 @@
 """Which groups form the step's training batches, and which request an engine gets next: pure logic.
 
+``StepSlots`` (batch membership, below), ``GroupAssembler`` (rewarded samples -> complete groups and their
+advantages), ``Admission`` (which engine gets which request, FIFO or FGD) and ``RolloutSchedule`` (one step's
+bookkeeping over them) have no threads, clock or I/O of their own: the rollout node (pipeline.py) drives them
+with real engines, the simulator (rolloutpipe/sim) with simulated ones. The simulator runs this file compiled
+with mypyc (sim/compiled.py), so it is fully typed, and sees requests and engines only through the ``Request``
+and ``EngineView`` protocols (a GenerationRequest's id is a string, a simulated one's an int).
+
 Batch membership (``StepSlots``). A step admits groups in order, group 0, 1, 2, ... (group g carries
 the g-th prompt the step drew from the source, and its samples are seeded by their ids, so a group's
 content never depends on timing). Without filtering every group is trainable and group g belongs to
@@ -25,14 +32,18 @@ from __future__ import annotations
 
 import bisect
 import enum
+import math
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
-from rolloutpipe.grpo import group_advantages
 from rolloutpipe.types import CompleteGroup, Prompt, Sample
+
+# Final: the compiled simulator (sim/compiled.py) calls them directly instead of looking them up in bisect each time
+_bisect_left: Final = bisect.bisect_left
+_insort: Final = bisect.insort
 
 
 class GroupState(enum.Enum):
@@ -77,18 +88,18 @@ class StepSlots:
     def resolve(self, group: int, *, trainable: bool) -> list[Placement]:
         """Record a complete group; returns the groups whose batch became known (this one or later ones)."""
         self.states[group] = GroupState.TRAINABLE if trainable else GroupState.FILTERED
-        del self._pending[bisect.bisect_left(self._pending, group)]
-        bisect.insort(self._unplaced if trainable else self._filtered, group)
+        del self._pending[_bisect_left(self._pending, group)]
+        _insort(self._unplaced if trainable else self._filtered, group)
         return self._place_new(group)
 
     def _place_new(self, resolved: int) -> list[Placement]:
         """Only groups from ``resolved`` up can be placed now: the counts below a lower group did not change."""
         new, size, per_batch, pending, filtered = [], self.rollout_batch_size, self.groups_per_batch, \
             self._pending, self._filtered
-        first = bisect.bisect_left(self._unplaced, resolved)
+        first = _bisect_left(self._unplaced, resolved)
         for g in self._unplaced[first:]:
-            pending_below = bisect.bisect_left(pending, g)
-            trainable_below = g - pending_below - (bisect.bisect_left(filtered, g) if filtered else 0)
+            pending_below = _bisect_left(pending, g)
+            trainable_below = g - pending_below - (_bisect_left(filtered, g) if filtered else 0)
             if pending_below >= per_batch or trainable_below >= size:
                 break  # later groups have at least as many below them
             lo, hi = trainable_below, trainable_below + pending_below
@@ -117,18 +128,18 @@ class StepSlots:
     def frontier(self) -> list[int]:
         """Pending groups the next incomplete training batch still needs, in group order."""
         start = self._pending[0] if self._pending else len(self.states)  # every group below is resolved
-        filled = start - bisect.bisect_left(self._filtered, start)  # slots filled for certain
+        filled = start - _bisect_left(self._filtered, start)  # slots filled for certain
         if filled >= self.rollout_batch_size:
             return []
         budget = self.groups_per_batch - filled % self.groups_per_batch  # slots left in that batch
         # A pending group is needed if fewer than `budget` live (not filtered) groups lie from start to it, that
         # is if it lies below `end`, the budget-th live group from start: each filtered group pushes end by one.
         end = start + budget
-        for f in self._filtered[bisect.bisect_left(self._filtered, start):]:
+        for f in self._filtered[_bisect_left(self._filtered, start):]:
             if f >= end:
                 break
             end += 1
-        return self._pending[:bisect.bisect_left(self._pending, end)]
+        return self._pending[:_bisect_left(self._pending, end)]
 
 
 class Request(Protocol):
@@ -159,6 +170,16 @@ class AdmissionPolicy(enum.Enum):
     fgd = "fgd"
     """Frontier-group dispatch: hold requests on the rollout node and fill free engine slots with the
     frontier groups first, all samples of a group together, on the engine with the most free slots."""
+
+
+def group_advantages(rewards: list[float], *, normalize_std: bool) -> list[float]:
+    """GRPO advantages of one group from its own rewards only (grpo.py); a group with one reward value gets zeros."""
+    mean = math.fsum(rewards) / len(rewards)
+    centered = [r - mean for r in rewards]
+    if normalize_std and len(rewards) > 1:
+        std = math.sqrt(math.fsum([c * c for c in centered]) / (len(rewards) - 1))  # unbiased, as torch.std
+        centered = [c / (std + 1e-6) for c in centered]
+    return centered
 
 
 class GroupAssembler:

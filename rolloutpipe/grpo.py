@@ -1,7 +1,8 @@
 """GRPO advantages and the clipped policy-gradient loss: pure torch, no process or store.
 
 Variant. Advantages are per group (Shao et al., 2024): A_i = r_i - mean(r), divided by the group's
-unbiased standard deviation (+ 1e-6) when ``normalize_advantage_std`` (Dr. GRPO turns it off). There is
+unbiased standard deviation (+ 1e-6) when ``normalize_advantage_std`` (Dr. GRPO turns it off); the group's
+assembler computes them (``group_advantages``, kept in admission.py with it, pure Python). There is
 no KL term and no reference model (as in DAPO and Slime's GRPO default). The token loss is PPO's
 clipped surrogate with separate lower and upper clip ranges (DAPO's clip-higher when they differ):
     loss_t = max(-A * ratio_t, -A * clip(ratio_t, 1 - eps_low, 1 + eps_high)),
@@ -19,10 +20,11 @@ up to the order of floating-point accumulation.
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 
 import torch
+
+from rolloutpipe.admission import group_advantages  # noqa: F401 - re-exported: part of GRPO
 
 
 class LossAggregation(enum.Enum):
@@ -43,16 +45,6 @@ class GRPOConfig:
         for key in ("eps_clip", "eps_clip_high"):
             if not 0.0 < getattr(self, key) < 1.0:
                 raise ValueError(f"grpo.{key}={getattr(self, key)} must be in (0, 1); 0.2 is the usual value.")
-
-
-def group_advantages(rewards: list[float], *, normalize_std: bool) -> list[float]:
-    """Advantages of one group from its own rewards only; a group with one reward value gets zeros."""
-    mean = math.fsum(rewards) / len(rewards)
-    centered = [r - mean for r in rewards]
-    if normalize_std and len(rewards) > 1:
-        std = math.sqrt(math.fsum([c * c for c in centered]) / (len(rewards) - 1))  # unbiased, as torch.std
-        centered = [c / (std + 1e-6) for c in centered]
-    return centered
 
 
 @dataclass(kw_only=True, slots=True)

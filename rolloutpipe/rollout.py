@@ -1,7 +1,7 @@
-"""The rollout node's pieces: engines, admission, reward threads and group assembly.
+"""The rollout node's pieces around the engines: their config, the requests, the reward threads.
 
-``pipeline.rollout_step`` strings them together; this module holds each piece on its own, and
-``RolloutSchedule`` holds one step's bookkeeping (pure, also driven by the simulator).
+``pipeline.rollout_step`` strings them together with the pure scheduling code of admission.py
+(``Admission``, ``GroupAssembler``, ``RolloutSchedule``, also driven by the simulator).
 
 Reward threads (``reward.num_workers`` of them)
     consume   GenerationResults, put on a queue by the engines' completion callbacks

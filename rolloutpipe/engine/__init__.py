@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rolloutpipe.config import Config
-    from rolloutpipe.engine.server_process import ServerProcess
     from rolloutpipe.engine.base import Engine, OnResult
+    from rolloutpipe.engine.server_process import ServerProcess
 
 
 class EngineFactory:
@@ -117,8 +117,8 @@ class EngineFactory:
     def _server(self, index: int, name: str) -> ServerProcess:
         from omegaconf import OmegaConf
 
+        from rolloutpipe.admission import AdmissionPolicy
         from rolloutpipe.engine import server_process
-        from rolloutpipe.rollout import AdmissionPolicy
 
         cfg, rollout, log_dir = self.cfg, self.cfg.rollout, self._engine_dir()
         if self._embedded_server:

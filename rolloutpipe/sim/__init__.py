@@ -4,15 +4,16 @@ What is real and what is modelled:
 
     real (imported, not copied)                      modelled (sim/models.py), on a virtual clock
     ----------------------------------------------   ------------------------------------------------
-    rollout.RolloutSchedule: admission of groups,    engines: decode time per iteration from the running
+    admission.RolloutSchedule: admission of groups,  engines: decode time per iteration from the running
       dynamic filtering, replacements, placement       batch and its context, prefill, concurrency
       in training batches (admission.StepSlots)      response lengths: log-normal, geometric or a histogram
-    rollout.Admission: FIFO / FGD dispatch            rewards: a pass rate per prompt (Beta distributed)
-    rollout.GroupAssembler + grpo advantages         reward latency, publish latency, weight sync
+    admission.Admission: FIFO / FGD dispatch          rewards: a pass rate per prompt (Beta distributed)
+    admission.GroupAssembler + grpo advantages       reward latency, publish latency, weight sync
     dispatcher.Release: sync vs cgp release          trainer: time per micro-batch from its padded tokens,
     batching.BatchConsumer: micro-batches, optimizer   optimizer step
       steps, the rank split
     metrics.reduce_step: the per-step metrics
 
 ``sim/run.py`` strings them together the way pipeline.py does; ``tools/simulate.py`` sweeps settings.
+``sim/compiled.py`` compiles the hot files (these modules and the simulator's own) with mypyc, unchanged.
 """

@@ -1,7 +1,7 @@
 """The simulator's clock and engines.
 
 ``EventLoop`` is a plain discrete-event loop: callbacks ordered by (time, insertion). ``SimEngine`` has
-the interface the real ``rollout.Admission`` uses (``name``, ``submit``, ``abort``, ``num_in_flight``)
+the interface the real ``admission.Admission`` uses (``name``, ``submit``, ``abort``, ``num_in_flight``)
 and behaves like an SGLang server or the embedded engine: at most ``concurrency`` requests run, the
 rest wait in submission order, a finished request leaves at once and a waiting one joins between
 decode iterations. Time is advanced analytically, not iteration by iteration: between two changes of
@@ -12,11 +12,16 @@ remaining length and its time is a closed form of the cost model (models.EngineM
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from collections.abc import Callable
+from typing import Final
 
 from rolloutpipe.sim.models import EngineModel
 from rolloutpipe.types import FinishReason, Sample
+
+# Final: the compiled simulator (sim/compiled.py) calls them directly instead of looking them up in heapq each time
+_heappush: Final = heapq.heappush
+_heappop: Final = heapq.heappop
+_heapify: Final = heapq.heapify
 
 
 class EventLoop:
@@ -28,7 +33,7 @@ class EventLoop:
 
     def at(self, time_s: float, callback: Callable, arg=None) -> None:
         self._seq += 1
-        heapq.heappush(self._heap, (time_s, self._seq, callback, arg))
+        _heappush(self._heap, (time_s, self._seq, callback, arg))
 
     def runs_next_or_at(self, time_s: float, callback: Callable, arg=None) -> bool:
         """True if an event at ``time_s`` would be the next one: the caller goes on inline instead of pushing
@@ -37,12 +42,12 @@ class EventLoop:
         if not self._stopped and (not heap or time_s < heap[0][0]):
             return True
         self._seq += 1
-        heapq.heappush(heap, (time_s, self._seq, callback, arg))
+        _heappush(heap, (time_s, self._seq, callback, arg))
         return False
 
     def run(self) -> None:
         """Run events in order until one calls ``stop``; the events left stay (``clear`` drops them)."""
-        heap, pop = self._heap, heapq.heappop
+        heap, pop = self._heap, _heappop
         self._stopped = False
         while heap:
             self.now, _, callback, arg = pop(heap)
@@ -103,7 +108,10 @@ class SimEngine:
         self.model = model
         self.loop = loop
         self.on_result = on_result
-        self._waiting: deque[SimRequest] = deque()
+        self._waiting: list[SimRequest] = []
+        self._head = 0
+        """The requests waiting to join are ``_waiting[_head:]``, in submission order (a list and an index, not a
+        deque: the compiled simulator indexes a list natively)."""
         self._finishing: dict[int, list[SimRequest]] = {}
         """The running requests, by the iteration at which they finish."""
         self._ends: list[int] = []
@@ -123,18 +131,21 @@ class SimEngine:
         self._per_finish_s = float(model.per_finish_s)
         self._prefill_base_s = float(model.prefill_base_s)
         self._prefill_per_token_s = float(model.prefill_per_token_s)
+        self._finish_event: Callable[[int], None] = self._on_finish
+        self._join_event: Callable[[None], None] = self._join
+        """Bound once: an event per request would otherwise bind a method object each time."""
         self.error: BaseException | None = None
         """Never set: simulated engines do not fail (the Engine protocol's health field)."""
 
     def num_in_flight(self) -> int:
-        return len(self._waiting) + self._num_running
+        return len(self._waiting) - self._head + self._num_running
 
     def submit(self, request: SimRequest) -> None:
         request.submitted_s = self.loop.now
         self._waiting.append(request)
         if self._num_running < self.concurrency and not self._join_pending:
             self._join_pending = True  # requests submitted together join together, after the current event
-            self.loop.at(self.loop.now, self._join)
+            self.loop.at(self.loop.now, self._join_event)
 
     def _join(self, _=None) -> None:
         self._join_pending = False
@@ -143,9 +154,10 @@ class SimEngine:
         self._schedule()
 
     def abort(self, request_id: int) -> None:
-        for request in self._waiting:
+        for i in range(self._head, len(self._waiting)):
+            request = self._waiting[i]
             if request.request_id == request_id:
-                self._waiting.remove(request)
+                del self._waiting[i]
                 self.on_result(self.name, [request], True, self.loop.now)
                 return
         for end, requests in self._finishing.items():
@@ -156,7 +168,7 @@ class SimEngine:
                     if not requests:
                         del self._finishing[end]
                         self._ends.remove(end)
-                        heapq.heapify(self._ends)
+                        _heapify(self._ends)
                     self._num_running -= 1
                     self._context_offset -= request.prompt_len - request.joined_at
                     self._schedule()
@@ -180,22 +192,30 @@ class SimEngine:
 
     def _admit(self) -> None:
         num_prompt_tokens, iteration, waiting, finishing = 0, self._iteration, self._waiting, self._finishing
-        num_running = self._num_running
-        while waiting and num_running < self.concurrency:
-            request = waiting.popleft()
+        num_running, head = self._num_running, self._head
+        while head < len(waiting) and num_running < self.concurrency:
+            request = waiting[head]
+            head += 1
             request.joined_at = iteration
             request.started_s = self._time_s
             end = iteration + request.response_len
             same_end = finishing.get(end)
             if same_end is None:
                 finishing[end] = [request]
-                heapq.heappush(self._ends, end)
+                _heappush(self._ends, end)
             else:
                 same_end.append(request)
             num_running += 1
             num_prompt_tokens += request.prompt_len
             self._context_offset += request.prompt_len - iteration
         self._num_running = num_running
+        if head == len(waiting):
+            waiting.clear()
+            head = 0
+        elif head > 4096:  # a long queue drained from the front: drop what has left it
+            del waiting[:head]
+            head = 0
+        self._head = head
         if num_prompt_tokens:
             prefill = self._prefill_base_s + self._prefill_per_token_s * num_prompt_tokens
             self._time_s += prefill
@@ -203,9 +223,10 @@ class SimEngine:
     def _schedule(self) -> None:
         self._version += 1
         if self._num_running:
-            k = self._ends[0] - self._iteration
-            finish_s = self._time_s + self.model.decode_s(k, self._num_running, self._context())
-            self.loop.at(finish_s, self._on_finish, self._version)
+            k, b, c = self._ends[0] - self._iteration, self._num_running, self._decode_per_context_s
+            per = self._decode_base_s + self._decode_per_request_s * b + c * self._context()
+            finish_s = self._time_s + (k * per + c * b * k * (k - 1) / 2)  # model.decode_s, on the float copies
+            self.loop.at(finish_s, self._finish_event, self._version)
 
     def _on_finish(self, version: int) -> None:
         """The hot path of the simulator, kept inline: finish the requests of the next finishing iteration;
@@ -213,7 +234,7 @@ class SimEngine:
         (The time of the next finish is ``model.decode_s`` written out: a call per finish costs ~10%.)"""
         if version != self._version:  # the running batch changed since this was scheduled
             return
-        loop, ends, finishing, heappop = self.loop, self._ends, self._finishing, heapq.heappop
+        loop, ends, finishing, heappop = self.loop, self._ends, self._finishing, _heappop
         base, per_request, per_context = self._decode_base_s, self._decode_per_request_s, self._decode_per_context_s
         per_finish = self._per_finish_s
         first = True
@@ -226,9 +247,9 @@ class SimEngine:
                                                + per_context * (self._context_offset + num_running * iteration)) \
                     + per_context * num_running * k * (k - 1) / 2
                 if self._join_pending:
-                    loop.at(finish_s, self._on_finish, self._version)
+                    loop.at(finish_s, self._finish_event, self._version)
                     return
-                if not loop.runs_next_or_at(finish_s, self._on_finish, self._version):
+                if not loop.runs_next_or_at(finish_s, self._finish_event, self._version):
                     return
             self._iteration = end = heappop(ends)
             done = finishing.pop(end)
@@ -242,14 +263,14 @@ class SimEngine:
             if per_finish:
                 finish_s += per_finish * len(done)
             self._time_s = loop.now = finish_s
-            if self._waiting:
+            if self._head < len(self._waiting):
                 self._admit()
             self._version += 1
             # what on_result submits to this engine joins right after it, without a join event of its own
             join_pending, self._join_pending = self._join_pending, True
             self.on_result(self.name, done, False, finish_s)
             self._join_pending = join_pending  # a join event scheduled before this finish is still coming
-            if self._waiting and self._num_running < self.concurrency:
+            if self._head < len(self._waiting) and self._num_running < self.concurrency:
                 self._admit()
 
 

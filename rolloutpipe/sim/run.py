@@ -24,6 +24,7 @@ import gc
 import heapq
 import statistics
 from dataclasses import dataclass
+from typing import Final
 
 import numpy as np
 
@@ -36,6 +37,8 @@ from rolloutpipe.metrics import RolloutStats, TrainStats, reduce_step
 from rolloutpipe.sim.engine import EventLoop, SimEngine, SimRequest
 from rolloutpipe.sim.models import LengthModel, SimConfig
 from rolloutpipe.types import CompleteGroup, Prompt, Span
+
+_heapreplace: Final = heapq.heapreplace  # (Final: called directly when compiled, sim/compiled.py)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -178,7 +181,7 @@ class Simulation:
             if aborted:
                 continue
             done_s = (reward_free[0] if reward_free[0] > finished_s else finished_s) + reward_s
-            heapq.heapreplace(reward_free, done_s)
+            _heapreplace(reward_free, done_s)
             group = request.group
             if done_s > rewarded_s.get(group, 0.0):
                 rewarded_s[group] = done_s
