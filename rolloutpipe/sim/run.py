@@ -122,25 +122,17 @@ class Simulation:
     def _rollout_step(self, step: int, version: int, start_s: float) -> tuple[RolloutStats, list]:
         job, sim = self.job, self.sim
         n: int = job.n_samples_per_prompt
-        max_len: int = job.rollout_max_response_len
         self.loop.clear()
         self.loop.now = start_s
         rng = np.random.default_rng((job.seed, step))
         draws = _StepDraws(rng, sim.lengths, n, job.rollout_max_response_len)
         admission = Admission(policy=job.rollout.admission, engines=self.engines, concurrency=job.rollout.concurrency)
 
-        def requests_for(group: int, prompt: Prompt) -> list[SimRequest]:
-            lengths, uniforms = draws.row(group)
-            prompt_len, pass_rate = len(prompt.input_ids), float(prompt.label)
-            return [SimRequest(group * n + s, group, s, prompt_len, lengths[s], 1.0 if uniforms[s] < pass_rate else 0.0,
-                               lengths[s] == max_len)
-                    for s in range(n)]
-
         self.schedule = schedule = RolloutSchedule(
             rollout_batch_size=job.rollout_batch_size, groups_per_batch=job.groups_per_batch,
             filter_zero_variance=job.rollout.filter_zero_variance,
             over_sampling_groups=job.rollout.over_sampling_groups, admission=admission,
-            draw=self.source.next_batch, requests_for=requests_for,
+            draw=self.source.next_batch, requests_for=draws.requests,
         )
         self.admission = admission
         self.assembler = GroupAssembler(step=step, policy_version=version, prompts=schedule.prompts, n_samples=n,
@@ -270,12 +262,18 @@ class _StepDraws:
         self._lengths: list[list[int]] = []
         self._uniforms: list[list[float]] = []
 
-    def row(self, group: int) -> tuple[list[int], list[float]]:
+    def requests(self, group: int, prompt: Prompt) -> list[SimRequest]:
+        """The group's requests: RolloutSchedule's ``requests_for``. (A method, not a closure: a compiled closure
+        and its environment refer to each other, and with the cyclic collector off every step's would stay.)"""
         while group >= len(self._lengths):
             num = max(len(self._lengths), 16)
             self._lengths.extend(self.lengths.draw(self.rng, (num, self.n), self.max_tokens).tolist())
             self._uniforms.extend(self.rng.random((num, self.n)).tolist())
-        return self._lengths[group], self._uniforms[group]
+        lengths, uniforms, n, max_len = self._lengths[group], self._uniforms[group], self.n, self.max_tokens
+        prompt_len, pass_rate = len(prompt.input_ids), float(prompt.label)
+        return [SimRequest(group * n + s, group, s, prompt_len, lengths[s], 1.0 if uniforms[s] < pass_rate else 0.0,
+                           lengths[s] == max_len)
+                for s in range(n)]
 
 
 def simulate(job: Config, sim: SimConfig, num_steps: int | None = None) -> SimResult:
