@@ -1,15 +1,15 @@
 """The simulator's hot path, compiled with mypyc from the same source files.
 
 A simulated step runs the project's scheduling code (admission.py: Admission, GroupAssembler, StepSlots,
-RolloutSchedule; batching.py), the simulator's engines and glue (sim/engine.py, sim/run.py) and the nouns
-they pass (types.py) once per request: millions of times a run. mypyc compiles exactly these files, no
-copy of them, into C extensions that run the simulator about 2.5x faster (README "Simulator").
+RolloutSchedule; batching.py; metrics.py's step record), the simulator's engines and glue (sim/engine.py,
+sim/run.py) and the nouns they pass (types.py) once per request: millions of times a run. mypyc compiles exactly these files, no
+copy of them, into C extensions that run the simulator about 2.4x faster (README "Simulator").
 
 ``activate`` puts the compiled modules ahead of the sources on the package path. It must run before any of
 them is imported (tools/simulate.py and bench/sim_speed.py call it first thing); in a process that already
 imported them (a test) the sources run. The build lives in ``$ROLLOUTPIPE_CACHE/mypyc/<key>`` (default
-``~/.cache/rolloutpipe``), the key a hash of the five sources and of the Python and mypy versions, so an
-edited source is built again (about two minutes, once). ``ROLLOUTPIPE_SIM_COMPILED`` chooses:
+``~/.cache/rolloutpipe``), the key a hash of those six sources and of the Python and mypy versions, so an
+edited source is built again (about 30 s, once). ``ROLLOUTPIPE_SIM_COMPILED`` chooses:
 
     auto (default)   use the build, building it first if mypyc is installed (``pip install -e .[sim]``);
                      without mypyc or a C compiler, run the sources and say so once
@@ -83,7 +83,7 @@ def activate(policy: str | None = None) -> bool:
         except CompileError as err:
             if policy == "1":
                 raise
-            print(f"[rolloutpipe] the simulator runs interpreted (~2.5x slower): {err}", file=sys.stderr)
+            print(f"[rolloutpipe] the simulator runs interpreted (~2.4x slower): {err}", file=sys.stderr)
             return False
     import rolloutpipe
     import rolloutpipe.sim
@@ -98,16 +98,15 @@ def build(target: Path) -> None:
     """Compile MODULES with mypyc into ``target`` (atomically: a concurrent build of the same key is harmless)."""
     if importlib.util.find_spec("mypyc") is None:
         raise CompileError("mypyc is not installed; `pip install -e .[sim]` (or mypy) compiles it, once.")
-    print(f"[rolloutpipe] compiling the simulator's hot path with mypyc into {target} (once, ~2 min) ...",
+    print(f"[rolloutpipe] compiling the simulator's hot path with mypyc into {target} (once, ~30 s) ...",
           file=sys.stderr)
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
         work = Path(tmp)
         shutil.copytree(PACKAGE, work / "rolloutpipe", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
         (work / "mypy.ini").write_text(_MYPY_SETTINGS)
-        env = {**os.environ, "MYPYC_OPT_LEVEL": "3"}
         done = subprocess.run([sys.executable, "-m", "mypyc", *(f"rolloutpipe/{m}" for m in MODULES)], cwd=work,
-                              env=env, capture_output=True, text=True, check=False)
+                              capture_output=True, text=True, check=False)
         if done.returncode != 0:
             log = (done.stdout + done.stderr).strip().splitlines()
             raise CompileError("mypyc failed (is a C compiler installed?):\n" + "\n".join(log[-15:]))
