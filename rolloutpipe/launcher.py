@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import os
+import random
 import re
 import secrets
 import signal
@@ -127,6 +128,18 @@ def prepare_run(cfg: Config, run_dir: Path) -> Config:
 
 
 def free_port() -> int:
+    """A port free now, chosen in 30000-32767: below Linux's ephemeral range (32768+), so no outgoing connection
+    takes it before the store binds it (on Slurm that can be minutes later), and above the ports Slurm jobs
+    derive from their id (slurm_store_port: 20000-29999). Falls back to one the kernel picks."""
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(30000, 32768)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
