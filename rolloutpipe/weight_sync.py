@@ -50,6 +50,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rolloutpipe.launcher import free_port
+
 
 class WeightSync(enum.Enum):
     disk = "disk"
@@ -200,12 +202,6 @@ class Broadcaster:
         what = f"the engines to receive policy_version {policy_version}"
         for bucket in buckets:
             wait_all(broadcast_bucket(self._pg, state, bucket, self.device), lambda: self._check(what))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class WeightPublisher:

@@ -9,13 +9,13 @@ from __future__ import annotations
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from rolloutpipe.engine import sglang_api
+from rolloutpipe.launcher import free_port  # (another process could take it before the server binds it)
 
 STOP_GRACE_S = 20.0
 
@@ -122,13 +122,6 @@ def sglang_server(*, name: str, model_path: str, dtype: str, concurrency: int, s
         command += ["--enable-priority-scheduling", "--schedule-low-priority-values-first"]
     return ServerProcess(name=name, command=command + extra_args, log_path=log_dir / f"{name}.log",
                          url=f"http://127.0.0.1:{port}")
-
-
-def free_port() -> int:
-    """A port free now (another process could take it before the server binds it; SGLang cannot report one)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tail(path: Path, num_lines: int = 15) -> str:

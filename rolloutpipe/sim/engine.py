@@ -223,9 +223,8 @@ class SimEngine:
     def _schedule(self) -> None:
         self._version += 1
         if self._num_running:
-            k, b, c = self._ends[0] - self._iteration, self._num_running, self._decode_per_context_s
-            per = self._decode_base_s + self._decode_per_request_s * b + c * self._context()
-            finish_s = self._time_s + (k * per + c * b * k * (k - 1) / 2)  # model.decode_s, on the float copies
+            k = self._ends[0] - self._iteration
+            finish_s = self._time_s + self.model.decode_s(k, self._num_running, self._context())
             self.loop.at(finish_s, self._finish_event, self._version)
 
     def _on_finish(self, version: int) -> None:
