@@ -24,8 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from rolloutpipe.admission import group_advantages  # noqa: F401 - re-exported: part of GRPO
-
 
 class LossAggregation(enum.Enum):
     token_mean = "token_mean"
