@@ -20,14 +20,15 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from rolloutpipe.config import Config, ConfigError, load_config, register_hydra_schema
-from rolloutpipe.launcher import Launcher, LauncherKind, LocalLauncher, prepare_run
+from rolloutpipe.launch.config import LauncherKind
+from rolloutpipe.launch.local import Launcher, LocalLauncher, prepare_run
 
 register_hydra_schema()
 
 
 def make_launcher(cfg: Config) -> Launcher:
     if cfg.launcher.kind is LauncherKind.slurm:
-        from rolloutpipe.slurm import SlurmLauncher
+        from rolloutpipe.launch.slurm import SlurmLauncher
 
         return SlurmLauncher()
     return LocalLauncher()
@@ -44,7 +45,7 @@ def main(raw: DictConfig) -> None:
                               "<hydra.sweep.dir>/<job number> and its own run id), or set hydra.sweep.dir=... instead.")
         run_dir = Path(cfg.run.dir or HydraConfig.get().runtime.output_dir).resolve()
         if cfg.launcher.kind is not LauncherKind.local:
-            from rolloutpipe.slurm import check_launch
+            from rolloutpipe.launch.slurm import check_launch
 
             check_launch(cfg)
         cfg = prepare_run(cfg, run_dir)

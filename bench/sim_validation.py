@@ -31,10 +31,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.pipeline_bench import MODES, WORKLOADS, run_one  # noqa: E402
-from tools import calibrate_sim as calibration  # noqa: E402
 from rolloutpipe.config import load_config  # noqa: E402
 from rolloutpipe.sim.models import SimConfig  # noqa: E402
 from rolloutpipe.sim.run import simulate  # noqa: E402
+from tools import calibrate_sim as calibration  # noqa: E402
 
 ONE_ENGINE = ["rollout.num_engines=1", "rollout.concurrency=64"]
 SETTINGS = {

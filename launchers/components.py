@@ -1,4 +1,4 @@
-"""RolloutPipe as a TorchX app: a ``rollout`` role and a ``trainer`` role running ``python -m rolloutpipe.node``.
+"""RolloutPipe as a TorchX app: a ``rollout`` role and a ``trainer`` role running ``python -m rolloutpipe.launch.node``.
 
     torchx run -s local_cwd launchers/components.py:grpo num_rollout=20
     torchx run -s slurm -cfg partition=gpu,time=240 launchers/components.py:grpo \\
@@ -10,7 +10,7 @@ checks the config, creates the run directory and writes ``config.yaml`` before T
 ``trainer.num_ranks`` replicas. On Slurm, TorchX submits one heterogeneous job with one het group per
 replica: group 0 is ``rollout-0`` (whose node hosts the store), then ``trainer-0``, ``trainer-1``, ...
 
-What each replica gets (rolloutpipe/env.py): RP_ROLE and RP_WORLD_SIZE per role, RP_RANK from TorchX's
+What each replica gets (rolloutpipe/control/env.py): RP_ROLE and RP_WORLD_SIZE per role, RP_RANK from TorchX's
 ``replica_id``, RP_STORE_HOST_VAR set to TorchX's ``rank0_env`` (the variable naming the first replica's
 host: SLURM_JOB_NODELIST_HET_GROUP_0 on Slurm, TORCHX_RANK0_HOST locally), RP_STORE_PORT, RP_RUN_ID and
 RP_RUN_DIR. The run's secret is NOT in the AppDef, because TorchX writes a role's env into the batch
@@ -54,7 +54,7 @@ def grpo(
         mem_mb: memory per replica in MB
         store_port: port of the store on the rollout's host; 0 picks one that is free on this machine
     """
-    from rolloutpipe.launcher import free_port
+    from rolloutpipe.control.env import free_port
 
     cfg, run_dir = _prepare(list(overrides))
     os.environ["RP_RUN_SECRET"] = secrets.token_bytes(32).hex()  # see the module docstring: not in the AppDef
@@ -70,7 +70,7 @@ def grpo(
 
     def role(name: str, num_replicas: int, cpus: int, gpus: int) -> specs.Role:
         return specs.Role(
-            name=name, image=os.getcwd(), entrypoint=sys.executable, args=["-u", "-m", "rolloutpipe.node"],
+            name=name, image=os.getcwd(), entrypoint=sys.executable, args=["-u", "-m", "rolloutpipe.launch.node"],
             num_replicas=num_replicas, resource=specs.Resource(cpu=cpus, gpu=gpus, memMB=mem_mb),
             env={**common, "RP_ROLE": name, "RP_WORLD_SIZE": str(num_replicas)},
         )
@@ -86,7 +86,8 @@ def _prepare(overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
     from rolloutpipe.config import load_config, register_hydra_schema
-    from rolloutpipe.launcher import LauncherKind, prepare_run
+    from rolloutpipe.launch.config import LauncherKind
+    from rolloutpipe.launch.local import prepare_run
 
     register_hydra_schema()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):

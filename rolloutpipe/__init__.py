@@ -1,7 +1,18 @@
 """RolloutPipe: on-policy GRPO with complete-group pipelining across a rollout and a trainer node group.
 
-Importing the package imports nothing heavy (no SGLang, Megatron, W&B or submitit): those live in
-their adapters and are imported there.
+    types.py  config.py  pipeline.py   the nouns, the typed config, one RL step across both node groups
+    model.py                           the policy model and tokenizer loader both node groups use
+    control/   what crosses between the node groups: store, signed records, clock, env, weight sync, checkpoints
+    rollout/   the rollout node group: admission, engines, rewards, dispatcher
+    trainer/   the trainer node group: loss, batching, torch and Megatron backends, weight publishing
+    observe/   spans, metrics, trace, timeline, W&B
+    launch/    local processes, the Slurm het job, the node entry point
+    sim/       the discrete-event simulator
+
+May import, pointing down (tests/test_layout.py checks it): types, model <- control <- observe <- rollout,
+trainer (side by side, never importing each other) <- pipeline <- launch; config.py binds the component configs
+that live beside each component. Importing the package imports nothing heavy (no SGLang, Megatron, W&B or
+submitit): those live in their adapters and are imported there.
 """
 
 __version__ = "0.1.0"

@@ -19,20 +19,33 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
 
-from rolloutpipe.data import DataConfig
-from rolloutpipe.dispatcher import PipelineMode
-from rolloutpipe.grpo import GRPOConfig
-from rolloutpipe.launcher import LauncherConfig
+from rolloutpipe.control.weight_sync import WeightSync
+from rolloutpipe.launch.config import LauncherConfig
 from rolloutpipe.model import ModelConfig
-from rolloutpipe.rewards import RewardConfig
-from rolloutpipe.rollout import EngineKind, RolloutConfig
-from rolloutpipe.tracking import WandbConfig
-from rolloutpipe.trainer import TrainerConfig
-from rolloutpipe.weight_sync import WeightSync
+from rolloutpipe.observe.tracking import WandbConfig
+from rolloutpipe.rollout.config import EngineKind, RolloutConfig
+from rolloutpipe.rollout.data import DataConfig
+from rolloutpipe.rollout.rewards import RewardConfig
+from rolloutpipe.trainer.config import TrainerConfig
+from rolloutpipe.trainer.grpo import GRPOConfig
 
 
 class ConfigError(ValueError):
     pass
+
+
+class PipelineMode(enum.Enum):
+    sync = "sync"
+    """Train only once the whole rollout batch is in (Slime's behaviour; the baseline)."""
+    cgp = "cgp"
+    """Complete-group pipelining: train each group as soon as all its samples are rewarded."""
+    async_one_step = "async_one_step"
+    """A baseline, not a default: step k+1 is generated with policy k while step k trains (one step stale,
+    like Slime's train_async.py and veRL's one-step-off policy); groups are released as in cgp."""
+
+    def policy_version_for(self, step: int) -> int:
+        """The weights that generate step ``step``'s samples."""
+        return max(step - 1, 0) if self is PipelineMode.async_one_step else step
 
 
 @dataclass(kw_only=True, slots=True)

@@ -69,13 +69,12 @@ def start_nodes(run_dir: Path, *overrides: str, commands: dict[str, list[str]] |
                 capture: bool = True) -> dict[str, subprocess.Popen]:
     """Start the two node groups by hand with the launcher's environment contract (no launcher watching).
 
-    ``commands`` replaces a role's ``-m rolloutpipe.node`` (the fault suite runs a role under a wrapper).
+    ``commands`` replaces a role's ``-m rolloutpipe.launch.node`` (the fault suite runs a role under a wrapper).
     """
     from omegaconf import OmegaConf
 
     from rolloutpipe.config import load_config, save_config
-    from rolloutpipe.env import NodeEnv, Role
-    from rolloutpipe.launcher import free_port
+    from rolloutpipe.control.env import NodeEnv, Role, free_port
 
     cfg = load_config(OmegaConf.from_dotlist([*overrides, f"run.dir={run_dir}", "run.id=bytest"]))
     save_config(cfg, run_dir / "config.yaml")
@@ -84,7 +83,7 @@ def start_nodes(run_dir: Path, *overrides: str, commands: dict[str, list[str]] |
     for role in (Role.rollout, Role.trainer):
         env = NodeEnv(role=role, rank=0, world_size=1, store_host="127.0.0.1", store_port=port, run_id="bytest",
                       secret=b"k" * 32, run_dir=run_dir)
-        command = (commands or {}).get(role.value, ["-m", "rolloutpipe.node"])
+        command = (commands or {}).get(role.value, ["-m", "rolloutpipe.launch.node"])
         pipe = subprocess.PIPE if capture else subprocess.DEVNULL
         procs[role.value] = subprocess.Popen([sys.executable, *command], cwd=REPO,
                                              env={**node_environ(), **env.to_environ()}, stdout=pipe,

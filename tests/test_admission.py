@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from rolloutpipe.admission import Admission, AdmissionPolicy, GroupState, StepSlots
-from rolloutpipe.data import PromptSource
+from rolloutpipe.rollout.admission import Admission, AdmissionPolicy, GroupState, StepSlots
+from rolloutpipe.rollout.data import PromptSource
 from rolloutpipe.types import Prompt
 
 

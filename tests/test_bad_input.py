@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import (REPO, SMALL, assert_import_pulls_none_of, node_environ, read_metrics, run_job,
-                       start_nodes)
+from .conftest import REPO, SMALL, assert_import_pulls_none_of, node_environ, read_metrics, run_job, start_nodes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -132,5 +131,5 @@ def test_launcher_names_the_process_that_died(job_dir):
 
 
 def test_core_import_pulls_no_heavy_backend():
-    assert_import_pulls_none_of(["rolloutpipe", "rolloutpipe.pipeline", "rolloutpipe.config", "rolloutpipe.launcher"],
+    assert_import_pulls_none_of(["rolloutpipe", "rolloutpipe.pipeline", "rolloutpipe.config", "rolloutpipe.launch.local"],
                                 ["sglang", "megatron", "wandb", "submitit"])

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from rolloutpipe.data import DataConfig, DatasetError, PromptSource, load_prompts, prepare_data_path
 from rolloutpipe.model import build_tiny_tokenizer
-from rolloutpipe.tasks import ReversalTaskConfig, reversal_reward, write_reversal_jsonl
+from rolloutpipe.rollout.data import DataConfig, DatasetError, PromptSource, load_prompts, prepare_data_path
+from rolloutpipe.rollout.tasks import ReversalTaskConfig, reversal_reward, write_reversal_jsonl
 from rolloutpipe.types import Prompt
 
 

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from rolloutpipe.engine.embedded import EmbeddedEngine, sample_tokens
 from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
+from rolloutpipe.rollout.engines.embedded import EmbeddedEngine, sample_tokens
 from rolloutpipe.types import FinishReason, GenerationRequest, GenerationResult
 
 VOCAB_SIZE = len(build_tiny_tokenizer())

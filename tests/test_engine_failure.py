@@ -5,9 +5,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from rolloutpipe.admission import Admission, AdmissionPolicy
-from rolloutpipe.rollout import RolloutConfig
-from rolloutpipe.supervisor import EngineFailed, EngineSupervisor
+from rolloutpipe.rollout.admission import Admission, AdmissionPolicy
+from rolloutpipe.rollout.config import RolloutConfig
+from rolloutpipe.rollout.supervisor import EngineFailed, EngineSupervisor
 from rolloutpipe.types import FinishReason, GenerationResult
 
 

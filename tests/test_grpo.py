@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from rolloutpipe.admission import group_advantages
-from rolloutpipe.grpo import GRPOConfig, LossAggregation, normaliser, policy_loss_sums
+from rolloutpipe.rollout.admission import group_advantages
+from rolloutpipe.trainer.grpo import GRPOConfig, LossAggregation, normaliser, policy_loss_sums
 
 
 def test_advantages_use_only_the_groups_own_rewards():

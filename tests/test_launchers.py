@@ -11,9 +11,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from rolloutpipe.config import ConfigError, load_config
-from rolloutpipe.env import NodeEnv, Role, expand_hostlist, slurm_store_port
-from rolloutpipe.launcher import LauncherKind
-from rolloutpipe.slurm import batch_script, check_allocation, check_launch, combine_states, submission_environ
+from rolloutpipe.control.env import NodeEnv, Role, expand_hostlist, slurm_store_port
+from rolloutpipe.launch.config import LauncherKind
+from rolloutpipe.launch.sacct import combine_states, read_sacct
+from rolloutpipe.launch.slurm import batch_script, check_allocation, check_launch, submission_environ
 
 from .conftest import REPO, SMALL, assert_import_pulls_none_of, node_environ, read_metrics
 
@@ -93,9 +94,6 @@ def test_het_job_state_combines_its_components(states, combined):
 
 
 def test_sacct_component_rows_map_back_to_the_het_job():
-    pytest.importorskip("submitit")
-    from rolloutpipe.slurm_submitit import read_sacct
-
     text = "\n".join([
         "JobID|State|NodeList",
         "123+0|COMPLETED|node1", "123+0.batch|COMPLETED|node1", "123+0.0|COMPLETED|node1",
@@ -180,7 +178,7 @@ def test_local_sweep_gives_each_point_its_own_run_directory_and_run_id(tmp_path)
     assert configs[0].run.id != configs[1].run.id and [c.run.dir for c in configs] == [str(p) for p in run_dirs]
     for run_dir, cfg in zip(run_dirs, configs):
         assert f"# RolloutPipe run {cfg.run.id}:" in result.stdout
-        assert f"-m rolloutpipe.slurm {run_dir / 'slurm'}" in result.stdout
+        assert f"-m rolloutpipe.launch.slurm {run_dir / 'slurm'}" in result.stdout
 
 
 def test_a_sweep_refuses_one_run_dir_for_all_its_points(tmp_path):
@@ -205,5 +203,5 @@ def test_torchx_component_runs_the_default_with_the_local_cwd_scheduler(tmp_path
 
 
 def test_slurm_modules_import_without_submitit_or_torchx():
-    assert_import_pulls_none_of(["rolloutpipe.slurm", "rolloutpipe.launcher", "rolloutpipe.env"],
+    assert_import_pulls_none_of(["rolloutpipe.launch.slurm", "rolloutpipe.launch.local", "rolloutpipe.control.env"],
                                 ["submitit", "torchx", "hydra_plugins"])

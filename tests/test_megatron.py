@@ -18,19 +18,14 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip
 from safetensors.torch import load_file
 from transformers import Qwen3ForCausalLM
 
-from rolloutpipe.grpo import GRPOConfig
-from rolloutpipe.megatron import cpu
-from rolloutpipe.megatron.convert import Layout, hf_to_megatron, megatron_to_hf
-from rolloutpipe.megatron.model import build_gpt_model, destroy_parallel_state, init_parallel_state
 from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
-from rolloutpipe.trainer import (
-    OldLogprobSource,
-    PolicyTrainer,
-    TrainerBackend,
-    TrainerConfig,
-    TrainSample,
-    trainer_class,
-)
+from rolloutpipe.trainer.config import OldLogprobSource, TrainerBackend, TrainerConfig
+from rolloutpipe.trainer.grpo import GRPOConfig
+from rolloutpipe.trainer.megatron import cpu
+from rolloutpipe.trainer.megatron.convert import Layout, hf_to_megatron, megatron_to_hf
+from rolloutpipe.trainer.megatron.model import build_gpt_model, destroy_parallel_state, init_parallel_state
+from rolloutpipe.trainer.node import trainer_class
+from rolloutpipe.trainer.torch_backend import PolicyTrainer, TrainSample
 
 from .conftest import DENSE_REWARD, SMALL, assert_import_pulls_none_of, read_samples, run_job
 
@@ -136,7 +131,7 @@ def test_megatron_optimizer_step_equals_torch_optimizer_step(float64_hf_norm):
 
 
 def test_core_trainer_import_does_not_pull_megatron():
-    assert_import_pulls_none_of(["rolloutpipe.trainer", "rolloutpipe.pipeline"], ["megatron"])
+    assert_import_pulls_none_of(["rolloutpipe.trainer.torch_backend", "rolloutpipe.pipeline"], ["megatron"])
 
 
 PARITY = [*SMALL, *DENSE_REWARD, "model.dtype=float64", "micro_batch_size=3", "run.save_samples=true",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from safetensors.torch import load_file
 
-from rolloutpipe.metrics import read_spans
 from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
+from rolloutpipe.observe.metrics import read_spans
 
 from .conftest import DENSE_REWARD, SMALL, read_metrics, read_samples, run_job
 

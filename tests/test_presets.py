@@ -6,9 +6,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from rolloutpipe.config import load_config, register_hydra_schema
-from rolloutpipe.launcher import LauncherKind
-from rolloutpipe.rollout import EngineKind
-from rolloutpipe.trainer import TrainerBackend
+from rolloutpipe.launch.config import LauncherKind
+from rolloutpipe.rollout.config import EngineKind
+from rolloutpipe.trainer.config import TrainerBackend
 
 from .conftest import REPO
 

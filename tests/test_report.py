@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rolloutpipe.report import COLUMNS, build_table, find_runs, summarise_run, to_csv, to_markdown
+from rolloutpipe.observe.report import COLUMNS, build_table, find_runs, summarise_run, to_csv, to_markdown
 
 
 def make_run(path: Path, *, mode: str, batch: int, seed: int, end_s: list[float], wait: list[float],

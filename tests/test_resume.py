@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from safetensors.torch import load_file
 
-from rolloutpipe.checkpoint import latest_checkpoint
+from rolloutpipe.control.checkpoint import latest_checkpoint
 
 from .conftest import DENSE_REWARD, SMALL, read_metrics, read_samples, run_job
 

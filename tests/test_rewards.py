@@ -2,7 +2,7 @@ import threading
 
 import pytest
 
-from rolloutpipe.rewards import (
+from rolloutpipe.rollout.rewards import (
     RewardConfig,
     RewardPool,
     extract_final_answer,
@@ -11,7 +11,7 @@ from rolloutpipe.rewards import (
     math_reward,
     register_reward,
 )
-from rolloutpipe.tasks import reversal_reward
+from rolloutpipe.rollout.tasks import reversal_reward
 
 FAULTY = ["tests.fixtures.faulty_rewards"]
 

@@ -15,10 +15,10 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from rolloutpipe.engine import server_process, sglang_api
-from rolloutpipe.engine.http_client import SGLangEngine
-from rolloutpipe.metrics import read_spans
 from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
+from rolloutpipe.observe.metrics import read_spans
+from rolloutpipe.rollout.engines import server_process, sglang_api
+from rolloutpipe.rollout.engines.http_client import SGLangEngine
 from rolloutpipe.types import FinishReason, GenerationRequest, GenerationResult
 from tests.conftest import SMALL, read_metrics, run_job
 from tests.test_embedded_engine import run_all
@@ -191,8 +191,8 @@ def test_embedded_http_run_trains_through_the_server_and_stops_it(job_dir):
 
 def test_fgd_reaches_sglang_as_group_order_priorities(tmp_path):
     from rolloutpipe.config import load_config
-    from rolloutpipe.engine import EngineFactory
-    from rolloutpipe.rollout import make_requests
+    from rolloutpipe.rollout.engines.factory import EngineFactory
+    from rolloutpipe.rollout.samples import make_requests
     from rolloutpipe.types import Prompt
 
     (tmp_path / "config.json").write_text("{}")

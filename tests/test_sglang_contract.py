@@ -9,7 +9,7 @@ The wheel of ``sglang==sglang_api.PINNED_VERSION`` is downloaded once (``pip dow
   are rejected) and the fields of its response;
 - ``srt/arg_groups/fields/*.py``: the server flags ``sglang.launch_server`` accepts;
 - ``srt/model_executor/model_runner_components/weight_updater.py``: how a server joins the weight-update group and
-  receives the broadcast tensors (rolloutpipe/weight_sync.py is the other end).
+  receives the broadcast tensors (rolloutpipe/control/weight_sync.py is the other end).
 
 The client's calls are recorded, not declared: the tests run ``sglang_api``'s real functions against a fake
 ``urlopen`` and check every route called, every field sent and every response field read.
@@ -30,9 +30,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rolloutpipe.engine import server_process, sglang_api
+from rolloutpipe.control.weight_sync import WeightGroup, plan_buckets
+from rolloutpipe.rollout.engines import server_process, sglang_api
 from rolloutpipe.types import FinishReason, GenerationRequest, GenerationResult
-from rolloutpipe.weight_sync import WeightGroup, plan_buckets
 
 CACHE = Path(os.environ.get("ROLLOUTPIPE_CACHE", Path.home() / ".cache" / "rolloutpipe"))
 

@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from rolloutpipe import admission
 from rolloutpipe.config import load_config
+from rolloutpipe.rollout import admission
 from rolloutpipe.sim.calibrate import _fit, geometric_mean_tokens
 from rolloutpipe.sim.engine import EventLoop, SimEngine, SimRequest
 from rolloutpipe.sim.models import EngineModel, LengthModel, RewardModel, SimConfig, TrainerModel
@@ -203,8 +203,8 @@ def test_the_compiled_simulator_gives_exactly_what_the_sources_give():
              "from rolloutpipe.sim import compiled\n"
              "assert compiled.activate('1')\n"
              "from tests.test_simulator import compared_runs, leftover_objects\n"
-             "import rolloutpipe.admission, rolloutpipe.sim.run\n"
-             "assert all(m.__file__.endswith('.so') for m in (rolloutpipe.admission, rolloutpipe.sim.run))\n"
+             "import rolloutpipe.rollout.admission, rolloutpipe.sim.run\n"
+             "assert all(m.__file__.endswith('.so') for m in (rolloutpipe.rollout.admission, rolloutpipe.sim.run))\n"
              "print(json.dumps([compared_runs(), leftover_objects()]))\n")
     result = subprocess.run([sys.executable, "-c", child], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from rolloutpipe.env import expand_hostlist
+from rolloutpipe.control.env import expand_hostlist
 
 from .conftest import REPO, SMALL, node_environ, read_metrics
 
@@ -198,6 +198,6 @@ def task_process(*, run_id: str, proc_id: int) -> tuple[int, dict[str, str]]:
         except (OSError, ValueError):
             continue
         task = (environ.get("RP_RUN_ID"), environ.get("SLURM_PROCID"))
-        if task == (run_id, str(proc_id)) and b"rolloutpipe.slurm" in cmdline:
+        if task == (run_id, str(proc_id)) and b"rolloutpipe.launch.slurm" in cmdline:
             return int(proc.name), environ
     raise AssertionError(f"no task {proc_id} of run {run_id} is running")

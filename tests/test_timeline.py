@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from rolloutpipe.metrics import read_span_files
-from rolloutpipe.trace import (
+from rolloutpipe.observe.metrics import read_span_files
+from rolloutpipe.observe.trace import (
     FORWARD_BACKWARD,
     GROUP_COMPLETE,
     OPTIMIZER_STEP,
@@ -25,7 +25,7 @@ from rolloutpipe.trace import (
     SYNC_WEIGHTS,
     WAIT,
 )
-from rolloutpipe.tracking import SPAN_COLUMNS
+from rolloutpipe.observe.tracking import SPAN_COLUMNS
 
 from .conftest import REPO, SMALL, node_environ, read_metrics, run_job
 

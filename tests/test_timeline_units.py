@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from rolloutpipe.clock import ClockServer, ClockSync, measure_offset, sync_clock
-from rolloutpipe.metrics import SPAN_FLUSH, SpanRecorder, read_span_files, read_spans
-from rolloutpipe.progress import Progress
-from rolloutpipe.trace import (
+from rolloutpipe.control.clock import ClockServer, ClockSync, measure_offset, sync_clock
+from rolloutpipe.control.transport import StoreAddress, Transport
+from rolloutpipe.observe.metrics import SPAN_FLUSH, SpanRecorder, read_span_files, read_spans
+from rolloutpipe.observe.progress import Progress
+from rolloutpipe.observe.trace import (
     GROUP_COMPLETE,
     GROUP_DROPPED,
     OPTIMIZER_STEP,
@@ -26,7 +27,6 @@ from rolloutpipe.trace import (
     pack,
     recording_overhead,
 )
-from rolloutpipe.transport import StoreAddress, Transport
 from rolloutpipe.types import LifecycleState, Span
 
 
@@ -112,7 +112,7 @@ def test_clock_offset_recovers_a_skewed_host_clock_within_half_a_round_trip():
 
 
 def test_store_host_serves_its_clock_to_other_processes_through_the_store(tmp_path):
-    from rolloutpipe.launcher import free_port
+    from rolloutpipe.control.env import free_port
 
     address = StoreAddress(host="127.0.0.1", port=free_port(), hosted_by="this test")
     common = {"address": address, "run_id": "clock", "secret": b"s" * 32, "run_dir": tmp_path, "connect_timeout_s": 10}

@@ -10,7 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from rolloutpipe.config import ConfigError, load_config
-from rolloutpipe.tracking import Tracker, WandbConfig, WandbMode, latest_steps, open_tracker
+from rolloutpipe.observe.tracking import Tracker, WandbConfig, WandbMode, latest_steps, open_tracker
 
 
 class FakeRun:

@@ -6,9 +6,10 @@ import copy
 
 import torch
 
-from rolloutpipe.grpo import GRPOConfig
 from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
-from rolloutpipe.trainer import OldLogprobSource, PolicyTrainer, TrainerConfig, TrainSample, pack
+from rolloutpipe.trainer.config import OldLogprobSource, TrainerConfig
+from rolloutpipe.trainer.grpo import GRPOConfig
+from rolloutpipe.trainer.torch_backend import PolicyTrainer, TrainSample, pack
 
 from .test_embedded_engine import request, run_all
 

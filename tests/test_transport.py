@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from rolloutpipe.transport import HandleRejected, Liveness, PeerLost, StoreAddress, Transport
+from rolloutpipe.control.transport import HandleRejected, Liveness, PeerLost, StoreAddress, Transport
 from rolloutpipe.types import CompleteGroup, FinishReason, Sample
 
 

@@ -14,12 +14,14 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from rolloutpipe.config import ConfigError, load_config
-from rolloutpipe.engine import server_process, sglang_api
-from rolloutpipe.engine.http_client import SGLangEngine
-from rolloutpipe.metrics import read_spans
+from rolloutpipe.control.env import free_port
+from rolloutpipe.control.weight_sync import WeightGroup, plan_buckets, weight_sync_backend
 from rolloutpipe.model import DType, ModelConfig, load_model
-from rolloutpipe.supervisor import EngineSupervisor
-from rolloutpipe.weight_sync import Broadcaster, WeightGroup, free_port, plan_buckets, weight_sync_backend
+from rolloutpipe.observe.metrics import read_spans
+from rolloutpipe.rollout.engines import server_process, sglang_api
+from rolloutpipe.rollout.engines.http_client import SGLangEngine
+from rolloutpipe.rollout.supervisor import EngineSupervisor
+from rolloutpipe.trainer.weights import Broadcaster
 from tests.conftest import DENSE_REWARD, SMALL, read_samples, run_job
 from tests.test_sglang_client import MODEL, VOCAB_SIZE, Results, in_process, request
 
@@ -133,7 +135,7 @@ def test_distributed_weight_sync_trains_the_same_policy_as_disk_sync(job_dir):
 
 
 def test_with_distributed_sync_a_failed_engine_stops_the_run_instead_of_a_restart_that_could_not_join():
-    from rolloutpipe.supervisor import EngineFailed
+    from rolloutpipe.rollout.supervisor import EngineFailed
     from tests.test_engine_failure import Rollout
 
     rollout = Rollout(num_engines=2, max_failures=3)

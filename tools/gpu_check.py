@@ -65,9 +65,9 @@ def trainer_logprobs(model, prompt: list[int], response: list[int], temperature:
 def check_logprobs(out: Path, sglang_args: list[str], atol: float) -> dict:
     from safetensors.torch import save_file
 
-    from rolloutpipe.engine import server_process
-    from rolloutpipe.engine.http_client import SGLangEngine
     from rolloutpipe.model import build_tiny_tokenizer, load_model
+    from rolloutpipe.rollout.engines import server_process
+    from rolloutpipe.rollout.engines.http_client import SGLangEngine
     from rolloutpipe.types import FinishReason, GenerationRequest
 
     model_dir = out / "tiny-hf"

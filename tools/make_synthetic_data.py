@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rolloutpipe.tasks import ReversalTaskConfig, write_reversal_jsonl
+from rolloutpipe.rollout.tasks import ReversalTaskConfig, write_reversal_jsonl
 
 
 def main() -> None:

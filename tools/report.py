@@ -6,7 +6,7 @@
     python tools/report.py runs/ --wandb my-entity/my-project      # also log the table (and timelines) to W&B
 
 Per setting: each mode's rollout-to-train-end and trainer waiting ratio, the reductions vs sync, and the
-measured span-recording overhead (definitions in rolloutpipe/report.py).
+measured span-recording overhead (definitions in rolloutpipe/observe/report.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from rolloutpipe.report import build_table, find_runs, summarise_run, to_csv, to_markdown
+from rolloutpipe.observe.report import build_table, find_runs, summarise_run, to_csv, to_markdown
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def draw_settings(summaries, rows, out: Path) -> list[Path]:
     """One picture per setting: the first run of each mode, sync first."""
-    from rolloutpipe.report import setting_labels
-    from rolloutpipe.timeline import draw_timeline, load_run
+    from rolloutpipe.observe.report import setting_labels
+    from rolloutpipe.observe.timeline import draw_timeline, load_run
 
     labels = setting_labels(sorted({s.setting for s in summaries}, key=str))
     paths = []
@@ -72,8 +72,8 @@ def draw_settings(summaries, rows, out: Path) -> list[Path]:
 
 def log_to_wandb(target: str, mode: str, rows: list[dict], pictures: list[Path], directory: Path) -> None:
     """A W&B run (job_type=report) with the table and the pictures; offline unless --wandb-mode online."""
-    from rolloutpipe.report import COLUMNS
-    from rolloutpipe.tracking import WandbConfig, WandbMode, open_tracker
+    from rolloutpipe.observe.report import COLUMNS
+    from rolloutpipe.observe.tracking import WandbConfig, WandbMode, open_tracker
 
     entity, _, project = target.rpartition("/")
     cfg = WandbConfig(mode=WandbMode(mode), entity=entity or None, project=project, system_metrics=False)

@@ -6,7 +6,7 @@
 
 One panel per run on one time scale: engines (running requests), group completions, the dispatcher, each
 trainer rank (forward/backward, optimizer steps, weight sync, idle time shaded); the title gives the steps'
-rollout-to-train-end and trainer waiting ratio (see rolloutpipe/timeline.py). trace.json opens in
+rollout-to-train-end and trainer waiting ratio (see rolloutpipe/observe/timeline.py). trace.json opens in
 ui.perfetto.dev.
 """
 
@@ -16,8 +16,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from rolloutpipe.timeline import draw_timeline, load_run
-from rolloutpipe.trace import merge_run
+from rolloutpipe.observe.timeline import draw_timeline, load_run
+from rolloutpipe.observe.trace import merge_run
 
 
 def parse_steps(text: str) -> list[int]:

@@ -16,4 +16,6 @@ What is real and what is modelled:
 
 ``sim/run.py`` strings them together the way pipeline.py does; ``tools/simulate.py`` sweeps settings.
 ``sim/compiled.py`` compiles the hot files (these modules and the simulator's own) with mypyc, unchanged.
+
+May import: everything but launch/ and pipeline.py (it drives the scheduling code the way pipeline.py does).
 """

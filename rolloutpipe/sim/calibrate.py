@@ -43,8 +43,8 @@ def calibrate_engine(model_cfg, *, repeats: int = 5) -> EngineModel:
     shared machine interference only ever adds time)."""
     import threading
 
-    from rolloutpipe.engine.embedded import EmbeddedEngine
     from rolloutpipe.model import build_tiny_tokenizer, load_model
+    from rolloutpipe.rollout.engines.embedded import EmbeddedEngine
     from rolloutpipe.types import GenerationRequest
 
     vocab = len(build_tiny_tokenizer())
@@ -79,7 +79,8 @@ def calibrate_engine(model_cfg, *, repeats: int = 5) -> EngineModel:
 def calibrate_trainer(cfg, *, repeats: int = 5) -> TrainerModel:
     """Fit TrainerModel to PolicyTrainer's forward/backward over TRAINER_GRID; optimizer step measured apart."""
     from rolloutpipe.model import build_tiny_tokenizer, load_model
-    from rolloutpipe.trainer import OldLogprobSource, PolicyTrainer, TrainSample
+    from rolloutpipe.trainer.config import OldLogprobSource
+    from rolloutpipe.trainer.torch_backend import PolicyTrainer, TrainSample
 
     tokenizer = build_tiny_tokenizer()
     trainer = PolicyTrainer(model=load_model(cfg.model, len(tokenizer)), cfg=cfg.trainer, grpo=cfg.grpo,
@@ -110,7 +111,7 @@ def overheads_from_run(run_dir: Path) -> OverheadModel:
     """Stage latencies of a real run, medians over its steps after the first (start-up)."""
     import json
 
-    from rolloutpipe.metrics import read_spans
+    from rolloutpipe.observe.metrics import read_spans
 
     spans = [s for s in read_spans(run_dir) if s.step > 0]
 

@@ -1,7 +1,7 @@
 """The simulator's hot path, compiled with mypyc from the same source files.
 
-A simulated step runs the project's scheduling code (admission.py: Admission, GroupAssembler, StepSlots,
-RolloutSchedule; batching.py; metrics.py's step record), the simulator's engines and glue (sim/engine.py,
+A simulated step runs the project's scheduling code (rollout/admission.py: Admission, GroupAssembler, StepSlots,
+RolloutSchedule; trainer/batching.py; observe/metrics.py's step record), the simulator's engines and glue (sim/engine.py,
 sim/run.py) and the nouns they pass (types.py) once per request: millions of times a run. mypyc compiles exactly these files, no
 copy of them, into C extensions that run the simulator about 2.4x faster (README "Simulator").
 
@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent
-MODULES = ("types.py", "admission.py", "batching.py", "metrics.py", "sim/engine.py", "sim/run.py")
+MODULES = ("types.py", "rollout/admission.py", "trainer/batching.py", "observe/metrics.py", "sim/engine.py", "sim/run.py")
 """Paths under the package of the files compiled."""
 
 _MYPY_SETTINGS = """\
@@ -85,13 +85,15 @@ def activate(policy: str | None = None) -> bool:
                 raise
             print(f"[rolloutpipe] the simulator runs interpreted (~2.4x slower): {err}", file=sys.stderr)
             return False
-    import rolloutpipe
-    import rolloutpipe.sim
-
     sys.path.insert(0, str(target))  # mypyc's shared library is a top-level module
-    rolloutpipe.__path__.insert(0, str(target / "rolloutpipe"))
-    rolloutpipe.sim.__path__.insert(0, str(target / "rolloutpipe" / "sim"))
+    for package in _packages():  # each compiled module's package looks in the build first
+        importlib.import_module(package).__path__.insert(0, str(target / package.replace(".", "/")))
     return True
+
+
+def _packages() -> list[str]:
+    """The packages holding MODULES, parents first (their __init__ files import nothing of MODULES)."""
+    return sorted({name.rpartition(".")[0] for name in module_names()}, key=len)
 
 
 def build(target: Path) -> None:

@@ -28,14 +28,14 @@ from typing import Final
 
 import numpy as np
 
-from rolloutpipe.admission import Admission, GroupAssembler, RolloutSchedule
-from rolloutpipe.batching import BatchConsumer, MicroBatch
-from rolloutpipe.config import Config
-from rolloutpipe.data import PromptSource
-from rolloutpipe.dispatcher import PipelineMode, Release
-from rolloutpipe.metrics import RolloutStats, TrainStats, reduce_step
+from rolloutpipe.config import Config, PipelineMode
+from rolloutpipe.observe.metrics import RolloutStats, TrainStats, reduce_step
+from rolloutpipe.rollout.admission import Admission, GroupAssembler, RolloutSchedule
+from rolloutpipe.rollout.data import PromptSource
+from rolloutpipe.rollout.dispatcher import Release
 from rolloutpipe.sim.engine import EventLoop, SimEngine, SimRequest
 from rolloutpipe.sim.models import LengthModel, SimConfig
+from rolloutpipe.trainer.batching import BatchConsumer, MicroBatch
 from rolloutpipe.types import CompleteGroup, Prompt, Span
 
 _heapreplace: Final = heapq.heapreplace  # (Final: called directly when compiled, sim/compiled.py)

@@ -130,8 +130,8 @@ def write_csv(rows: list[Row], path: Path) -> None:
 
 
 def draw(rows: list[Row], path: Path) -> list[Path]:
-    """The first setting's modes, steps 1-2, with the picture tool of real runs (rolloutpipe.timeline)."""
-    from rolloutpipe.timeline import RunTimeline, draw_timeline
+    """The first setting's modes, steps 1-2, with the picture tool of real runs (rolloutpipe.observe.timeline)."""
+    from rolloutpipe.observe.timeline import RunTimeline, draw_timeline
 
     first = [r for r in rows if r.setting == rows[0].setting]
     runs = [RunTimeline(label=f"{r.mode} (simulated)", mode=r.mode, spans=r.result.spans,

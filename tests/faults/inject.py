@@ -1,6 +1,6 @@
 """Run a node-group process with one fault armed: ``python -m tests.faults.inject <point> <nth>``.
 
-The process runs ``rolloutpipe.node`` as usual, except that the ``nth`` call of the function named by
+The process runs ``rolloutpipe.launch.node`` as usual, except that the ``nth`` call of the function named by
 ``point`` fails:
 - a ``POINTS`` entry kills the process with SIGKILL: no cleanup, no abort key, exactly like an OOM kill or a
   node loss;
@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 
+
 def kill_process(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -35,13 +36,13 @@ def kill_engine_server(engine, *args, **kwargs):
 
 POINTS = {
     # point: (module, attribute path) of the function whose nth call fails, and how it fails
-    "mid_rollout": ("rolloutpipe.rollout", "RewardThreads._reward", kill_process),
-    "mid_dispatch": ("rolloutpipe.dispatcher", "Dispatcher._publish", kill_process),
-    "mid_optimizer_step": ("rolloutpipe.trainer", "PolicyTrainer.finish_batch", kill_process),
-    "mid_checkpoint_write": ("rolloutpipe.checkpoint", "save_file", kill_process),
-    "during_weight_sync": ("rolloutpipe.engine.embedded", "EmbeddedEngine.update_weights_from_disk", kill_process),
-    "engine_crash": ("rolloutpipe.engine.embedded", "EmbeddedEngine._decode_step", crash_engine),
-    "engine_server_killed": ("rolloutpipe.engine.http_client", "SGLangEngine.submit", kill_engine_server),
+    "mid_rollout": ("rolloutpipe.rollout.samples", "RewardThreads._reward", kill_process),
+    "mid_dispatch": ("rolloutpipe.rollout.dispatcher", "Dispatcher._publish", kill_process),
+    "mid_optimizer_step": ("rolloutpipe.trainer.torch_backend", "PolicyTrainer.finish_batch", kill_process),
+    "mid_checkpoint_write": ("rolloutpipe.control.checkpoint", "save_file", kill_process),
+    "during_weight_sync": ("rolloutpipe.rollout.engines.embedded", "EmbeddedEngine.update_weights_from_disk", kill_process),
+    "engine_crash": ("rolloutpipe.rollout.engines.embedded", "EmbeddedEngine._decode_step", crash_engine),
+    "engine_server_killed": ("rolloutpipe.rollout.engines.http_client", "SGLangEngine.submit", kill_engine_server),
 }
 
 
@@ -67,6 +68,6 @@ def arm(point: str, nth: int) -> None:
 
 if __name__ == "__main__":
     arm(sys.argv[1], int(sys.argv[2]))
-    from rolloutpipe.node import main
+    from rolloutpipe.launch.node import main
 
     sys.exit(main())

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from rolloutpipe.tasks import ReversalTaskConfig, write_reversal_jsonl
+from rolloutpipe.rollout.tasks import ReversalTaskConfig, write_reversal_jsonl
 
 from ..conftest import DENSE_REWARD, SMALL, read_metrics, read_samples, run_job, start_nodes
 

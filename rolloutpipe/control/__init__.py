@@ -1,0 +1,10 @@
+"""The control plane both node groups share: what crosses between them, and how.
+
+    env.py          the node environment contract (RP_* variables, Slurm het-job derivation, ports)
+    transport.py    the TCPStore: run-scoped keys, HMAC-signed group handles, payloads, heart-beats, abort
+    clock.py        one clock for every span of the run (the store host's)
+    weight_sync.py  how policy k+1 reaches the engines: weight records, buckets, the weight-update group
+    checkpoint.py   the step-atomic checkpoint layout (the trainer writes it, both sides resume from it)
+
+May import: rolloutpipe.types and rolloutpipe.model. Nothing of rollout/, trainer/, observe/, launch/ or config.
+"""

@@ -1,0 +1,194 @@
+"""The environment contract between a launcher and a node-group process.
+
+Every launcher (local processes, Slurm, TorchX) starts the same entry point,
+``python -m rolloutpipe.launch.node``, with these variables:
+
+    RP_ROLE          rollout | trainer
+    RP_RANK          rank within the node group
+    RP_WORLD_SIZE    processes in the node group
+    RP_STORE_HOST    host of the TCPStore (hosted by rollout rank 0)
+    RP_STORE_HOST_VAR  instead of RP_STORE_HOST: the name of a variable that holds the host or a Slurm
+                     node list whose first host it is (TorchX's ``rank0_env``)
+    RP_STORE_PORT
+    RP_RUN_ID        names the run's store keys
+    RP_RUN_SECRET    hex; signs group handles (never written to disk by RolloutPipe)
+    RP_RUN_DIR       the run directory, shared by both node groups
+    RP_CPUS          optional, e.g. "0,1": CPUs this process is pinned to
+
+Inside one step of a Slurm heterogeneous job (``srun --het-group=0 ... : --het-group=1 ...``) the
+launcher sets only RP_RUN_ID, RP_RUN_SECRET, RP_RUN_DIR (and optionally RP_STORE_PORT) and the rest
+comes from Slurm, because no Slurm variable names a task's het group:
+
+    het group 0       the rollout node group; its first task (SLURM_PROCID 0) hosts the store
+    het groups 1..    the trainer node group, ranks in SLURM_PROCID order
+    role, rank        SLURM_PROCID < SLURM_NTASKS_HET_GROUP_0: rollout rank SLURM_PROCID, else
+                      trainer rank SLURM_PROCID - SLURM_NTASKS_HET_GROUP_0
+    world sizes       SLURM_NTASKS_HET_GROUP_0 and SLURM_STEP_NUM_TASKS - SLURM_NTASKS_HET_GROUP_0
+    store host        the first host of SLURM_JOB_NODELIST_HET_GROUP_0 (tasks are placed in block order)
+    store port        RP_STORE_PORT, else 20000 + SLURM_JOB_ID mod 10000 (SLURM_JOB_ID is the het job's
+                      id in every task), so that two jobs sharing a node do not collide
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import random
+import re
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+LAUNCHER_VARS = ("RP_RUN_ID", "RP_RUN_SECRET", "RP_RUN_DIR")
+"""What every launcher passes, on Slurm too: the run's identity, its secret and where it writes."""
+
+
+class Role(enum.Enum):
+    rollout = "rollout"
+    trainer = "trainer"
+
+
+@dataclass(kw_only=True, slots=True)
+class NodeEnv:
+    role: Role
+    rank: int
+    world_size: int
+    store_host: str
+    store_port: int
+    run_id: str
+    secret: bytes
+    run_dir: Path
+    cpus: list[int] | None = None
+
+    @property
+    def config_path(self) -> Path:
+        return self.run_dir / "config.yaml"
+
+    def to_environ(self) -> dict[str, str]:
+        env = {
+            "RP_ROLE": self.role.value,
+            "RP_RANK": str(self.rank),
+            "RP_WORLD_SIZE": str(self.world_size),
+            "RP_STORE_HOST": self.store_host,
+            "RP_STORE_PORT": str(self.store_port),
+            "RP_RUN_ID": self.run_id,
+            "RP_RUN_SECRET": self.secret.hex(),
+            "RP_RUN_DIR": str(self.run_dir),
+        }
+        if self.cpus:
+            env["RP_CPUS"] = ",".join(map(str, self.cpus))
+        return env
+
+    @classmethod
+    def from_environ(cls, environ: dict[str, str] | None = None) -> NodeEnv:
+        """The explicit RP_* contract if RP_ROLE is set, else the Slurm het-job derivation."""
+        environ = dict(os.environ if environ is None else environ)
+        if "RP_ROLE" not in environ and "SLURM_HET_SIZE" in environ:
+            return cls.from_slurm(environ)
+        host_var = environ.get("RP_STORE_HOST_VAR")
+        if "RP_STORE_HOST" not in environ and host_var:
+            if not environ.get(host_var):
+                raise RuntimeError(f"RP_STORE_HOST_VAR names {host_var}, which is not set in this process.")
+            environ["RP_STORE_HOST"] = expand_hostlist(environ[host_var])[0]
+        _require(environ, ("RP_ROLE", "RP_RANK", "RP_WORLD_SIZE", "RP_STORE_HOST", "RP_STORE_PORT", *LAUNCHER_VARS))
+        cpus = environ.get("RP_CPUS")
+        return cls(
+            role=Role(environ["RP_ROLE"]),
+            rank=int(environ["RP_RANK"]),
+            world_size=int(environ["RP_WORLD_SIZE"]),
+            store_host=environ["RP_STORE_HOST"],
+            store_port=int(environ["RP_STORE_PORT"]),
+            run_id=environ["RP_RUN_ID"],
+            secret=bytes.fromhex(environ["RP_RUN_SECRET"]),
+            run_dir=Path(environ["RP_RUN_DIR"]),
+            cpus=[int(c) for c in cpus.split(",")] if cpus else None,
+        )
+
+    @classmethod
+    def from_slurm(cls, environ: dict[str, str]) -> NodeEnv:
+        """Role, rank and store address of a task in a het-job step (see the module docstring)."""
+        _require(environ, LAUNCHER_VARS)
+        _require(environ, ("SLURM_HET_SIZE", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_JOB_ID",
+                           "SLURM_NTASKS_HET_GROUP_0", "SLURM_JOB_NODELIST_HET_GROUP_0"))
+        proc_id, num_tasks = int(environ["SLURM_PROCID"]), int(environ["SLURM_STEP_NUM_TASKS"])
+        num_rollout = int(environ["SLURM_NTASKS_HET_GROUP_0"])
+        if int(environ["SLURM_HET_SIZE"]) < 2 or num_tasks <= num_rollout:
+            raise RuntimeError(
+                f"this Slurm step has {num_tasks} tasks and het group 0 has {num_rollout}: the step must span het "
+                "group 0 (the rollout node group) and the trainer's het groups, e.g. "
+                "srun --het-group=0 ... : --het-group=1 ... (see slurm/rolloutpipe.sbatch)."
+            )
+        is_rollout = proc_id < num_rollout
+        return cls(
+            role=Role.rollout if is_rollout else Role.trainer,
+            rank=proc_id if is_rollout else proc_id - num_rollout,
+            world_size=num_rollout if is_rollout else num_tasks - num_rollout,
+            store_host=expand_hostlist(environ["SLURM_JOB_NODELIST_HET_GROUP_0"])[0],
+            store_port=int(environ.get("RP_STORE_PORT") or slurm_store_port(int(environ["SLURM_JOB_ID"]))),
+            run_id=environ["RP_RUN_ID"],
+            secret=bytes.fromhex(environ["RP_RUN_SECRET"]),
+            run_dir=Path(environ["RP_RUN_DIR"]),
+        )
+
+
+def free_port() -> int:
+    """A port free now, chosen in 30000-32767: below Linux's ephemeral range (32768+), so no outgoing connection
+    takes it before the store binds it (on Slurm that can be minutes later), and above the ports Slurm jobs
+    derive from their id (slurm_store_port: 20000-29999). Falls back to one the kernel picks."""
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(30000, 32768)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def slurm_store_port(job_id: int) -> int:
+    """Below Linux's ephemeral range (32768+), and different for jobs whose ids differ by < 10000."""
+    return 20000 + job_id % 10000
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Slurm's compressed host list, e.g. ``gpu[01-03,07],login1`` -> gpu01 gpu02 gpu03 gpu07 login1.
+
+    One bracket per host name, as Slurm writes node lists for names with one number in them.
+    """
+    hosts: list[str] = []
+    for prefix, ranges, suffix in re.findall(r"([^,\[]+)(?:\[([^\]]+)\])?([^,\[]*)", hostlist):
+        if not ranges:
+            hosts.append(prefix + suffix)
+            continue
+        for part in ranges.split(","):
+            low, _, high = part.partition("-")
+            for number in range(int(low), int(high or low) + 1):
+                hosts.append(f"{prefix}{number:0{len(low)}d}{suffix}")
+    return hosts
+
+
+def _require(environ: dict[str, str], keys: tuple[str, ...]) -> None:
+    missing = [k for k in keys if k not in environ]
+    if missing:
+        raise RuntimeError(
+            f"rolloutpipe.launch.node needs {', '.join(missing)} in its environment; start it through a launcher "
+            "(python launch.py, slurm/rolloutpipe.sbatch, or the TorchX component), not by hand. On Slurm the "
+            "launcher's variables reach the tasks through sbatch's environment (--export=ALL)."
+        )
+
+
+def trainer_process_group_backend() -> str:
+    """Bind this trainer rank to its GPU (the node-local task id picks it) and name the process-group backend:
+    gloo on CPU; on GPU NCCL for CUDA tensors (Megatron's gradients) and gloo for the CPU tensors of the
+    per-step metric reduction. Untested on GPU here (no GPU was available); tools/gpu_check.py exercises it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "gloo"
+    local = int(os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or 0)
+    torch.cuda.set_device(local % torch.cuda.device_count())
+    return "cpu:gloo,cuda:nccl"

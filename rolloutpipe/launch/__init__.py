@@ -1,0 +1,10 @@
+"""Launching: both node groups with the same resolved config, on this machine or as a Slurm het job.
+
+    config.py        ``launcher.*``: which launcher, Slurm resources per het group
+    local.py         LocalLauncher (both node groups as local processes), prepare_run
+    slurm.py         SlurmLauncher (one heterogeneous job through submitit), check_allocation for sbatch
+    submitit_het.py  the submitit extension for het jobs;  sacct.py  sacct's rows folded into one state
+    node.py          the entry point of every node-group process: ``python -m rolloutpipe.launch.node``
+
+May import anything below it (config, control/, pipeline via node.py). submitit only inside submitit_het.py.
+"""

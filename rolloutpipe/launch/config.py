@@ -1,0 +1,72 @@
+"""The launcher's config (``launcher.*``): which launcher, and the Slurm resources of each node group."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class LauncherKind(enum.Enum):
+    local = "local"
+    slurm = "slurm"
+    sbatch = "sbatch"
+
+
+@dataclass(kw_only=True, slots=True)
+class HetGroupConfig:
+    """Slurm resources of one node group, i.e. one het group of the job (kind=slurm)."""
+
+    nodes: int = 1
+    tasks_per_node: int = 1
+    """Processes per node: trainer ranks per node for the trainer (one per GPU on GPU nodes)."""
+    cpus_per_task: int | None = None
+    """Null: Slurm's default (1 CPU per task)."""
+    gpus_per_node: int = 0
+    mem_gb: float | None = None
+    """Null: the partition's default."""
+    partition: str | None = None
+    """Null: launcher.partition."""
+    sbatch: list[str] = field(default_factory=list)
+    """More options for this het group, e.g. ['--constraint=h100', '--exclusive'], each an #SBATCH line."""
+
+    @property
+    def num_tasks(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+
+@dataclass(kw_only=True, slots=True)
+class LauncherConfig:
+    kind: LauncherKind = LauncherKind.local
+    job_name: str = "rolloutpipe"
+    """The Slurm job's name (kind=slurm); the keys below are for kind=slurm too."""
+    partition: str | None = None
+    account: str | None = None
+    time_min: int = 60
+    """Time limit of both het groups, in minutes."""
+    rollout: HetGroupConfig = field(default_factory=HetGroupConfig)
+    """Het group 0: the rollout process (its engines: rollout.num_engines) and the store it hosts."""
+    trainer: HetGroupConfig = field(default_factory=HetGroupConfig)
+    """Het group 1: nodes * tasks_per_node must equal trainer.num_ranks."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines the batch script runs before the step, e.g. ['module load cuda', 'source .venv/bin/activate']."""
+    store_port: int | None = None
+    """Null: 20000 + job id mod 10000 (see env.py)."""
+    poll_s: float = 10.0
+    """How often the launcher asks sacct about the job."""
+    dry_run: bool = False
+    """Print the batch script and stop, submitting nothing."""
+
+    def __post_init__(self) -> None:
+        if self.rollout.num_tasks != 1:
+            raise ValueError(
+                f"launcher.rollout asks for {self.rollout.num_tasks} tasks, but the rollout node group is one process "
+                "(it runs rollout.num_engines engines); keep launcher.rollout.nodes=1 and tasks_per_node=1."
+            )
+        for name, group in (("rollout", self.rollout), ("trainer", self.trainer)):
+            for key in ("nodes", "tasks_per_node"):
+                if getattr(group, key) < 1:
+                    raise ValueError(f"launcher.{name}.{key}={getattr(group, key)} must be >= 1.")
+        if self.time_min < 1 or self.poll_s <= 0:
+            raise ValueError(f"launcher.time_min={self.time_min} must be >= 1 and launcher.poll_s={self.poll_s} > 0.")
+        if self.store_port is not None and not 1024 <= self.store_port < 65536:
+            raise ValueError(f"launcher.store_port={self.store_port} must be in [1024, 65536) or null.")

@@ -1,0 +1,46 @@
+"""Entry point of one node-group process: ``python -m rolloutpipe.launch.node`` (see env.py for its contract)."""
+
+from __future__ import annotations
+
+import os
+
+# The TCPStore logs a warning with a C++ trace each time a bounded wait times out, which is how we poll.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+import sys  # noqa: E402
+import traceback  # noqa: E402
+
+
+def main() -> int:
+    import torch
+
+    from rolloutpipe.config import ConfigError, read_config
+    from rolloutpipe.control.env import NodeEnv, Role
+    from rolloutpipe.control.transport import TransportError
+    from rolloutpipe.pipeline import run_node
+
+    env = NodeEnv.from_environ()
+    who = f"[{env.role.value} rank {env.rank}]"
+    if env.cpus:
+        os.sched_setaffinity(0, env.cpus)
+    try:
+        cfg = read_config(env.config_path)
+    except ConfigError as err:
+        print(f"{who} bad config in {env.config_path}: {err}", file=sys.stderr)
+        return 2
+    threads = cfg.trainer.num_threads if env.role is Role.trainer and cfg.trainer.num_threads else None
+    torch.set_num_threads(threads or max(1, len(os.sched_getaffinity(0))))
+    try:
+        run_node(cfg, env)
+    except TransportError as err:
+        print(f"{who} stopping: {err}", file=sys.stderr)
+        return 1
+    except Exception as err:  # noqa: BLE001 - the process boundary: say who failed and why, exit non-zero
+        traceback.print_exc()
+        print(f"{who} failed: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""Slurm: the rollout and trainer node groups as the two components of one heterogeneous job.
+
+    batch script (written per run to <run_dir>/slurm/<job>_submission.sh; README shows one)
+      #SBATCH job options, then het group 0's resources      rollout node group, hosts the store
+      #SBATCH hetjob
+      #SBATCH het group 1's resources                         trainer node group
+      srun --het-group=0 <task> : --het-group=1 <task>       ONE step across both het groups, so
+                                                              SLURM_PROCID numbers all tasks
+    each task   python -m rolloutpipe.launch.slurm <folder>: submitit loads the pickled run_task, which runs
+                rolloutpipe.launch.node; the task finds its role, rank and the store in Slurm's variables
+                (env.NodeEnv.from_slurm) and the run's id, secret and directory in its environment.
+
+Why the colon form and not ``srun --het-group=0,1``: options given once apply to every het group, and
+srun from Slurm 22.05 to 23.02 does not inherit --cpus-per-task from the allocation, so each group's
+--cpus-per-task has to be said on its own side of the colon. It is still one step.
+
+The run's secret never lands in a file: the launcher hands it to sbatch in sbatch's environment
+(--export=ALL), Slurm keeps a job's environment in slurmctld's state directory (readable by SlurmUser
+only, and not sent to the accounting database unless AccountingStoreFlags=job_env), and the tasks
+inherit it. The batch script, submitit's pickle and the logs hold no secret.
+
+submitit (an optional dependency, ``pip install -e .[slurm]``) has no het-job support; the small
+extension in slurm_submitit.py writes this script, counts the tasks of both groups, and maps sacct's
+``<job>+<k>`` component rows back to the job. It is imported only when a job is submitted.
+
+Monitor loop (SlurmLauncher.launch)
+    waits for   every task's result file (checked each second) or sacct reporting the job finished
+                (asked every launcher.poll_s); meanwhile echoes trainer rank 0's step lines
+    on success  every task returned -> 0
+    on failure  prints the job's state (FAILED, CANCELLED, TIMEOUT, ...) and the end of each failed
+                task's stderr -> 1; a cancelled job is reported as cancelled
+    on Ctrl-C   scancel the job -> 130
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import secrets
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rolloutpipe.config import Config, ConfigError
+from rolloutpipe.launch.config import HetGroupConfig, LauncherKind
+from rolloutpipe.launch.sacct import UNFINISHED_STATES
+
+
+def check_launch(cfg: Config) -> None:
+    """Before anything starts: the het groups must have the shape the config needs (ConfigError if not)."""
+    if cfg.launcher.kind is LauncherKind.sbatch:
+        check_allocation(cfg)
+    elif cfg.launcher.kind is LauncherKind.slurm:
+        check_resources(cfg)
+
+
+def check_resources(cfg: Config) -> None:
+    """kind=slurm: the trainer het group must have one task per trainer rank, and submitting needs Slurm."""
+    if not cfg.launcher.dry_run and (importlib.util.find_spec("submitit") is None or shutil.which("sbatch") is None):
+        raise ConfigError("launcher=slurm submits with submitit and sbatch: install them (pip install -e '.[slurm]', "
+                          "on a machine with Slurm's client), or add launcher.dry_run=true to see the batch script.")
+    trainer = cfg.launcher.trainer
+    if trainer.num_tasks != cfg.trainer.num_ranks:
+        raise ConfigError(
+            f"launcher.trainer.nodes * launcher.trainer.tasks_per_node = {trainer.nodes} * {trainer.tasks_per_node} "
+            f"= {trainer.num_tasks} tasks, but trainer.num_ranks={cfg.trainer.num_ranks}: the trainer het group runs "
+            "one task per rank; make them equal."
+        )
+
+
+def _group_lines(cfg: Config, group: HetGroupConfig, comment: str) -> list[str]:
+    launcher = cfg.launcher
+    options = {
+        "partition": group.partition or launcher.partition,
+        "account": launcher.account,
+        "time": str(launcher.time_min),
+        "nodes": str(group.nodes),
+        "ntasks-per-node": str(group.tasks_per_node),
+        "cpus-per-task": group.cpus_per_task and str(group.cpus_per_task),
+        "gpus-per-node": group.gpus_per_node and str(group.gpus_per_node),
+        "mem": group.mem_gb and f"{int(group.mem_gb * 1024)}M",
+    }
+    lines = [f"# {comment}"]
+    lines += [f"#SBATCH --{key}={shlex.quote(value)}" for key, value in options.items() if value]
+    lines += [f"#SBATCH {extra}" for extra in group.sbatch]
+    return lines
+
+
+def batch_script(cfg: Config, *, folder: Path, python: str) -> str:
+    """The het-job batch script of a run (pure: the README's example is this function's output)."""
+    launcher = cfg.launcher
+    task = f"{shlex.quote(python)} -u -m rolloutpipe.launch.slurm {shlex.quote(str(folder))}"
+
+    def srun_side(index: int, group: HetGroupConfig) -> str:
+        cpus = f" --cpus-per-task={group.cpus_per_task}" if group.cpus_per_task else ""
+        return f"--het-group={index}{cpus} {task}"
+
+    lines = [
+        "#!/bin/bash",
+        f"# RolloutPipe run {cfg.run.id}: one heterogeneous job. Het group 0 is the rollout node group (its",
+        "# first task hosts the store), het group 1 the trainer node group (one task per trainer rank).",
+        f"#SBATCH --job-name={shlex.quote(launcher.job_name)}",
+        f"#SBATCH --output={shlex.quote(str(folder / '%j_batch.out'))}",
+        "#SBATCH --open-mode=append",
+        *_group_lines(cfg, launcher.rollout, "het group 0: rollout node group"),
+        "#SBATCH hetjob",
+        *_group_lines(cfg, launcher.trainer, "het group 1: trainer node group"),
+        "",
+        "export SUBMITIT_EXECUTOR=slurm",
+        "# The nodes poll the store with bounded waits; torch logs a C++ warning for each that times out.",
+        "export TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR}",
+        *launcher.setup,
+        "# One step over both het groups; each task writes <folder>/<job>_<task>_log.{out,err}.",
+        "srun --unbuffered --kill-on-bad-exit=0 \\",
+        f"    {srun_side(0, launcher.rollout)} : \\",
+        f"    {srun_side(1, launcher.trainer)}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def submission_environ(run_vars: dict[str, str]) -> dict[str, str]:
+    """This process's environment for sbatch, plus the run's variables.
+
+    Without the Slurm variables of an enclosing job (a Hydra sweep's submitit job submits from inside
+    one), which sbatch and srun would otherwise read as options for the new job.
+    """
+    inherited = {k: v for k, v in os.environ.items()
+                 if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "SUBMITIT_")) or k == "SLURM_CONF"}
+    return {**inherited, **run_vars}
+
+
+def run_vars(cfg: Config, run_dir: Path, secret: str) -> dict[str, str]:
+    env = {"RP_RUN_ID": str(cfg.run.id), "RP_RUN_SECRET": secret, "RP_RUN_DIR": str(run_dir)}
+    if cfg.launcher.store_port is not None:
+        env["RP_STORE_PORT"] = str(cfg.launcher.store_port)
+    return env
+
+
+@dataclass(kw_only=True, slots=True)
+class TaskOutcome:
+    label: str
+    """``rollout rank 0 (task 0)``, ``trainer rank 1 (task 2)``, ..."""
+    ok: bool | None
+    """None: the task left no result (killed, cancelled, or never started)."""
+    said: list[str]
+    """Its last words: the node's own error line if it printed one, else the end of its stderr."""
+
+
+class SlurmLauncher:
+    forgotten_after_s: float = 120.0
+
+    def launch(self, cfg: Config, run_dir: Path) -> int:
+        folder = run_dir / "slurm"
+        script = batch_script(cfg, folder=folder, python=sys.executable)
+        if cfg.launcher.dry_run:
+            print(script, end="")
+            return 0
+        from rolloutpipe.launch.submitit_het import HetSlurmExecutor
+
+        num_rollout_tasks = cfg.launcher.rollout.num_tasks
+        num_tasks = num_rollout_tasks + cfg.launcher.trainer.num_tasks
+        environ = submission_environ(run_vars(cfg, run_dir, secrets.token_bytes(32).hex()))
+        job = HetSlurmExecutor(folder, script=script, num_tasks=num_tasks, environ=environ).submit(run_task)
+        print(f"submitted het job {job.job_id}; task logs: {folder}/{job.job_id}_<task>_log.{{out,err}}", flush=True)
+        try:
+            # trainer rank 0 prints one line per step: echo it here, as the local launcher's terminal would
+            state = self._wait(job, cfg.launcher.poll_s, follow=folder / f"{job.job_id}_{num_rollout_tasks}_log.out")
+        except KeyboardInterrupt:
+            job.cancel(check=False)
+            print(f"interrupted: cancelled het job {job.job_id}", file=sys.stderr)
+            return 130
+        if state == "COMPLETED" and all(_result(job, t) == "success" for t in range(num_tasks)):
+            return 0
+        components = job.watcher.get_info(job.job_id, mode="cache").get("HetStates", "")
+        how = "was cancelled" if state == "CANCELLED" else f"ended {state}"
+        print(f"run failed: het job {job.job_id} {how} (het groups: {components or 'unknown'}).", file=sys.stderr)
+        for task in range(num_tasks if state != "CANCELLED" else 0):  # after scancel, every task just got killed
+            o = _outcome(job, task, num_rollout_tasks)
+            if not o.ok:
+                said = "".join(f"\n    {line}" for line in o.said) or " (nothing)"
+                print(f"  {o.label} {'failed' if o.ok is False else 'left no result'}; it said:{said}", file=sys.stderr)
+        batch_out = folder / f"{job.job_id}_batch.out"
+        srun_errors = [line for line in _read_lines(batch_out) if "error" in line.lower()][-5:]
+        if srun_errors:
+            print("  srun said:" + "".join(f"\n    {line}" for line in srun_errors), file=sys.stderr)
+        return 1
+
+    def _wait(self, job, poll_s: float, follow: Path) -> str:
+        """COMPLETED as soon as every task returned, else the job's state once sacct says it is finished."""
+        started, last_asked, last_state, followed = time.monotonic(), float("-inf"), "", 0
+        while True:
+            followed = _echo_new_lines(follow, followed)
+            if all(_result(job, t) == "success" for t in range(job.num_tasks)):
+                _echo_new_lines(follow, followed)
+                return "COMPLETED"
+            if time.monotonic() - last_asked >= poll_s:
+                last_asked = time.monotonic()
+                state = job.watcher.get_state(job.job_id, mode="force")
+                if state != last_state and state in ("PENDING", "RUNNING"):
+                    print(f"het job {job.job_id}: {state.lower()}", flush=True)
+                last_state = state
+                if state not in UNFINISHED_STATES:
+                    return state
+                too_long = time.monotonic() - started > self.forgotten_after_s
+                if state == "UNKNOWN" and too_long and not _queued(job.job_id):
+                    raise RuntimeError(
+                        f"sacct does not know het job {job.job_id} and squeue no longer lists it: is accounting "
+                        "(slurmdbd) enabled on this cluster? The launcher needs sacct to see a job end."
+                    )
+            time.sleep(1.0)
+
+
+def _result(job, task: int) -> str | None:
+    """``success`` or ``error`` once the task has written its result, else None."""
+    from submitit.core.utils import pickle_load
+
+    path = job.paths.folder / f"{job.job_id}_{task}_result.pkl"
+    return pickle_load(path)[0] if path.exists() else None
+
+
+def _outcome(job, task: int, num_rollout_tasks: int) -> TaskOutcome:
+    role = "rollout" if task < num_rollout_tasks else "trainer"
+    rank = task if task < num_rollout_tasks else task - num_rollout_tasks
+    result = _result(job, task)
+    lines = _read_lines(job.paths.folder / f"{job.job_id}_{task}_log.err")
+    own = [line for line in lines if line.startswith(f"[{role} rank {rank}]")]
+    return TaskOutcome(label=f"{role} rank {rank} (task {task})", ok=None if result is None else result == "success",
+                       said=own[-1:] or lines[-6:])
+
+
+def _echo_new_lines(path: Path, offset: int) -> int:
+    """Print the lines completed in ``path`` since ``offset``; returns the new offset."""
+    if not path.exists():
+        return offset
+    with path.open("rb") as f:
+        f.seek(offset)
+        chunk = f.read()
+    complete = chunk[: chunk.rfind(b"\n") + 1]
+    lines = [line for line in complete.decode(errors="replace").splitlines(keepends=True)
+             if not line.startswith("submitit ")]  # the job runner's own log lines
+    if lines:
+        sys.stdout.write("".join(lines))
+        sys.stdout.flush()
+    return offset + len(complete)
+
+
+def _read_lines(path: Path) -> list[str]:
+    return path.read_text(errors="replace").splitlines() if path.exists() else []
+
+
+def _queued(job_id: str) -> bool:
+    found = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%i"], capture_output=True, text=True)
+    return found.returncode == 0 and bool(found.stdout.strip())
+
+
+def run_task() -> None:
+    """One task of the het-job step (pickled by reference; runs in the task's interpreter)."""
+    from rolloutpipe.control.env import NodeEnv
+    from rolloutpipe.launch import node
+
+    code = node.main()
+    if code != 0:
+        env = NodeEnv.from_environ()
+        raise RuntimeError(f"{env.role.value} rank {env.rank} exited with code {code}; its message is above.")
+
+
+def check_allocation(cfg: Config, environ: dict[str, str] | None = None) -> None:
+    """kind=sbatch: the job running slurm/rolloutpipe.sbatch must have the shape the config needs."""
+    environ = dict(os.environ if environ is None else environ)
+    if "SLURM_HET_SIZE" not in environ:
+        raise ConfigError(
+            "launcher=sbatch runs inside slurm/rolloutpipe.sbatch, a heterogeneous job "
+            "(sbatch slurm/rolloutpipe.sbatch [overrides]); to submit from here use launcher=slurm."
+        )
+    het_size = int(environ["SLURM_HET_SIZE"])
+    tasks = [int(environ.get(f"SLURM_NTASKS_HET_GROUP_{k}", "1")) for k in range(het_size)]
+    if het_size != 2 or tasks[0] != 1 or tasks[1] != cfg.trainer.num_ranks:
+        raise ConfigError(
+            f"this job has {het_size} het groups with {tasks} tasks; the config needs 2: het group 0 with 1 task "
+            f"(the rollout process) and het group 1 with trainer.num_ranks={cfg.trainer.num_ranks} tasks. Edit the "
+            "#SBATCH lines of slurm/rolloutpipe.sbatch (nodes * ntasks-per-node of the second group) or "
+            "trainer.num_ranks."
+        )
+
+
+def _task_main(folder: str) -> None:
+    """Entry of each task: its own log files, then submitit's job runner.
+
+    Not srun --output: in a het step srun's %j is the component's id and %t is not SLURM_PROCID.
+    """
+    name = f"{os.environ['SLURM_JOB_ID']}_{os.environ['SLURM_PROCID']}_log"
+    for fd, suffix in ((1, "out"), (2, "err")):
+        log = os.open(os.path.join(folder, f"{name}.{suffix}"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log, fd)
+        os.close(log)
+    from submitit.core.submission import process_job
+
+    process_job(folder)
+
+
+if __name__ == "__main__":
+    _task_main(sys.argv[1])

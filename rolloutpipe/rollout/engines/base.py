@@ -1,0 +1,57 @@
+"""The seam between the rollout manager and whatever generates tokens.
+
+An engine takes one request at a time and hands each back, finished, to the completion callback
+given at construction, from its own thread. It runs at most ``concurrency`` requests at once; the
+others wait inside the engine in submission order (what an SGLang server does with its waiting
+queue). Weights change only between steps, when the rollout manager calls
+``update_weights_from_disk`` (or, for engines behind SGLang's HTTP API, ``update_weights_from_distributed``:
+``JoinsWeightGroup``) with no request in flight.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Protocol
+
+from rolloutpipe.types import GenerationRequest, GenerationResult
+
+if TYPE_CHECKING:
+    from rolloutpipe.control.weight_sync import Bucket, WeightGroup
+
+OnResult = Callable[[GenerationResult], None]
+
+
+class Engine(Protocol):
+    name: str
+    concurrency: int
+    error: BaseException | None
+    """Why the engine stopped serving (its thread raised, its server exited, a call failed); None while healthy.
+    rolloutpipe/rollout/supervisor.py then retries its requests elsewhere and replaces it."""
+
+    @property
+    def policy_version(self) -> int: ...
+
+    def submit(self, request: GenerationRequest) -> None:
+        """Queue one request; its result reaches the completion callback exactly once."""
+
+    def abort(self, request_id: str) -> None:
+        """Finish a queued or running request now with FinishReason.ABORT (no-op if it already finished)."""
+
+    def update_weights_from_disk(self, path: str, policy_version: int) -> None:
+        """Load a safetensors file (HF parameter names) and serve ``policy_version`` from now on."""
+
+    def num_in_flight(self) -> int:
+        """Requests submitted and not yet handed back."""
+
+    def shutdown(self) -> None:
+        """Stop the engine thread; requests still queued are aborted."""
+
+
+class JoinsWeightGroup(Engine, Protocol):
+    """An engine that receives weights from trainer rank 0's broadcasts (rolloutpipe/control/weight_sync.py):
+    ``http_client.SGLangEngine``, for SGLang servers and the embedded engine's server."""
+
+    def init_weights_update_group(self, group: WeightGroup, rank_offset: int) -> None:
+        """Join ``group`` as ranks ``rank_offset`` ..; returns once every member has joined."""
+
+    def update_weights_from_distributed(self, buckets: list[Bucket], group_name: str, policy_version: int) -> None:
+        """Receive the broadcast ``buckets`` (every engine of the group at once) and serve ``policy_version``."""

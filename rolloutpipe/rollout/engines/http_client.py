@@ -1,0 +1,262 @@
+"""``SGLangEngine``: the Engine protocol (base.py) over one server that speaks SGLang's HTTP API.
+
+The same class drives a real SGLang server and the embedded engine's server (http_server.py); every request and
+response shape comes from ``sglang_api``.
+
+Request threads (up to ``concurrency`` per engine, started as needed)
+    consume   the engine's waiting heap, by (priority, submission order), as the embedded engine admits
+    produce   one GenerationResult per request, handed to ``on_result`` from the thread that made the call
+    wait for  the blocking /generate call (at most ``concurrency`` at once, so the server's own queue stays
+              empty and the client's heap is where requests wait and where they can be dropped before sending)
+    shut down ``shutdown`` sets the stop flag, aborts what is running on the server and hands back every waiting
+              request as aborted; each thread hands back its running request when it returns, then exits.
+              On a failed call (server unreachable, HTTP error, a result from an unexpected weight version) the
+              error is kept in ``error`` with the server's URL, no further results are delivered, and
+              ``submit``, ``num_in_flight`` and ``update_weights_from_disk`` raise; the rollout node then
+              retries its requests elsewhere and replaces it (rolloutpipe/rollout/supervisor.py).
+
+Abort retry thread (one per engine, started by the first abort of a running request)
+    re-sends /abort_request every ``ABORT_RETRY_S`` for aborted requests that have not come back: SGLang ignores an
+    abort for a rid it has not registered yet, and the client cannot know when it has.
+
+Timings: ``submitted_s`` is when ``submit`` was called, ``started_s`` when the /generate call was sent (the client
+holds back requests beyond ``concurrency``, so the server starts a request when it arrives), ``finished_s`` when
+the answer came back.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from rolloutpipe.rollout.engines import sglang_api
+from rolloutpipe.rollout.engines.base import OnResult
+from rolloutpipe.types import FinishReason, GenerationRequest, GenerationResult
+
+if TYPE_CHECKING:
+    from rolloutpipe.control.weight_sync import Bucket, WeightGroup
+
+log = logging.getLogger(__name__)
+
+ABORT_RETRY_S = 0.25
+SHUTDOWN_JOIN_S = 30.0
+
+
+@dataclass(order=True)
+class _Waiting:
+    priority: int
+    seq: int
+    request: GenerationRequest = field(compare=False)
+    submitted_s: float = field(compare=False)
+
+
+class SGLangEngine:
+    """One engine server at ``url``; ``on_result`` gets every request back exactly once.
+
+    ``server_error`` (optional) returns why the server process is gone, or None while it runs; ``stop_server`` is
+    called by ``shutdown`` (both are given by whoever started the server, see engine/__init__.py).
+    """
+
+    def __init__(self, *, name: str, url: str, concurrency: int, on_result: OnResult, policy_version: int = 0,
+                 request_timeout_s: float = 3600.0, weight_update_timeout_s: float = 600.0,
+                 server_error: Callable[[], str | None] = lambda: None,
+                 stop_server: Callable[[], None] = lambda: None) -> None:
+        if concurrency < 1:
+            raise ValueError(f"concurrency={concurrency} for engine {name!r}: it must be at least 1.")
+        self.name = name
+        self.url = url.rstrip("/")
+        self.concurrency = concurrency
+        self._on_result = on_result
+        self._policy_version = policy_version
+        self._request_timeout_s = request_timeout_s
+        self._weight_update_timeout_s = weight_update_timeout_s
+        self._server_error = server_error
+        self._stop_server = stop_server
+
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._waiting: list[_Waiting] = []
+        self._running: set[str] = set()
+        self._aborting: set[str] = set()
+        """Running requests aborted on the server and not back yet (the retry thread re-sends their aborts)."""
+        self._seq = itertools.count()
+        self._threads: list[threading.Thread] = []
+        self._num_idle_threads = 0
+        self._abort_thread: threading.Thread | None = None
+        self._stopping = False
+        self._error: BaseException | None = None
+
+    # --- Engine protocol (any thread) --------------------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine stopped (a failed call, or its server process exited); None while healthy."""
+        if self._error is None and not self._stopping and (reason := self._server_error()) is not None:
+            self._error = RuntimeError(f"engine {self.name}: the server at {self.url} {reason}")
+        return self._error
+
+    def submit(self, request: GenerationRequest) -> None:
+        with self._lock:
+            self._raise_if_unusable()
+            if request.request_id in self._running or any(w.request.request_id == request.request_id
+                                                          for w in self._waiting):
+                raise ValueError(f"request {request.request_id} is already in flight on engine {self.name}.")
+            heapq.heappush(self._waiting, _Waiting(request.priority, next(self._seq), request, time.time()))
+            if len(self._waiting) > self._num_idle_threads and len(self._threads) < self.concurrency:
+                thread = threading.Thread(target=self._request_loop, name=f"{self.name}-http-{len(self._threads)}",
+                                          daemon=True)
+                self._threads.append(thread)
+                self._num_idle_threads += 1
+                thread.start()
+            self._wakeup.notify()
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            waiting = next((w for w in self._waiting if w.request.request_id == request_id), None)
+            if waiting is not None:
+                self._waiting.remove(waiting)
+                heapq.heapify(self._waiting)
+            elif request_id in self._running:
+                self._aborting.add(request_id)
+                if self._abort_thread is None:
+                    self._abort_thread = threading.Thread(target=self._abort_retry_loop, name=f"{self.name}-abort",
+                                                          daemon=True)
+                    self._abort_thread.start()
+                self._wakeup.notify_all()
+            else:
+                return
+        if waiting is not None:  # never sent: it comes back at once, empty
+            now = time.time()
+            self._on_result(self._result(waiting.request, waiting.submitted_s, now, [], [], FinishReason.ABORT))
+        else:
+            self._send_abort(request_id)
+
+    def update_weights_from_disk(self, path: str, policy_version: int) -> None:
+        self._check_idle("update_weights_from_disk")
+        sglang_api.update_weights_from_disk(self.url, path, policy_version, timeout_s=self._weight_update_timeout_s)
+        self._policy_version = policy_version
+
+    def init_weights_update_group(self, group: WeightGroup, rank_offset: int) -> None:
+        """Join the trainer's weight-update process group (rolloutpipe/control/weight_sync.py); blocks until it forms."""
+        sglang_api.init_weights_update_group(self.url, group, rank_offset, timeout_s=self._weight_update_timeout_s)
+
+    def update_weights_from_distributed(self, buckets: list[Bucket], group_name: str, policy_version: int) -> None:
+        """Receive ``policy_version`` from the trainer's broadcasts (all engines of the group at the same time)."""
+        self._check_idle("update_weights_from_distributed")
+        sglang_api.update_weights_from_distributed(self.url, buckets, group_name, policy_version,
+                                                   timeout_s=self._weight_update_timeout_s)
+        self._policy_version = policy_version
+
+    def _check_idle(self, what: str) -> None:
+        with self._lock:
+            self._raise_if_unusable()
+            num_in_flight = len(self._waiting) + len(self._running)
+            if num_in_flight:
+                raise RuntimeError(
+                    f"engine {self.name}: {what} called with {num_in_flight} requests in flight; "
+                    "weights may change only when no request is in flight (between steps)."
+                )
+
+    def num_in_flight(self) -> int:
+        with self._lock:
+            self._raise_if_unusable()
+            return len(self._waiting) + len(self._running)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stopping = True
+            waiting, self._waiting = sorted(self._waiting), []
+            running = list(self._running)
+            self._wakeup.notify_all()
+        now = time.time()
+        for w in waiting:
+            self._on_result(self._result(w.request, w.submitted_s, now, [], [], FinishReason.ABORT))
+        for request_id in running:
+            self._send_abort(request_id)
+        for thread in self._threads + ([self._abort_thread] if self._abort_thread else []):
+            thread.join(timeout=SHUTDOWN_JOIN_S)  # a hung server must not hang the run's exit
+        self._stop_server()
+
+    def _raise_if_unusable(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"engine {self.name} crashed: {self.error!r}") from self.error
+        if self._stopping:
+            raise RuntimeError(f"engine {self.name} is shut down.")
+
+    # --- threads -------------------------------------------------------------------------------------------------
+
+    def _request_loop(self) -> None:
+        """One request thread: take the best waiting request, run /generate, hand the result back (see module doc)."""
+        while True:
+            with self._lock:
+                while not (self._stopping or self._error or self._waiting):
+                    self._wakeup.wait()
+                if self._stopping or self._error:
+                    self._num_idle_threads -= 1
+                    return
+                waiting = heapq.heappop(self._waiting)
+                self._running.add(waiting.request.request_id)
+                self._num_idle_threads -= 1
+            result = self._generate(waiting)
+            with self._lock:
+                self._running.discard(waiting.request.request_id)
+                self._aborting.discard(waiting.request.request_id)
+                self._num_idle_threads += 1
+                deliver = result is not None and self._error is None
+            if deliver:
+                self._on_result(result)
+
+    def _generate(self, waiting: _Waiting) -> GenerationResult | None:
+        started_s = time.time()
+        try:
+            out = sglang_api.generate(self.url, waiting.request, timeout_s=self._request_timeout_s)
+            if out.weight_version != str(self._policy_version):
+                raise sglang_api.SGLangError(
+                    f"{self.url} generated {waiting.request.request_id} with weight_version {out.weight_version!r}, "
+                    f"expected {self._policy_version}: weights changed during a step.")
+        except BaseException as err:
+            if self._stopping:  # the server went away because we are stopping it
+                return None
+            log.exception("engine %s failed", self.name)
+            with self._lock:
+                self._error = self._error or err
+                self._wakeup.notify_all()
+            return None
+        return self._result(waiting.request, waiting.submitted_s, started_s, out.output_ids, out.output_logprobs,
+                            out.finish_reason)
+
+    def _abort_retry_loop(self) -> None:
+        """Re-sends aborts of requests still running; exits on shutdown or error."""
+        while True:
+            with self._lock:
+                self._wakeup.wait_for(lambda: self._stopping or self._error or self._aborting)
+                if self._stopping or self._error:
+                    return
+                pending = list(self._aborting)
+            time.sleep(ABORT_RETRY_S)
+            for request_id in pending:
+                self._send_abort(request_id)
+
+    def _send_abort(self, request_id: str) -> None:
+        try:
+            sglang_api.abort(self.url, request_id)
+        except sglang_api.SGLangError as err:
+            log.warning("engine %s: abort of %s failed: %s", self.name, request_id, err)
+
+    def _result(self, request: GenerationRequest, submitted_s: float, started_s: float, output_ids: list[int],
+                output_logprobs: list[float], reason: FinishReason) -> GenerationResult:
+        return GenerationResult(
+            request_id=request.request_id, output_ids=output_ids, output_logprobs=output_logprobs,
+            finish_reason=reason, policy_version=self._policy_version, submitted_s=submitted_s,
+            started_s=started_s, finished_s=time.time(), engine=self.name,
+        )

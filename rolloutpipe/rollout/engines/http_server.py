@@ -1,0 +1,318 @@
+"""The embedded CPU engine served over the subset of SGLang's HTTP API that RolloutPipe uses.
+
+    python -m rolloutpipe.rollout.engines.http_server --model-config model.yaml --port 0 --port-file port.txt
+
+``--model-config`` is a YAML ``ModelConfig`` (the ``model`` section of a RolloutPipe config); ``--port 0`` takes a
+free port and writes it to ``--port-file`` once the server listens. ``rollout.engine=embedded_http`` starts one per
+engine (engine/__init__.py), so the rollout node drives the embedded engine exactly as it drives SGLang servers:
+through ``SGLangEngine`` and ``sglang_api``, which parses every request and builds every response here too.
+
+What it mimics of SGLang 0.5.23, and only that: /generate (token ids in and out, per-request seed, log-probs,
+priority), /health, /model_info (``weight_version``), /abort_request (a rid or all; an unknown rid is ignored),
+/pause_generation (aborts what runs, holds new requests) and /continue_generation, /flush_cache (400 while
+requests run), /begin_weight_update and /end_weight_update around /update_weights_from_disk (400 outside a
+session, as 0.5.23 does for its other weight-update routes) and /update_weights_from_distributed (400 outside a
+session, as in 0.5.23), after /init_weights_update_group (gloo only: this engine runs on CPU; the group is formed
+as SGLang forms it, see rolloutpipe/control/weight_sync.py). A bucket's tensors are loaded as they arrive; the version
+changes with the bucket that carries ``weight_version``.
+
+Threads: ``ThreadingHTTPServer`` runs one thread per connection; a /generate thread submits to the engine and waits
+for its result, which the engine's scheduler thread hands over through ``_Waiter``. The process stops on SIGTERM
+or SIGINT: the engine aborts what is left and the server closes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from rolloutpipe.control.weight_sync import Bucket, WeightGroup, join_group, receive_bucket
+from rolloutpipe.rollout.engines import sglang_api
+from rolloutpipe.rollout.engines.embedded import EmbeddedEngine
+from rolloutpipe.types import GenerationResult
+
+log = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_S = 600.0
+"""How long /init_weights_update_group waits for the other members of the group."""
+
+
+class _Waiter:
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.result: GenerationResult | None = None
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 2048  # the listen backlog; socketserver's 5 resets connections a client opens at once
+
+
+class EmbeddedServer:
+    """The API's state around one EmbeddedEngine; ``serve_forever`` answers requests until ``close``."""
+
+    def __init__(self, *, engine_factory, model_path: str, host: str, port: int) -> None:
+        self.model_path = model_path
+        self._lock = threading.Lock()
+        self._resumed = threading.Condition(self._lock)
+        self._waiters: dict[str, _Waiter] = {}
+        self._paused = False
+        self._session_open = False
+        self._groups: dict = {}
+        """Weight-update process groups by name (/init_weights_update_group)."""
+        self.engine: EmbeddedEngine = engine_factory(self._on_result)
+        self.httpd = _Server((host, port), _handler_for(self))
+
+    @property
+    def port(self) -> int:
+        return self.httpd.server_address[1]
+
+    def close(self) -> None:
+        self.engine.shutdown()  # hands back every request as aborted, so no /generate thread waits forever
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    # --- routes: each returns (status, JSON-able body or None) ---------------------------------------------------
+
+    def generate(self, body: dict[str, Any]) -> tuple[int, Any]:
+        request = sglang_api.parse_generate_body(body)
+        waiter = _Waiter()
+        with self._lock:
+            self._resumed.wait_for(lambda: not self._paused)
+            self._waiters[request.request_id] = waiter
+        try:
+            self.engine.submit(request)
+        except (ValueError, RuntimeError) as err:
+            with self._lock:
+                self._waiters.pop(request.request_id, None)
+            return HTTPStatus.BAD_REQUEST, {"error": {"message": str(err)}}
+        waiter.done.wait()
+        if waiter.result is None:
+            return HTTPStatus.INTERNAL_SERVER_ERROR, {"error": {"message": f"engine crashed: {self.engine.error!r}"}}
+        return HTTPStatus.OK, sglang_api.generate_response(waiter.result)
+
+    def abort_request(self, body: dict[str, Any]) -> tuple[int, Any]:
+        if body.get("abort_all"):
+            self._abort_all()
+        elif body.get("rid"):
+            self.engine.abort(body["rid"])
+        return HTTPStatus.OK, None
+
+    def pause_generation(self, body: dict[str, Any]) -> tuple[int, Any]:
+        with self._lock:
+            self._paused = True
+        self._abort_all()
+        return HTTPStatus.OK, {"message": "Generation paused successfully.", "status": "ok"}
+
+    def continue_generation(self, body: dict[str, Any]) -> tuple[int, Any]:
+        with self._lock:
+            self._paused = False
+            self._resumed.notify_all()
+        return HTTPStatus.OK, {"message": "Generation continued successfully.", "status": "ok"}
+
+    def flush_cache(self, body: dict[str, Any]) -> tuple[int, Any]:
+        # The embedded engine keeps no cache across requests; like SGLang, refuse while requests run.
+        if self.engine.num_in_flight():
+            return HTTPStatus.BAD_REQUEST, "Flush cache failed: requests are running or queued.\n"
+        return HTTPStatus.OK, "Cache flushed.\n"
+
+    def begin_weight_update(self, body: dict[str, Any]) -> tuple[int, Any]:
+        with self._lock:
+            if self._session_open:
+                return HTTPStatus.BAD_REQUEST, {"success": False, "message": "a weight-update session is already open"}
+            self._session_open = True
+        return HTTPStatus.OK, {"success": True, "message": "Success"}
+
+    def end_weight_update(self, body: dict[str, Any]) -> tuple[int, Any]:
+        with self._lock:
+            if not self._session_open:
+                return HTTPStatus.BAD_REQUEST, {"success": False, "message": "no weight-update session is open"}
+            self._session_open = False
+        return HTTPStatus.OK, {"success": True, "message": "Success"}
+
+    def update_weights_from_disk(self, body: dict[str, Any]) -> tuple[int, Any]:
+        model_path, policy_version = sglang_api.parse_update_weights_from_disk_body(body)
+        with self._lock:
+            session_open = self._session_open
+        if not session_open:
+            return HTTPStatus.BAD_REQUEST, {"success": False, "num_paused_requests": 0, "message":
+                                            "update_weights_from_disk must run between begin_weight_update() and "
+                                            "end_weight_update()"}
+        files = sorted(Path(model_path).glob("*.safetensors"))
+        if len(files) != 1:
+            return HTTPStatus.BAD_REQUEST, {"success": False, "num_paused_requests": 0, "message":
+                                            f"{model_path} holds {len(files)} *.safetensors files; the embedded "
+                                            "engine loads exactly one"}
+        try:
+            self.engine.update_weights_from_disk(str(files[0]), policy_version)
+        except (RuntimeError, OSError, ValueError) as err:
+            return HTTPStatus.BAD_REQUEST, {"success": False, "num_paused_requests": 0, "message": str(err)}
+        self.model_path = model_path
+        return HTTPStatus.OK, {"success": True, "num_paused_requests": 0,
+                               "message": f"Succeeded to update model weights. Weight version updated to "
+                                          f"{policy_version}."}
+
+    def init_weights_update_group(self, body: dict[str, Any]) -> tuple[int, Any]:
+        fields, rank_offset = sglang_api.parse_init_weights_update_group_body(body)
+        group = WeightGroup(**fields)
+        if group.backend != "gloo":
+            return HTTPStatus.BAD_REQUEST, {"success": False, "message": f"backend {group.backend!r}: the embedded "
+                                            "engine runs on CPU and joins weight-update groups over gloo only"}
+        try:
+            self._groups[group.group_name] = join_group(group, rank_offset, timeout_s=JOIN_TIMEOUT_S)
+        except (RuntimeError, ValueError) as err:
+            return HTTPStatus.BAD_REQUEST, {"success": False,
+                                            "message": f"Failed to initialize custom process group: {err}."}
+        return HTTPStatus.OK, {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def update_weights_from_distributed(self, body: dict[str, Any]) -> tuple[int, Any]:
+        bucket, group_name, policy_version = sglang_api.parse_update_weights_from_distributed_body(body)
+        with self._lock:
+            session_open = self._session_open
+        if not session_open:
+            return HTTPStatus.BAD_REQUEST, {"success": False, "message": "update_weights_from_distributed must run "
+                                            "between begin_weight_update() and end_weight_update()"}
+        if group_name not in self._groups:
+            return HTTPStatus.BAD_REQUEST, {"success": False, "message": f"Group {group_name} not in "
+                                            f"{list(self._groups)}. Please call `init_weights_update_group` first."}
+        tensors = receive_bucket(self._groups[group_name], Bucket(**bucket))
+        try:
+            self.engine.load_weights(tensors, policy_version, complete=False)
+        except (RuntimeError, ValueError) as err:
+            return HTTPStatus.BAD_REQUEST, {"success": False, "message": f"Failed to update parameter online: {err}"}
+        return HTTPStatus.OK, {"success": True, "message": "Succeeded to update parameter online."}
+
+    def model_info(self) -> tuple[int, Any]:
+        return HTTPStatus.OK, {"model_path": self.model_path, "is_generation": True,
+                               "weight_version": str(self.engine.policy_version)}
+
+    def health(self) -> tuple[int, Any]:
+        if self.engine.error is not None:
+            return HTTPStatus.SERVICE_UNAVAILABLE, None
+        return HTTPStatus.OK, None
+
+    # --- engine side ---------------------------------------------------------------------------------------------
+
+    def _on_result(self, result: GenerationResult) -> None:
+        with self._lock:
+            waiter = self._waiters.pop(result.request_id, None)
+        if waiter is not None:
+            waiter.result = result
+            waiter.done.set()
+
+    def _abort_all(self) -> None:
+        with self._lock:
+            ids = list(self._waiters)
+        for request_id in ids:
+            self.engine.abort(request_id)
+
+
+def _handler_for(server: EmbeddedServer) -> type[BaseHTTPRequestHandler]:
+    posts = {
+        sglang_api.GENERATE: server.generate,
+        sglang_api.ABORT_REQUEST: server.abort_request,
+        sglang_api.PAUSE_GENERATION: server.pause_generation,
+        sglang_api.CONTINUE_GENERATION: server.continue_generation,
+        sglang_api.FLUSH_CACHE: server.flush_cache,
+        sglang_api.BEGIN_WEIGHT_UPDATE: server.begin_weight_update,
+        sglang_api.END_WEIGHT_UPDATE: server.end_weight_update,
+        sglang_api.UPDATE_WEIGHTS_FROM_DISK: server.update_weights_from_disk,
+        sglang_api.INIT_WEIGHTS_UPDATE_GROUP: server.init_weights_update_group,
+        sglang_api.UPDATE_WEIGHTS_FROM_DISTRIBUTED: server.update_weights_from_distributed,
+    }
+    gets = {sglang_api.HEALTH: server.health, sglang_api.MODEL_INFO: server.model_info}
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            route = gets.get(self.path.split("?")[0])
+            self._answer(*(route() if route else (HTTPStatus.NOT_FOUND, {"detail": "Not Found"})))
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length) if length else b""
+            route = posts.get(self.path.split("?")[0])
+            if route is None:
+                self._answer(HTTPStatus.NOT_FOUND, {"detail": "Not Found"})
+                return
+            try:
+                body = json.loads(raw) if raw else {}
+                answer = route(body)
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+                answer = HTTPStatus.BAD_REQUEST, {"error": {"message": f"bad request body: {err!r}"}}
+            self._answer(*answer)
+
+        def _answer(self, status: int, body: Any) -> None:
+            if body is None:
+                data, kind = b"", "text/plain"
+            elif isinstance(body, str):
+                data, kind = body.encode(), "text/plain"
+            else:
+                data, kind = json.dumps(body).encode(), "application/json"
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args) -> None:
+            log.debug("%s " + format, self.address_string(), *args)
+
+    return Handler
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-config", required=True, help="YAML of a ModelConfig (the config's model section)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0: a free port, written to --port-file")
+    parser.add_argument("--port-file", help="where to write the port once the server listens")
+    parser.add_argument("--concurrency", type=int, default=64, help="requests run at once (max_running_requests)")
+    parser.add_argument("--weight-version", type=int, default=0, help="the policy_version of the initial weights")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    args = parser.parse_args(argv)
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from rolloutpipe.model import ModelConfig, load_model, load_tokenizer
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    model_cfg: ModelConfig = OmegaConf.to_object(
+        OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(args.model_config)))
+    model = load_model(model_cfg, len(load_tokenizer(model_cfg)))
+    server = EmbeddedServer(
+        engine_factory=lambda on_result: EmbeddedEngine(name=f"http:{args.port}", model=model,
+                                                        concurrency=args.concurrency, on_result=on_result,
+                                                        policy_version=args.weight_version),
+        model_path=model_cfg.path or "embedded-tiny", host=args.host, port=args.port,
+    )
+
+    def stop(signum, frame) -> None:
+        threading.Thread(target=server.close, daemon=True).start()  # shutdown() must not run on the serving thread
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    if args.port_file:  # written atomically: whoever polls it never reads half a number
+        tmp = Path(args.port_file + ".tmp")
+        tmp.write_text(str(server.port))
+        os.replace(tmp, args.port_file)
+    log.info("embedded engine server listening on http://%s:%d", args.host, server.port)
+    server.httpd.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

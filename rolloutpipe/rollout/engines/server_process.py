@@ -1,0 +1,132 @@
+"""Engine servers as child processes of the rollout node: the embedded engine's server or ``sglang.launch_server``.
+
+Each server runs in its own session (process group), so ``stop`` reaches whatever it spawned (SGLang starts a
+scheduler and a detokenizer process); its output goes to a log file that errors point to.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rolloutpipe.control.env import free_port
+from rolloutpipe.rollout.engines import sglang_api
+
+STOP_GRACE_S = 20.0
+
+
+class ServerProcess:
+    """One engine server process; ``url`` is known once ``start`` returns."""
+
+    def __init__(self, *, name: str, command: list[str], log_path: Path, url: str | None = None,
+                 port_file: Path | None = None) -> None:
+        self.name = name
+        self.command = command
+        self.log_path = log_path
+        self.url = url
+        self._port_file = port_file
+        self._proc: subprocess.Popen | None = None
+
+    def start(self) -> ServerProcess:
+        """Start the process; ``wait_ready`` then waits for it (start several, then wait for all)."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            log.write(f"$ {shlex.join(self.command)}\n".encode())
+            log.flush()
+            self._proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def wait_ready(self, *, timeout_s: float) -> None:
+        """Wait until /health answers; raises with the log's tail (and stops the process) if it does not."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            if self._port_file is not None:
+                while not self._port_file.exists():
+                    self.check_alive()
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{self.name}: no port written to {self._port_file} within {timeout_s:.0f}s")
+                    time.sleep(0.05)
+                self.url = f"http://127.0.0.1:{int(self._port_file.read_text())}"
+            sglang_api.wait_healthy(self.url, timeout_s=max(1.0, deadline - time.monotonic()),
+                                    check_alive=self.check_alive, poll_s=0.2)
+        except BaseException:
+            self.stop()
+            raise
+
+    def exit_reason(self) -> str | None:
+        """Why the process is gone (None while it runs)."""
+        code = self._proc.poll() if self._proc is not None else None
+        if code is None:
+            return None
+        return f"exited with code {code} (log: {self.log_path}){_tail(self.log_path)}"
+
+    def check_alive(self) -> None:
+        if (reason := self.exit_reason()) is not None:
+            raise RuntimeError(f"engine server {self.name} ({shlex.join(self.command[:4])} ...) {reason}")
+
+    def stop(self) -> None:
+        """SIGTERM the process group, SIGKILL after a grace period; idempotent."""
+        if self._proc is None or self._proc.poll() is not None:
+            return
+        try:
+            os.killpg(self._proc.pid, signal.SIGTERM)
+            self._proc.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait()
+        except ProcessLookupError:
+            pass
+
+
+    def kill(self) -> None:
+        """SIGKILL the process group at once (a failed server: nothing to shut down cleanly); idempotent."""
+        if self._proc is None or self._proc.poll() is not None:
+            return
+        try:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._proc.wait()
+
+
+def embedded_server(*, name: str, model_config_yaml: Path, concurrency: int, log_dir: Path,
+                    num_threads: int | None = None) -> ServerProcess:
+    """The embedded engine's server (``python -m rolloutpipe.rollout.engines.http_server``) on a free local port."""
+    port_file = log_dir / f"{name}.port"
+    port_file.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "rolloutpipe.rollout.engines.http_server", "--model-config", str(model_config_yaml),
+               "--port", "0", "--port-file", str(port_file), "--concurrency", str(concurrency)]
+    if num_threads:
+        command += ["--num-threads", str(num_threads)]
+    return ServerProcess(name=name, command=command, log_path=log_dir / f"{name}.log", port_file=port_file)
+
+
+def sglang_server(*, name: str, model_path: str, dtype: str, concurrency: int, seed: int, base_gpu_id: int,
+                  priority_scheduling: bool, extra_args: list[str], log_dir: Path) -> ServerProcess:
+    """``python -m sglang.launch_server`` for one engine, on this node's GPUs from ``base_gpu_id``.
+
+    Untested here (no GPU, and sglang pins a CUDA torch); tools/gpu_check.py runs it on a GPU machine.
+    """
+    port = free_port()
+    command = [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", "127.0.0.1",
+        "--port", str(port), "--dtype", dtype, "--skip-tokenizer-init", "--max-running-requests", str(concurrency),
+        "--weight-version", "0", "--random-seed", str(seed), "--base-gpu-id", str(base_gpu_id),
+    ]
+    if priority_scheduling:
+        command += ["--enable-priority-scheduling", "--schedule-low-priority-values-first"]
+    return ServerProcess(name=name, command=command + extra_args, log_path=log_dir / f"{name}.log",
+                         url=f"http://127.0.0.1:{port}")
+
+
+def _tail(path: Path, num_lines: int = 15) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()[-num_lines:]
+    except OSError:
+        return ""
+    return "\n  last lines:\n    " + "\n    ".join(lines) if lines else ""

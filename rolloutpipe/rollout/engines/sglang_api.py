@@ -1,0 +1,370 @@
+"""SGLang's HTTP API as RolloutPipe speaks it: the one module that knows its request and response shapes.
+
+Pinned release: sglang 0.5.23 (``pip install -e ".[sglang]"``). ``tests/test_sglang_contract.py`` reads that release's
+own source (``srt/managers/io_struct.py``, ``srt/entrypoints/http_server.py`` and the ``/generate`` schema in
+``api/v1/api_types.py``) and checks that every route called and every field sent or read here exists there. When
+the pin moves, that test says what changed; fix it here and nowhere else.
+
+Both ends use this module: the client (``http_client.SGLangEngine``) builds requests and parses responses with it,
+and the embedded engine's server (``http_server``) parses requests and builds responses with it, so one client
+drives a real SGLang server and the embedded CPU engine alike.
+
+Facts about 0.5.23 that shape this module (read in its source):
+
+- ``/generate`` bodies are checked against a schema; ``sampling_params`` rejects unknown keys (HTTP 400).
+  ``sampling_seed`` is a per-request seed in [-2**63, 2**63). We always send ``top_k=-1``: with the default
+  ``--sampling-defaults model`` an unset top_k would come from the model's generation_config (Qwen3: 20), and the
+  engine would sample from a distribution the trainer does not compute.
+- Output log-probs (``meta_info.output_token_logprobs``, entries ``[logprob, token_id, text]``) are
+  log softmax(logits / temperature) of the sampled token unless the server runs with
+  ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``: the convention of ``GenerationResult.output_logprobs``.
+- ``meta_info.finish_reason`` is ``{"type": "stop" | "length" | "abort", ...}``. A request aborted by
+  ``/abort_request`` comes back with HTTP 200, type ``abort`` and its partial output.
+- ``/abort_request`` with a rid the server has not registered yet is silently ignored: callers must re-send an
+  abort until the request comes back (``SGLangEngine`` does).
+- ``priority`` is honoured only with ``--enable-priority-scheduling``; RolloutPipe's convention (lower first) needs
+  ``--schedule-low-priority-values-first`` too. It is sent only when non-zero.
+- Weight updates: ``/update_weights_from_distributed`` and ``/update_weights_from_tensor`` answer 400 outside
+  ``/begin_weight_update`` ... ``/end_weight_update``. ``/update_weights_from_disk`` does not check, but the session
+  is where in-place-packed weights are restored and re-packed, so it is wrapped the same way. The version is a
+  string (``weight_version``), carried by the update, reported by ``/model_info`` and by every ``/generate``
+  response's ``meta_info``; we use ``str(policy_version)``.
+- ``/init_weights_update_group`` (InitWeightsUpdateGroupReqInput: master_address, master_port, rank_offset,
+  world_size, group_name, backend) makes the server's tensor-parallel rank r join a torch process group as rank
+  ``rank_offset + r``; it answers once every member has joined. ``/update_weights_from_distributed``
+  (UpdateWeightsFromDistributedReqInput: names, dtypes, shapes as lists, group_name, flush_cache, weight_version)
+  receives one broadcast from rank 0 per listed tensor, in list order, and loads them. Both answer
+  ``{"success", "message"}``, HTTP 400 on failure. rolloutpipe/control/weight_sync.py is the trainer's side.
+- ``/update_weights_from_disk`` takes a *directory* (``model_path``) and loads every ``*.safetensors`` in it;
+  ``model_dir_for`` turns the trainer's one-file-per-version layout into that.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rolloutpipe.types import FinishReason, GenerationRequest, GenerationResult
+
+if TYPE_CHECKING:
+    from rolloutpipe.control.weight_sync import Bucket, WeightGroup
+
+PINNED_VERSION = "0.5.23"
+
+GENERATE = "/generate"
+HEALTH = "/health"
+MODEL_INFO = "/model_info"
+ABORT_REQUEST = "/abort_request"
+PAUSE_GENERATION = "/pause_generation"
+CONTINUE_GENERATION = "/continue_generation"
+FLUSH_CACHE = "/flush_cache"
+BEGIN_WEIGHT_UPDATE = "/begin_weight_update"
+UPDATE_WEIGHTS_FROM_DISK = "/update_weights_from_disk"
+END_WEIGHT_UPDATE = "/end_weight_update"
+INIT_WEIGHTS_UPDATE_GROUP = "/init_weights_update_group"
+UPDATE_WEIGHTS_FROM_DISTRIBUTED = "/update_weights_from_distributed"
+ROUTES = (GENERATE, HEALTH, MODEL_INFO, ABORT_REQUEST, PAUSE_GENERATION, CONTINUE_GENERATION, FLUSH_CACHE,
+          BEGIN_WEIGHT_UPDATE, UPDATE_WEIGHTS_FROM_DISK, END_WEIGHT_UPDATE, INIT_WEIGHTS_UPDATE_GROUP,
+          UPDATE_WEIGHTS_FROM_DISTRIBUTED)
+
+CONTROL_TIMEOUT_S = 60.0
+"""Every call but /generate and the weight load: these answer at once on a healthy server."""
+
+
+class SGLangError(RuntimeError):
+    """A server answered with an error, or could not be reached; the message names the URL and the route."""
+
+
+# --- /generate -------------------------------------------------------------------------------------------------
+
+
+def generate_body(request: GenerationRequest) -> dict[str, Any]:
+    """GenerateReqInput for one request, token ids in and out (the server runs with --skip-tokenizer-init)."""
+    body: dict[str, Any] = {
+        "rid": request.request_id,
+        "input_ids": request.input_ids,
+        "sampling_params": {
+            "max_new_tokens": request.max_new_tokens,
+            "temperature": request.temperature,
+            "top_p": request.top_p,
+            "top_k": -1,
+            "stop_token_ids": request.stop_token_ids,
+            "sampling_seed": request.sampling_seed,
+        },
+        "return_logprob": True,
+    }
+    if request.priority != 0:
+        body["priority"] = request.priority
+    return body
+
+
+def parse_generate_body(body: dict[str, Any]) -> GenerationRequest:
+    """The server side of ``generate_body`` (the embedded engine's server)."""
+    params = body["sampling_params"]
+    return GenerationRequest(
+        request_id=body["rid"],
+        input_ids=list(body["input_ids"]),
+        max_new_tokens=params["max_new_tokens"],
+        temperature=params["temperature"],
+        top_p=params["top_p"],
+        sampling_seed=params["sampling_seed"],
+        stop_token_ids=list(params["stop_token_ids"]),
+        priority=body.get("priority") or 0,
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class Generated:
+    """What RolloutPipe reads back from one /generate response."""
+
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: FinishReason
+    weight_version: str
+
+
+def parse_generate_response(body: dict[str, Any]) -> Generated:
+    meta = body["meta_info"]
+    entries = meta["output_token_logprobs"] or []  # [logprob, token_id, text] per output token
+    return Generated(
+        output_ids=list(body["output_ids"]),
+        output_logprobs=[float(e[0]) for e in entries],
+        finish_reason=FinishReason(meta["finish_reason"]["type"]),
+        weight_version=meta["weight_version"],
+    )
+
+
+def generate_response(result: GenerationResult) -> dict[str, Any]:
+    """The server side of ``parse_generate_response``: a subset of what SGLang returns for an input_ids request."""
+    reason: dict[str, Any] = {"type": result.finish_reason.value}
+    if result.finish_reason is FinishReason.STOP:
+        reason["matched"] = result.output_ids[-1]
+    elif result.finish_reason is FinishReason.LENGTH:
+        reason["length"] = len(result.output_ids)
+    return {
+        "output_ids": result.output_ids,
+        "meta_info": {
+            "id": result.request_id,
+            "finish_reason": reason,
+            "completion_tokens": len(result.output_ids),
+            "output_token_logprobs": [[lp, t, None] for lp, t in zip(result.output_logprobs, result.output_ids)],
+            "weight_version": str(result.policy_version),
+        },
+    }
+
+
+# --- control routes: bodies --------------------------------------------------------------------------------------
+
+
+def abort_body(request_id: str) -> dict[str, Any]:
+    return {"rid": request_id}
+
+
+def abort_all_body() -> dict[str, Any]:
+    return {"abort_all": True}
+
+
+def pause_body() -> dict[str, Any]:
+    # "abort": whatever is still running comes back aborted. Between steps nothing is, so this only makes the
+    # server hold new requests until /continue_generation.
+    return {"mode": "abort"}
+
+
+def continue_body() -> dict[str, Any]:
+    return {}
+
+
+def begin_weight_update_body() -> dict[str, Any]:
+    return {}
+
+
+def end_weight_update_body() -> dict[str, Any]:
+    return {}
+
+
+def update_weights_from_disk_body(model_dir: str, policy_version: int) -> dict[str, Any]:
+    return {"model_path": model_dir, "weight_version": str(policy_version), "flush_cache": True}
+
+
+def parse_update_weights_from_disk_body(body: dict[str, Any]) -> tuple[str, int]:
+    """(model_path, policy_version): the server side of ``update_weights_from_disk_body``."""
+    return body["model_path"], int(body["weight_version"])
+
+
+def init_weights_update_group_body(group: WeightGroup, rank_offset: int) -> dict[str, Any]:
+    return {"master_address": group.master_address, "master_port": group.master_port, "rank_offset": rank_offset,
+            "world_size": group.world_size, "group_name": group.group_name, "backend": group.backend}
+
+
+def parse_init_weights_update_group_body(body: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """(WeightGroup fields, rank_offset): the server side of ``init_weights_update_group_body``."""
+    group = {k: body[k] for k in ("master_address", "master_port", "world_size", "group_name", "backend")}
+    return group, body["rank_offset"]
+
+
+def update_weights_from_distributed_body(bucket: Bucket, group_name: str,
+                                         policy_version: int | None) -> dict[str, Any]:
+    """One bucket; ``policy_version`` only on the last one, so the served version changes once all weights are in."""
+    body: dict[str, Any] = {"names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes,
+                            "group_name": group_name, "flush_cache": policy_version is not None}
+    if policy_version is not None:
+        body["weight_version"] = str(policy_version)
+    return body
+
+
+def parse_update_weights_from_distributed_body(body: dict[str, Any]) -> tuple[dict[str, Any], str, int | None]:
+    """(Bucket fields, group_name, policy_version or None): the server side of the body above."""
+    version = body.get("weight_version")
+    bucket = {"names": list(body["names"]), "dtypes": list(body["dtypes"]),
+              "shapes": [list(s) for s in body["shapes"]]}
+    return bucket, body["group_name"], None if version is None else int(version)
+
+
+def served_weight_version(model_info: dict[str, Any]) -> str:
+    return model_info["weight_version"]
+
+
+def model_dir_for(weights_path: str) -> str:
+    """A directory whose only ``*.safetensors`` is ``weights_path`` (a file), for /update_weights_from_disk.
+
+    The trainer writes ``weights/policy_v<k>.safetensors`` beside the previous version, so the ``weights``
+    directory itself would load both. ``weights/policy_v<k>.model/model.safetensors`` is a relative symlink to the
+    file: it costs nothing and keeps no data alive once the trainer deletes the version.
+    """
+    path = Path(weights_path)
+    if path.is_dir():
+        return str(path)
+    directory = path.with_suffix(".model")
+    directory.mkdir(exist_ok=True)
+    link = directory / "model.safetensors"
+    if not link.is_symlink():
+        link.symlink_to(Path("..") / path.name)
+    for stale in path.parent.glob("*.model"):  # earlier versions whose file the trainer has deleted
+        if stale != directory and (stale / "model.safetensors").is_symlink() and not (stale / "model.safetensors").exists():
+            (stale / "model.safetensors").unlink()
+            stale.rmdir()
+    return str(directory)
+
+
+# --- HTTP --------------------------------------------------------------------------------------------------------
+
+
+def call(base_url: str, route: str, body: dict[str, Any] | None = None, *, timeout_s: float = CONTROL_TIMEOUT_S,
+         method: str | None = None) -> Any:
+    """POST ``body`` as JSON (GET when None); returns the decoded JSON answer, or its text, or None when empty.
+
+    Raises SGLangError naming the URL and route on an HTTP error status or when the server cannot be reached.
+    """
+    url = base_url.rstrip("/") + route
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method or ("GET" if body is None else "POST"),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as response:
+            raw = response.read()
+    except urllib.error.HTTPError as err:
+        detail = err.read().decode(errors="replace").strip()
+        raise SGLangError(f"{url} answered HTTP {err.code}: {detail[:2000]}") from None
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as err:
+        reason = getattr(err, "reason", err)
+        raise SGLangError(f"cannot reach the engine server at {url}: {reason}") from err
+    if not raw:
+        return None
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw.decode(errors="replace")
+
+
+def is_healthy(base_url: str, timeout_s: float = 5.0) -> bool:
+    try:
+        call(base_url, HEALTH, timeout_s=timeout_s)
+        return True
+    except SGLangError:
+        return False
+
+
+def wait_healthy(base_url: str, *, timeout_s: float, check_alive: Callable[[], None] = lambda: None,
+                 poll_s: float = 0.5) -> None:
+    """Poll /health until it answers 200. ``check_alive`` raises if the server's process has died meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while not is_healthy(base_url):
+        check_alive()
+        if time.monotonic() > deadline:
+            raise SGLangError(f"the engine server at {base_url} did not answer {HEALTH} within {timeout_s:.0f}s.")
+        time.sleep(poll_s)
+
+
+def generate(base_url: str, request: GenerationRequest, *, timeout_s: float) -> Generated:
+    return parse_generate_response(call(base_url, GENERATE, generate_body(request), timeout_s=timeout_s))
+
+
+def abort(base_url: str, request_id: str) -> None:
+    call(base_url, ABORT_REQUEST, abort_body(request_id))
+
+
+@contextmanager
+def weight_update_session(base_url: str):
+    """pause -> begin_weight_update -> (the body's update calls) -> end_weight_update -> flush_cache -> continue.
+
+    The flush is explicit because radix cache entries computed with the old weights must never serve the new
+    policy, whatever the update's flags did. The session is closed and generation resumed even when a call in
+    between fails; the flush only after a successful update.
+    """
+    call(base_url, PAUSE_GENERATION, pause_body())
+    try:
+        call(base_url, BEGIN_WEIGHT_UPDATE, begin_weight_update_body())
+        try:
+            yield
+        finally:
+            call(base_url, END_WEIGHT_UPDATE, end_weight_update_body())
+        call(base_url, FLUSH_CACHE, {})
+    finally:
+        call(base_url, CONTINUE_GENERATION, continue_body())
+
+
+def update_weights_from_disk(base_url: str, weights_path: str, policy_version: int, *, timeout_s: float) -> None:
+    """Serve ``policy_version`` from ``weights_path``, between steps, and check that the server reports it."""
+    model_dir = model_dir_for(weights_path)
+    with weight_update_session(base_url):
+        answer = call(base_url, UPDATE_WEIGHTS_FROM_DISK, update_weights_from_disk_body(model_dir, policy_version),
+                      timeout_s=timeout_s)
+        if not answer["success"]:
+            raise SGLangError(f"{base_url}{UPDATE_WEIGHTS_FROM_DISK} failed: {answer['message']}")
+    check_serves(base_url, policy_version, hint=f"(after loading {model_dir})")
+
+
+def init_weights_update_group(base_url: str, group: WeightGroup, rank_offset: int, *, timeout_s: float) -> None:
+    """Make the server join ``group`` from ``rank_offset``; returns once every member has joined."""
+    call(base_url, INIT_WEIGHTS_UPDATE_GROUP, init_weights_update_group_body(group, rank_offset), timeout_s=timeout_s)
+
+
+def update_weights_from_distributed(base_url: str, buckets: list[Bucket], group_name: str, policy_version: int, *,
+                                    timeout_s: float) -> None:
+    """Receive ``policy_version`` from the trainer's broadcasts, between steps, and check the version served.
+
+    The trainer broadcasts the same buckets in the same order; every engine of the group must make these calls at
+    the same time (each broadcast waits for all of them).
+    """
+    with weight_update_session(base_url):
+        for i, bucket in enumerate(buckets):
+            last = i == len(buckets) - 1
+            call(base_url, UPDATE_WEIGHTS_FROM_DISTRIBUTED,
+                 update_weights_from_distributed_body(bucket, group_name, policy_version if last else None),
+                 timeout_s=timeout_s)
+    check_serves(base_url, policy_version, hint=f"(after {len(buckets)} broadcast buckets)")
+
+
+def check_serves(base_url: str, policy_version: int, *, hint: str = "") -> None:
+    """Raise unless /model_info reports ``str(policy_version)`` as the server's weight version."""
+    served = served_weight_version(call(base_url, MODEL_INFO))
+    if served != str(policy_version):
+        raise SGLangError(f"the engine server at {base_url} reports weight_version {served!r}, expected "
+                          f"{str(policy_version)!r}. {hint}".strip())

@@ -1,0 +1,173 @@
+"""The rollout node (het group 0, rank 0): its parts, and the bookkeeping around each step's rollout.
+
+pipeline.py runs the node's main loop and the step itself (``pipeline.rollout_step``); this class owns what
+they use: the engines and their supervisor, the reward threads, the dispatcher thread, the prompt source,
+the span recorder, and every store record the rollout side reads or writes between steps.
+
+Rollout main loop (pipeline.run_rollout, on the process's main thread)
+    consumes   policy versions (``weights/policy_version=<k>`` records), complete groups and freed engine
+               slots (``events``: put by the reward threads and the engines' completion callbacks)
+    produces   requests to the engines, placed groups to the dispatcher; after each step the prompt
+               source's state and the step's RolloutStats in the store (for trainer rank 0)
+    waits for  the trainer to be ready (once), each step's weights, then events in POLL_S slices; every
+               slice it checks the engines (a failed one is replaced and its requests retried:
+               supervisor.py), the reward threads, the dispatcher and the trainer's heart-beats
+    shuts down healthy: after the last step it waits for ``trainer/done`` before it stops hosting the
+               store; on any error pipeline.run_node writes ``abort`` with its reason, ``close`` stops
+               the engines and threads, and the process exits non-zero
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import asdict
+
+from rolloutpipe.config import Config, ResumeMode
+from rolloutpipe.control.checkpoint import latest_checkpoint
+from rolloutpipe.control.clock import sync_clock
+from rolloutpipe.control.env import NodeEnv
+from rolloutpipe.control.transport import Transport
+from rolloutpipe.control.weight_sync import Bucket, WeightGroup, WeightSync
+from rolloutpipe.model import load_tokenizer
+from rolloutpipe.observe.metrics import RolloutStats, SpanRecorder
+from rolloutpipe.observe.progress import Progress
+from rolloutpipe.rollout.admission import Admission, AdmissionPolicy
+from rolloutpipe.rollout.data import PromptSource, load_prompts, prepare_data_path
+from rolloutpipe.rollout.dispatcher import Dispatcher
+from rolloutpipe.rollout.engines.factory import EngineFactory
+from rolloutpipe.rollout.rewards import RewardPool
+from rolloutpipe.rollout.samples import InFlight, RewardThreads, make_requests
+from rolloutpipe.rollout.supervisor import EngineSupervisor
+from rolloutpipe.types import GenerationRequest, Prompt
+
+POLL_S = 0.5
+"""How often the rollout loop checks the engines, threads and peers while it waits."""
+
+
+class RolloutNode:
+    def __init__(self, cfg: Config, env: NodeEnv, transport: Transport) -> None:
+        self.cfg = cfg
+        self.env = env
+        self.transport = transport
+        self.spans = SpanRecorder(role="rollout", rank=env.rank, path=env.run_dir / "spans" / f"rollout-{env.rank}.jsonl",
+                                  clock=sync_clock(transport))
+        self.tokenizer = load_tokenizer(cfg.model)
+        prompts = load_prompts(cfg.data, self.tokenizer, prepare_data_path(cfg.data, env.run_dir))
+        self.source = PromptSource(prompts, seed=cfg.seed, shuffle=cfg.data.shuffle)
+        self.resumed = latest_checkpoint(env.run_dir) if cfg.run.resume is ResumeMode.auto else None
+        if self.resumed is not None:
+            self.source.load_state_dict(self.resumed.source_state)
+        self.rewards = RewardThreads(pool=RewardPool(cfg.reward), tokenizer=self.tokenizer,
+                                     num_threads=cfg.reward.num_workers, spans=self.spans)
+        factory = EngineFactory(cfg, vocab_size=len(self.tokenizer), on_result=self.on_result)
+        self.engines = factory.build_all()
+        self.supervisor = EngineSupervisor(  # a failed engine: retry its requests elsewhere, restart it
+            engines=self.engines, restart=factory.restart, where_to_look=factory.where_to_look,
+            max_failures=cfg.rollout.max_engine_failures, request_timeout_s=cfg.rollout.request_timeout_s,
+            spans=self.spans, check_peers=lambda what: transport.liveness.check(waiting_for=what))
+        self.admission: Admission | None = None
+        """The current step's; engine threads tell it which requests finished."""
+        self.in_flight: dict[str, InFlight] = {}
+        """The current step's requests, by id: what the reward threads need to turn a result into a sample."""
+        self.events: queue.Queue = queue.Queue()
+        """Complete groups (from the reward threads) and None (an engine slot freed) for the rollout loop."""
+        # plain lines, only for steps longer than a minute: trainer rank 0's bar owns the terminal
+        self.progress = Progress(label="rollout", tty=False)
+        self.dispatcher = Dispatcher(transport=transport.connect_another(), mode=cfg.pipeline.mode,
+                                     inline_max_bytes=cfg.pipeline.inline_payload_max_bytes, spans=self.spans)
+
+    def start(self) -> tuple[int, int]:
+        """Resume (if asked), join the weight-update group (distributed sync), wait for the trainer.
+        Returns the first step to run and the policy version the engines serve."""
+        serving, first_step = 0, 0
+        if self.resumed is not None:  # redo the step after the checkpoint from its start, with its weights
+            self.supervisor.load_weights(str(self.resumed.weights_path), self.resumed.policy_version)
+            serving, first_step = self.resumed.policy_version, self.resumed.step + 1
+        if self.cfg.pipeline.weight_sync is WeightSync.distributed:  # the engines join trainer rank 0's group
+            group = self.transport.wait_json(self.transport.key("weight_sync", "group"),
+                                             what="trainer rank 0's weight-update process group")
+            self.supervisor.join_weight_group(WeightGroup(**group), self.cfg.rollout.ranks_per_engine)
+        self.transport.wait_get(self.transport.key("trainer", "ready"), what="the trainer to start")
+        return first_step, serving
+
+    def load_weights(self, version: int) -> float:
+        """Wait for policy ``version`` from the trainer and make every engine serve it."""
+        record = self.transport.wait_json(self.transport.key("weights", f"policy_version={version}"),
+                                          what=f"weights of policy_version {version}")
+        start = time.time()
+        if "buckets" in record:  # pipeline.weight_sync=distributed: trainer rank 0 is broadcasting them now
+            self.supervisor.load_weights_distributed([Bucket(**b) for b in record["buckets"]], version)
+        else:
+            self.supervisor.load_weights(str(self.env.run_dir / record["path"]), version)
+        self.transport.set(self.transport.key("serving", f"policy_version={version}"), "1")
+        self.spans.add("sync/weights", step=version, start_s=start, end_s=time.time())
+        return time.time() - start
+
+    def begin_step(self, step: int) -> Admission:
+        """A fresh admission over the engines, and no request of an earlier step in flight."""
+        self.in_flight = {}
+        self.admission = Admission(policy=self.cfg.rollout.admission, engines=self.engines,
+                                   concurrency=self.cfg.rollout.concurrency)
+        self.dispatcher.begin_step(step, self.cfg.rollout_batch_size)
+        self.supervisor.begin_step(step, self.admission)
+        return self.admission
+
+    def requests_for(self, step: int, group: int, prompt: Prompt) -> list[GenerationRequest]:
+        """Group ``group``'s requests, seeded by their ids; under FGD the group index is their priority."""
+        cfg = self.cfg
+        requests = make_requests(
+            step=step, group=group, prompt=prompt, n_samples=cfg.n_samples_per_prompt, run_seed=cfg.seed,
+            max_new_tokens=cfg.rollout_max_response_len, temperature=cfg.rollout_temperature,
+            top_p=cfg.rollout_top_p, stop_token_ids=[self.tokenizer.eos_token_id],
+            priority=group if cfg.rollout.admission is AdmissionPolicy.fgd else 0,
+        )
+        for sample, r in enumerate(requests):
+            self.in_flight[r.request_id] = InFlight(prompt=prompt, group=group, sample=sample)
+        return requests
+
+    def on_result(self, result) -> None:
+        """Engine completion callback (engine thread): reward it, and wake the loop for a free slot."""
+        if not self.admission.finished(result.request_id, result.engine):
+            return  # a late result of a failed engine: the request was resubmitted elsewhere
+        self.supervisor.on_result(result)
+        self.rewards.on_result(result)
+        self.events.put(None)
+
+    def next_event(self):
+        """The next complete group, None for a freed engine slot, or ``queue.Empty`` after POLL_S."""
+        return self.events.get(timeout=POLL_S)
+
+    def drain(self, step: int) -> None:
+        """After the step is full: wait for the aborted requests to come back and every group to be published."""
+        while self.admission.num_in_flight() or not self.rewards.idle():
+            self.check_health(f"step {step}'s aborted requests to come back")
+            time.sleep(0.01)
+        while not self.dispatcher.wait_all_published(step, POLL_S):
+            self.check_health(f"step {step}'s groups to be published")
+        self.check_health(f"step {step}'s groups to be published")
+        while not self.events.empty():
+            self.events.get()
+
+    def end_step(self, step: int, stats: RolloutStats) -> None:
+        self.spans.flush()  # before the stats: trainer rank 0 merges the spans once it has the last stats
+        self.transport.put_json(self.transport.key(f"step={step}", "source_state"), self.source.state_dict())
+        self.transport.put_json(self.transport.key(f"step={step}", "rollout_stats"), asdict(stats))
+
+    def check_health(self, waiting_for: str) -> None:
+        self.supervisor.check()  # a failed engine is replaced; past rollout.max_engine_failures it raises
+        for component in (self.rewards, self.dispatcher):
+            if component.error is not None:
+                raise RuntimeError(f"{type(component).__name__} failed: {component.error!r}") from component.error
+        self.transport.liveness.check(waiting_for=waiting_for)
+
+    def finish(self) -> None:
+        self.transport.wait_get(self.transport.key("trainer", "done"), what="the trainer to finish")
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.shutdown()
+        self.dispatcher.close()
+        self.rewards.close()
+        self.rewards.pool.close()
+        self.spans.flush()

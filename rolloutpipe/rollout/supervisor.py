@@ -1,0 +1,198 @@
+"""Engine failure: a request whose engine dies or hangs is generated again elsewhere, and nothing is lost.
+
+An engine fails when its ``error`` is set (its scheduler thread raised, its server process exited, an HTTP call
+failed) or, with ``rollout.request_timeout_s``, when it holds requests and hands none back for that long. Then:
+
+1. Admission takes it out of service and puts its unfinished requests back in line, unchanged: same request id,
+   same ``sampling_seed``. Every engine serves the same policy_version, and a sample's tokens depend only on its
+   seed and the weights, so the retried sample is the one the failed engine would have produced: the step's
+   samples, and hence the update, are those of a run without the failure.
+2. The failed engine is retired (``shutdown`` in a thread of its own: a hung engine must not block the loop) and
+   a fresh one is built in its slot under a new name (``engine0-restart1``); it loads the current policy
+   version's weights before it is put back into service. Results of the failed one that still arrive name it,
+   not the replacement, and Admission ignores them, so no sample is counted twice.
+3. A slot that fails more than ``rollout.max_engine_failures`` times stops the run with the engine's name and
+   where its log is.
+
+With ``pipeline.weight_sync=distributed`` (weight_sync.py) the engines form one process group with trainer rank 0,
+whose membership is fixed when it forms: a fresh engine could not join it, so there an engine failure stops the
+run (with that reason) instead of step 2.
+
+The supervisor has no thread: the rollout loop calls ``check`` every poll and ``load_weights`` between steps.
+The restart runs on that loop (seconds for a server process), while the other engines keep generating what
+they hold; requests wait in Admission until an engine is in service again. Each recovery is logged (warning)
+and recorded as a ``rollout/engine_restart`` span.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from rolloutpipe.control.weight_sync import Bucket, WeightGroup
+from rolloutpipe.observe.metrics import SpanRecorder
+from rolloutpipe.rollout.admission import Admission
+from rolloutpipe.rollout.engines.base import Engine
+from rolloutpipe.types import GenerationResult
+
+log = logging.getLogger(__name__)
+
+
+class EngineFailed(RuntimeError):
+    """An engine failed more often than ``rollout.max_engine_failures`` allows, or could not be restarted."""
+
+
+class EngineSupervisor:
+    """Watches the engines and recovers a failed one (see module docstring).
+
+    ``engines`` is the rollout node's list; a failed engine is replaced in it, in place, so Admission (which
+    holds the same list) sees the replacement. ``restart(slot, name, failed)`` builds a fresh engine serving
+    policy_version 0; ``where_to_look(engine)`` says where its log is.
+    """
+
+    def __init__(self, *, engines: list[Engine], restart: Callable[[int, str, Engine], Engine],
+                 where_to_look: Callable[[Engine], str], max_failures: int, request_timeout_s: float | None,
+                 spans: SpanRecorder, check_peers: Callable[[str], None] = lambda what: None) -> None:
+        self.engines = engines
+        self.restart = restart
+        self.where_to_look = where_to_look
+        self.max_failures = max_failures
+        self.request_timeout_s = request_timeout_s
+        self.spans = spans
+        self.check_peers = check_peers
+        """Raises when the run is aborted or a peer is gone (transport.Liveness.check), while engines join or receive
+        a broadcast: those calls wait for trainer rank 0."""
+        self.weights: tuple[str, int] | None = None
+        """The path and policy_version every engine serves; None: the model's own weights (policy_version 0)."""
+        self.weight_group: WeightGroup | None = None
+        """With distributed weight sync: the process group every engine joined (``join_weight_group``)."""
+        self.num_failures = [0] * len(engines)
+        self._names = [e.name for e in engines]
+        self._last_progress_s: dict[str, float] = {}
+        """Per engine name: when it last handed a result back or was seen holding nothing."""
+        self._admission: Admission | None = None
+        self._step = 0
+
+    def begin_step(self, step: int, admission: Admission) -> None:
+        self._step, self._admission = step, admission
+        now = time.monotonic()
+        self._last_progress_s = {e.name: now for e in self.engines}  # idle between steps is not hung
+
+    def on_result(self, result: GenerationResult) -> None:
+        """A counted result (engine thread): its engine made progress."""
+        self._last_progress_s[result.engine] = time.monotonic()
+
+    def check(self) -> None:
+        """Recover every engine that failed since the last check (the rollout loop, every poll)."""
+        for slot, engine in enumerate(self.engines):
+            if (reason := self._failure(engine)) is not None:
+                self._recover(slot, engine, reason)
+
+    def load_weights(self, path: str, policy_version: int) -> None:
+        """Serve ``policy_version`` on every engine from now on (between steps); an engine that fails is replaced."""
+        self.weights = (path, policy_version)
+        for slot, engine in enumerate(self.engines):
+            reason = self._failure(engine)
+            if reason is None:
+                try:
+                    engine.update_weights_from_disk(path, policy_version)
+                    continue
+                except Exception as err:  # noqa: BLE001 - e.g. its server died during the load: one more failure
+                    reason = f"loading policy_version {policy_version} failed: {err!r}"
+            self._recover(slot, engine, reason)
+
+    def join_weight_group(self, group: WeightGroup, ranks_per_engine: int) -> None:
+        """Every engine joins trainer rank 0's weight-update group, engine i as ranks 1 + i * ranks_per_engine ..
+
+        The calls run at once (each returns only when the whole group has formed)."""
+        self.weight_group = group
+        self._on_every_engine(f"the engines to join the weight-update group at {group.master_address}:"
+                              f"{group.master_port}",
+                              lambda slot, engine: engine.init_weights_update_group(group, 1 + slot * ranks_per_engine))
+
+    def load_weights_distributed(self, buckets: list[Bucket], policy_version: int) -> None:
+        """Serve ``policy_version`` on every engine from trainer rank 0's broadcast of ``buckets`` (between steps)."""
+        self._on_every_engine(
+            f"the engines to receive policy_version {policy_version}",
+            lambda slot, engine: engine.update_weights_from_distributed(buckets, self.weight_group.group_name,
+                                                                         policy_version))
+
+    def _on_every_engine(self, what: str, call: Callable[[int, Engine], None]) -> None:
+        """``call`` on every engine at once, one thread each; any failure stops the run (see module docstring)."""
+        errors: dict[str, BaseException] = {}
+
+        def run(slot: int, engine: Engine) -> None:
+            try:
+                call(slot, engine)
+            except Exception as err:  # noqa: BLE001 - reported below with the engine's name
+                errors[engine.name] = err
+
+        threads = [threading.Thread(target=run, args=(slot, engine), name=f"weights-{engine.name}", daemon=True)
+                   for slot, engine in enumerate(self.engines)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            while thread.is_alive():
+                self.check_peers(what)
+                thread.join(timeout=0.5)
+        if errors:
+            name, err = next(iter(errors.items()))
+            engine = next(e for e in self.engines if e.name == name)
+            raise EngineFailed(f"weight sync failed on {sorted(errors)} (waiting for {what}): {name}: {err}. With "
+                               f"pipeline.weight_sync=distributed this stops the run. Look at "
+                               f"{self.where_to_look(engine)}") from err
+
+    def _failure(self, engine: Engine) -> str | None:
+        if engine.error is not None:
+            return repr(engine.error)
+        if self.request_timeout_s is None or self._admission is None:
+            return None
+        now = time.monotonic()
+        if (num_held := self._admission.num_held(engine)) == 0:
+            self._last_progress_s[engine.name] = now
+            return None
+        idle_s = now - self._last_progress_s.setdefault(engine.name, now)
+        if idle_s <= self.request_timeout_s:
+            return None
+        return (f"it holds {num_held} requests and handed none back for {idle_s:.1f}s "
+                f"(rollout.request_timeout_s={self.request_timeout_s:g}): hung")
+
+    def _recover(self, slot: int, failed: Engine, reason: str) -> None:
+        if self.weight_group is not None:
+            raise EngineFailed(
+                f"engine {failed.name} failed: {reason}. With pipeline.weight_sync=distributed a failed engine cannot "
+                "be replaced (the weight-update process group's members are fixed when it forms); stopping the run. "
+                f"Use pipeline.weight_sync=disk to survive engine failures. Look at {self.where_to_look(failed)}")
+        self.num_failures[slot] += 1
+        num = self.num_failures[slot]
+        base = self._names[slot]
+        if num > self.max_failures:
+            raise EngineFailed(
+                f"engine {failed.name} failed: {reason}. That is failure {num} of engine {base}, more than "
+                f"rollout.max_engine_failures={self.max_failures}; stopping the run. Look at "
+                f"{self.where_to_look(failed)}")
+        start = time.time()
+        num_retried = self._admission.take_out(failed) if self._admission is not None else 0
+        log.warning("engine %s failed (%s): %d unfinished requests resubmitted with their seeds; restarting it "
+                    "(failure %d of engine %s, rollout.max_engine_failures=%d). See %s.", failed.name, reason,
+                    num_retried, num, base, self.max_failures, self.where_to_look(failed))
+        threading.Thread(target=failed.shutdown, name=f"retire-{failed.name}", daemon=True).start()
+        try:
+            replacement = self.restart(slot, f"{base}-restart{num}", failed)
+            if self.weights is not None:
+                replacement.update_weights_from_disk(*self.weights)
+        except Exception as err:
+            raise EngineFailed(f"engine {failed.name} failed ({reason}) and its restart failed: {err}. Look at "
+                               f"{self.where_to_look(failed)}") from err
+        self.engines[slot] = replacement
+        self._last_progress_s[replacement.name] = time.monotonic()
+        if self._admission is not None:
+            self._admission.put_back(failed, replacement)
+        version = 0 if self.weights is None else self.weights[1]
+        log.warning("engine %s restarted as %s in %.1fs, serving policy_version %d.", failed.name, replacement.name,
+                    time.time() - start, version)
+        self.spans.add("rollout/engine_restart", step=self._step, start_s=start, end_s=time.time(),
+                       engine=failed.name, replacement=replacement.name, num_retried=num_retried, reason=reason,
+                       policy_version=version)

@@ -1,0 +1,215 @@
+"""MegatronTrainer: PolicyTrainer's interface and arithmetic over Megatron-core.
+
+Same loss (``grpo.policy_loss_sums``), same micro-batches, same consume loop: every micro-batch
+backpropagates the *sum* of its samples' losses into Megatron DDP's gradient buffers (no
+communication), and ``finish_batch`` makes the batch's one update: Megatron's finalize_model_grads
+sums the buffers over the data-parallel group (``calculate_per_token_loss`` makes DDP sum rather than
+average), the gradients are scaled once by 1 / normaliser, and Megatron's optimizer (fp32 Adam,
+decoupled weight decay on every parameter, as the torch backend's AdamW) clips by the global norm and
+steps. Which data-parallel rank trained which group changes only the order of additions, so the
+pipelined update equals the synchronous one here as well.
+
+Parallelism. Trainer ranks form tensor-parallel groups of ``trainer.megatron.tensor_parallel_size``
+consecutive ranks; the consume loop deals groups by data-parallel rank, so the ranks of one
+tensor-parallel group train the same samples. Logits are gathered over tensor-parallel ranks (a
+vocab-parallel log-softmax would save memory on large vocabularies; not done yet). Megatron's
+forward_backward schedules are not used: they need a batch's micro-batches up front and sync
+gradients at the end of every call, while groups here arrive one by one and ranks may train different
+numbers of micro-batches. That is also why pipeline parallelism is refused (TrainerConfig).
+
+Weights out. The engines and checkpoints take HF tensors: with tensor parallelism every optimizer
+step ends by gathering the shards on each tensor-parallel group's first rank, so trainer rank 0 can
+write them without the other ranks (``save_weights``, ``hf_model``).
+
+CPU. Without CUDA every Megatron call runs inside ``cpu.cuda_calls_on_cpu()``, which redirects
+Megatron's CUDA-only calls; float32 and float64 only (bf16 needs Megatron's mixed-precision
+optimizer, which needs CUDA). The GPU path (CUDA present) is Megatron's own code but has not been
+run by this project's tests.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from rolloutpipe.trainer.config import OldLogprobSource, TrainerConfig
+from rolloutpipe.trainer.grpo import BatchTotals, GRPOConfig, LossSums, normaliser, policy_loss_sums
+from rolloutpipe.trainer.megatron import cpu
+from rolloutpipe.trainer.megatron.convert import Layout, hf_to_megatron, megatron_to_hf
+from rolloutpipe.trainer.megatron.model import (
+    build_gpt_model,
+    check_supported,
+    destroy_parallel_state,
+    init_parallel_state,
+)
+from rolloutpipe.trainer.torch_backend import BatchResult, TrainSample, engine_logprobs, pack, token_logprobs
+
+
+class MegatronTrainer:
+    def __init__(self, *, model: torch.nn.Module, cfg: TrainerConfig, grpo: GRPOConfig, temperature: float,
+                 pad_id: int, multi_step: bool, process_group_active: bool, old_logprobs: OldLogprobSource) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.cfg = cfg
+        self.grpo = grpo
+        self.temperature = temperature
+        self.pad_id = pad_id
+        self.multi_step = multi_step
+        self.old_logprobs = old_logprobs
+        self._hf = model
+        """The HF model the weights came from; ``hf_model`` loads the trained weights back into it."""
+        self.dtype = next(model.parameters()).dtype
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        tp, pp = cfg.megatron.tensor_parallel_size, cfg.megatron.pipeline_parallel_size
+        if self.device is None and self.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"trainer.backend=megatron on a machine without CUDA trains float32 or float64 only "
+                             f"(model.dtype is {self.dtype}): Megatron's bf16 optimizer needs CUDA.")
+        check_supported(model.config, tp_size=tp)
+        self.layout = Layout.from_hf(model.config, tp_size=tp)
+        with cpu.cuda_calls_on_cpu():
+            self._created_world = init_parallel_state(tp_size=tp, pp_size=pp)
+            self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+            self.tp_group = parallel_state.get_tensor_model_parallel_group()
+            self.dp_group = parallel_state.get_data_parallel_group()
+            self.data_parallel_rank = parallel_state.get_data_parallel_rank()
+            self.data_parallel_size = parallel_state.get_data_parallel_world_size()
+            self.gpt = build_gpt_model(model.config, dtype=self.dtype, tp_size=tp, pp_size=pp)
+            self._load_hf(model.state_dict())
+            if self.device is not None:
+                self.gpt.to(self.device)
+            padding_idx = model.get_input_embeddings().padding_idx
+            if padding_idx is not None:
+                self.gpt.embedding.word_embeddings.register_forward_hook(_no_gradient_through(padding_idx))
+            self.ddp = DistributedDataParallel(
+                config=self.gpt.config, module=self.gpt,
+                ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=self.dtype != torch.float64),
+            )
+            self.optimizer = get_megatron_optimizer(OptimizerConfig(
+                optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
+                adam_beta2=cfg.adam_beta2, adam_eps=1e-8, clip_grad=cfg.max_grad_norm,
+                bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
+            ), [self.ddp])
+        self._tp_shards: list[dict[str, torch.Tensor]] | None = None
+        self._gather_shards()
+        self._snapshot: dict[str, torch.Tensor] | None = None
+        self._totals = BatchTotals()
+
+    def begin_step(self) -> None:
+        """Remember policy_version k's parameters when later batches must clip against them."""
+        if self.multi_step and self.old_logprobs is OldLogprobSource.trainer:
+            self._snapshot = {k: v.detach().clone() for k, v in self.gpt.named_parameters()}
+
+    def forward_backward(self, samples: list[TrainSample], *, first_batch_of_step: bool) -> LossSums:
+        input_ids, targets, mask = (t.to(self.device) if self.device else t
+                                    for t in pack(samples, pad_id=self.pad_id, dtype=self.dtype))
+        with cpu.cuda_calls_on_cpu():
+            logprobs = token_logprobs(self._logits(self.ddp, None, input_ids), targets, self.temperature)
+            if self.old_logprobs is OldLogprobSource.engine:
+                old = engine_logprobs(samples, like=logprobs)
+            elif first_batch_of_step or self._snapshot is None:
+                old = logprobs.detach()
+            else:
+                with torch.no_grad():
+                    old = token_logprobs(self._logits(self.gpt, self._snapshot, input_ids), targets,
+                                         self.temperature) * mask
+            advantages = torch.tensor([s.advantage for s in samples], dtype=logprobs.dtype, device=logprobs.device)
+            sums = policy_loss_sums(logprobs, old, advantages, mask, self.grpo)
+            sums.loss.backward()  # into DDP's gradient buffers; nothing is communicated until finish_batch
+        self._totals.add(sums)
+        return sums
+
+    def finish_batch(self) -> BatchResult:
+        """Sum over data-parallel ranks, normalise once, clip and step: the batch's one optimizer update."""
+        from megatron.core.distributed import finalize_model_grads
+
+        with cpu.cuda_calls_on_cpu():
+            total = self._totals.reduce(lambda values: dist.all_reduce(values, group=self.dp_group))
+            scale = 1.0 / normaliser(self.grpo, num_tokens=total.num_tokens, num_samples=total.num_samples)
+            finalize_model_grads([self.ddp])
+            self.ddp.scale_gradients(scale)
+            _, grad_norm, _ = self.optimizer.step()
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        self._gather_shards()
+        self._totals = BatchTotals()
+        return BatchResult(loss=total.loss * scale, grad_norm=float(grad_norm), num_tokens=total.num_tokens,
+                           num_clipped_tokens=total.num_clipped_tokens)
+
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        """The policy under HF names, full tensors (a tensor-parallel group's first rank; tied lm_head left out)."""
+        return megatron_to_hf(self._tp_shards, self.layout)
+
+    def hf_model(self) -> torch.nn.Module:
+        """The HF model with the trained weights (for save_pretrained); on a tensor-parallel group's first rank."""
+        missing, unexpected = self._hf.load_state_dict(self.hf_state(), strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+        return self._hf
+
+    def save_weights(self, path: Path) -> float:
+        """Write the policy as one safetensors file (HF names) atomically; returns seconds spent."""
+        start = time.time()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        save_file({k: v.contiguous() for k, v in self.hf_state().items()}, str(tmp), metadata={"format": "pt"})
+        tmp.rename(path)
+        return time.time() - start
+
+    def close(self) -> None:
+        """Release Megatron's process groups (and the one-rank world group if this trainer made it)."""
+        destroy_parallel_state(created_world=self._created_world)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _logits(self, module: torch.nn.Module, params: dict[str, torch.Tensor] | None,
+                input_ids: torch.Tensor) -> torch.Tensor:
+        """Next-token logits [B, L-1, V] of real vocabulary entries; padding on the right needs no mask."""
+        batch, length = input_ids.shape
+        kwargs = {
+            "input_ids": input_ids,
+            "position_ids": torch.arange(length, device=input_ids.device).expand(batch, length),
+            # True above the diagonal: masked (Megatron's convention)
+            "attention_mask": torch.ones(length, length, dtype=torch.bool, device=input_ids.device).triu(1)[None, None],
+        }
+        logits = module(**kwargs) if params is None else torch.func.functional_call(module, params, (), kwargs)
+        return logits[:, :-1, : self.layout.vocab_size]
+
+    def _load_hf(self, hf_state: dict[str, torch.Tensor]) -> None:
+        own = dict(self.gpt.named_parameters())
+        mapped = hf_to_megatron(hf_state, self.layout, tp_rank=self.tp_rank)
+        assert mapped.keys() == own.keys(), sorted(mapped.keys() ^ own.keys())
+        with torch.no_grad():
+            for name, value in mapped.items():
+                own[name].copy_(value)
+
+    def _gather_shards(self) -> None:
+        """Collect the tensor-parallel shards on the group's first rank (every rank of the group calls this)."""
+        local = {k: v.detach().to("cpu", copy=True) for k, v in self.gpt.named_parameters()}
+        if self.layout.tp_size == 1:
+            self._tp_shards = [local]
+            return
+        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.layout.tp_size)]
+        for name, value in local.items():
+            parts = [torch.empty_like(value) for _ in shards]
+            dist.all_gather(parts, value, group=self.tp_group)
+            for shard, part in zip(shards, parts):
+                shard[name] = part
+        self._tp_shards = shards if self.tp_rank == 0 else None
+
+
+def _no_gradient_through(padding_idx: int):
+    """HF's nn.Embedding(padding_idx=...): looking up the padding token sends no gradient to its row.
+
+    Megatron's embedding has no padding_idx. The row matters when a sampled response contains the
+    padding token: the HF row is zeros, and RMSNorm's gradient at zero is 1 / sqrt(eps).
+    """
+
+    def hook(module, inputs, output):
+        is_padding = (inputs[0] == padding_idx).unsqueeze(-1)  # [B, L, 1]; output is [B, L, H]
+        return torch.where(is_padding, output.detach(), output)
+
+    return hook

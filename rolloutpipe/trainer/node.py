@@ -1,0 +1,152 @@
+"""A trainer node-group process (het group 1, one per rank): its parts, and the bookkeeping around each step.
+
+pipeline.py runs the rank's main loop and the step itself (``pipeline.train_step``, ``pipeline.sync_weights``);
+this class owns what they use: the trainer backend (``trainer_class``), the process group of the trainer
+ranks, the weight publisher (rank 0), the span recorder, and rank 0's outputs: metrics.jsonl, the W&B run,
+checkpoints, the final policy and the merged trace.
+
+Trainer main loop (pipeline.run_trainer, on each rank's main thread)
+    consumes   the step's group handles in publish order (every rank reads every handle and trains its
+               share: batching.BatchConsumer), then, on rank 0, the rollout's stats of the step
+    produces   optimizer steps; on rank 0 policy k+1 for the engines, a metrics record per step,
+               checkpoints, and at the end the final policy and the merged trace
+    waits for  the next handle (store.wait in slices with liveness checks), the all-reduces of its batch,
+               and on rank 0 the engines serving the new policy (sync and cgp)
+    shuts down healthy: rank 0 sets ``trainer/done`` after the final checkpoint and the trace, so the
+               rollout keeps hosting the store until then; on any error pipeline.run_node writes ``abort``
+               and the process exits non-zero
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from rolloutpipe.config import Config, PipelineMode, ResumeMode
+from rolloutpipe.control.checkpoint import latest_checkpoint, load_optimizer, save_checkpoint
+from rolloutpipe.control.clock import sync_clock
+from rolloutpipe.control.env import NodeEnv, trainer_process_group_backend
+from rolloutpipe.control.transport import Transport
+from rolloutpipe.model import load_model, load_tokenizer, save_hf_checkpoint
+from rolloutpipe.observe.metrics import RolloutStats, SpanRecorder, TrainStats, reduce_step, summary_line
+from rolloutpipe.observe.timeline import finish_run
+from rolloutpipe.observe.tracking import open_tracker
+from rolloutpipe.trainer.config import OldLogprobSource, TrainerBackend
+from rolloutpipe.trainer.torch_backend import PolicyTrainer
+from rolloutpipe.trainer.weights import WeightPublisher
+
+
+def trainer_class(backend: TrainerBackend) -> type:
+    """The trainer of ``trainer.backend``; Megatron is imported only when chosen (it is heavy, and optional)."""
+    if backend is TrainerBackend.megatron:
+        from rolloutpipe.trainer.megatron.trainer import MegatronTrainer
+
+        return MegatronTrainer
+    return PolicyTrainer
+
+
+class TrainerNode:
+    def __init__(self, cfg: Config, env: NodeEnv, transport: Transport) -> None:
+        self.cfg = cfg
+        self.env = env
+        self.transport = transport
+        self.is_writer = env.rank == 0
+        """Rank 0 publishes weights and writes the run's outputs."""
+        self.spans = SpanRecorder(role="trainer", rank=env.rank, path=env.run_dir / "spans" / f"trainer-{env.rank}.jsonl",
+                                  clock=sync_clock(transport))
+        self.tracker = open_tracker(cfg.wandb, run_dir=env.run_dir, run_id=env.run_id, config=cfg,
+                                    enabled=self.is_writer)
+        self.distributed = env.world_size > 1
+        if self.distributed:
+            pg_store = dist.PrefixStore(transport.key("trainer_pg") + "/", transport.connect_another().store)
+            dist.init_process_group(trainer_process_group_backend(), store=pg_store, rank=env.rank,
+                                    world_size=env.world_size)
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.resumed = latest_checkpoint(env.run_dir) if cfg.run.resume is ResumeMode.auto else None
+        model_cfg = cfg.model if self.resumed is None else replace(cfg.model, path=str(self.resumed.directory))
+        self.trainer = trainer_class(cfg.trainer.backend)(  # PolicyTrainer or MegatronTrainer
+            model=load_model(model_cfg, len(self.tokenizer)), cfg=cfg.trainer, grpo=cfg.grpo,
+            temperature=cfg.rollout_temperature, pad_id=self.tokenizer.pad_token_id,
+            multi_step=cfg.num_steps_per_rollout > 1, process_group_active=self.distributed,
+            # async_one_step trains on samples of the previous policy, which only the engine's log-probs describe
+            old_logprobs=OldLogprobSource.engine if cfg.pipeline.mode is PipelineMode.async_one_step
+            else cfg.trainer.old_logprobs,
+        )
+        self.weights = WeightPublisher(cfg=cfg, run_dir=env.run_dir, transport=transport, trainer=self.trainer)
+        """Rank 0's: policy k+1 to the engines, as a file or a broadcast (weights.py)."""
+        self.metrics_path = env.run_dir / "metrics.jsonl"
+        self.first_step = 0
+        if self.resumed is not None:
+            load_optimizer(self.trainer.optimizer, self.resumed)
+            self.first_step = self.resumed.step + 1
+            if self.is_writer and self.metrics_path.exists():  # drop records of steps that will be redone
+                kept = [line for line in self.metrics_path.read_text().splitlines()
+                        if json.loads(line)["step"] <= self.resumed.step]
+                self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        self.progress = None
+
+    def start(self) -> int:
+        """Rank 0 opens weight sync and tells the rollout to start; returns the first step to run."""
+        from tqdm import tqdm
+
+        if self.is_writer:  # the rollout starts its first step only now, so no step's timings include start-up
+            self.weights.open()
+            self.transport.set(self.transport.key("trainer", "ready"), "1")
+        self.progress = tqdm(total=self.cfg.num_rollout, initial=self.first_step, desc="RL steps", unit="step",
+                             disable=not (self.is_writer and sys.stderr.isatty()))
+        return self.first_step
+
+    def end_step(self, step: int, stats: TrainStats) -> None:
+        """The step's metrics record (rank 0 writes it: metrics.jsonl, the terminal, W&B), then its checkpoint."""
+        record = self.reduce(step, stats)
+        if self.is_writer:
+            with self.metrics_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            self.progress.write(summary_line(record, self.cfg.num_rollout), file=sys.stdout)
+            sys.stdout.flush()
+            self.progress.update()
+            self.tracker.log_step(record)
+            if self.checkpoint_due(step):  # after the record: a checkpoint of step k implies its metrics
+                self.save_checkpoint(step)
+        self.spans.flush()
+
+    def reduce(self, step: int, stats: TrainStats) -> dict:
+        means = torch.tensor([stats.compute_s, stats.tail_compute_s], dtype=torch.float64)
+        if self.distributed:
+            dist.all_reduce(means)
+            means /= self.env.world_size
+        if not self.is_writer:
+            return {}
+        rollout = RolloutStats(**self.transport.wait_json(self.transport.key(f"step={step}", "rollout_stats"),
+                                                          what=f"step {step}'s rollout stats"))
+        return reduce_step(rollout, stats, mean_compute_s=float(means[0]), mean_tail_compute_s=float(means[1]),
+                           lr=self.cfg.trainer.lr)
+
+    def checkpoint_due(self, step: int) -> bool:
+        every = self.cfg.run.checkpoint_every
+        return every > 0 and ((step + 1) % every == 0 or step + 1 == self.cfg.num_rollout)
+
+    def save_checkpoint(self, step: int) -> None:
+        source_state = self.transport.wait_json(self.transport.key(f"step={step}", "source_state"),
+                                                what=f"step {step}'s prompt source state")
+        with self.spans.span("checkpoint/save", step=step):
+            save_checkpoint(run_dir=self.env.run_dir, step=step, model=self.trainer.hf_model(),
+                            tokenizer=self.tokenizer, optimizer=self.trainer.optimizer, source_state=source_state,
+                            config_yaml=(self.env.run_dir / "config.yaml").read_text(),
+                            keep_last=self.cfg.run.keep_last_checkpoints)
+
+    def finish(self) -> None:
+        """After the last step: the final policy, the merged trace and W&B (rank 0), then ``trainer/done``."""
+        self.progress.close()
+        if self.distributed:
+            dist.barrier()
+        if self.is_writer:
+            save_hf_checkpoint(self.trainer.hf_model(), self.tokenizer, self.env.run_dir / "checkpoints" / "final")
+            finish_run(self.env.run_dir, self.tracker)  # trace.json, lifecycle.jsonl, timeline.png, W&B
+            self.transport.set(self.transport.key("trainer", "done"), "1")
+        if self.distributed:
+            dist.destroy_process_group()

@@ -1,0 +1,188 @@
+"""The PyTorch trainer: micro-batch forward/backward as groups arrive, one optimizer step per training batch.
+
+Gradient accumulation works on loss *sums* (see ``grpo``): each micro-batch backpropagates the sum of
+its samples' losses; when a training batch is complete, ``finish_batch`` all-reduces the gradients
+and the token and sample counts over the data-parallel ranks (gloo on CPU), divides the gradients by
+the batch normaliser, clips and steps. Which rank trained which group, and in what order, changes
+only the order of floating-point additions.
+
+Old log-probs. With one optimizer step per rollout the weights at training time are the rollout's
+policy_version k, so the old log-probs are the current ones, detached (ratio = 1, exact). With
+``num_steps_per_rollout > 1`` the trainer keeps a copy of version k's parameters taken at the start of
+the step and recomputes old log-probs with it, so batches trained after the first optimizer step
+still clip against version k. ``old_logprobs=engine`` uses the engine's log-probs instead (cheaper on
+large models; differs from the trainer's by the numerics of the two implementations). The trainer's
+own recomputation is the default because it is exact: the ratio is 1 to the last bit on the first
+batch, so the clipped objective sees no engine/trainer mismatch. ``async_one_step`` always uses the
+engine's log-probs, the only record of the stale policy that generated its samples.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from rolloutpipe.trainer.config import OldLogprobSource, TrainerConfig
+from rolloutpipe.trainer.grpo import BatchTotals, GRPOConfig, LossSums, normaliser, policy_loss_sums
+from rolloutpipe.types import CompleteGroup
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainSample:
+    """One sample as the trainer sees it."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    engine_logprobs: list[float]
+    advantage: float
+
+
+def train_samples(group: CompleteGroup) -> list[TrainSample]:
+    return [
+        TrainSample(prompt_ids=group.prompt_ids, response_ids=s.response_ids, engine_logprobs=s.logprobs,
+                    advantage=a)
+        for s, a in zip(group.samples, group.advantages, strict=True)
+    ]
+
+
+@dataclass(kw_only=True, slots=True)
+class BatchResult:
+    loss: float
+    grad_norm: float
+    num_tokens: int
+    num_clipped_tokens: int
+
+
+class PolicyTrainer:
+    def __init__(self, *, model: torch.nn.Module, cfg: TrainerConfig, grpo: GRPOConfig, temperature: float,
+                 pad_id: int, multi_step: bool, process_group_active: bool, old_logprobs: OldLogprobSource) -> None:
+        self.model = model.train()
+        self.cfg = cfg
+        self.grpo = grpo
+        self.temperature = temperature
+        self.pad_id = pad_id
+        self.multi_step = multi_step
+        self.old_logprobs = old_logprobs
+        self.distributed = process_group_active
+        self.data_parallel_rank = dist.get_rank() if process_group_active else 0
+        self.data_parallel_size = dist.get_world_size() if process_group_active else 1
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay
+        )
+        self._snapshot: dict[str, torch.Tensor] | None = None
+        self._totals = BatchTotals()
+
+    def begin_step(self) -> None:
+        """Remember policy_version k's parameters when later batches must clip against them."""
+        if self.multi_step and self.old_logprobs is OldLogprobSource.trainer:
+            # named_parameters lists tied weights once; functional_call re-ties them
+            self._snapshot = {k: v.detach().clone() for k, v in self.model.named_parameters()}
+
+    def forward_backward(self, samples: list[TrainSample], *, first_batch_of_step: bool) -> LossSums:
+        input_ids, targets, mask = pack(samples, pad_id=self.pad_id, dtype=self._dtype())  # [B, L], [B, L-1] x 2
+        attention = _real_tokens(samples, input_ids.shape[1])  # [B, L]
+        logits = self.model(input_ids=input_ids, attention_mask=attention.long()).logits[:, :-1]
+        logprobs = token_logprobs(logits, targets, self.temperature)  # [B, L-1]
+        old = self._old_logprobs(samples, input_ids, attention, targets, logprobs, mask, first_batch_of_step)
+        advantages = torch.tensor([s.advantage for s in samples], dtype=logprobs.dtype)
+        sums = policy_loss_sums(logprobs, old, advantages, mask, self.grpo)
+        sums.loss.backward()
+        self._totals.add(sums)
+        return sums
+
+    def finish_batch(self) -> BatchResult:
+        """All-reduce, normalise once, clip and step: the batch's one optimizer update."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.distributed:
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(flat)
+            offset = 0
+            for p in params:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+        total = self._totals.reduce(dist.all_reduce if self.distributed else None)
+        scale = 1.0 / normaliser(self.grpo, num_tokens=total.num_tokens, num_samples=total.num_samples)
+        for p in params:
+            p.grad.mul_(scale)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._totals = BatchTotals()
+        return BatchResult(loss=total.loss * scale, grad_norm=grad_norm, num_tokens=total.num_tokens,
+                           num_clipped_tokens=total.num_clipped_tokens)
+
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        """The policy under HF names (tied lm_head left out, as save_pretrained does)."""
+        state = {k: v.detach() for k, v in self.model.state_dict().items()}
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        return state
+
+    def save_weights(self, path: Path) -> float:
+        """Write the policy as one safetensors file (HF names) atomically; returns seconds spent."""
+        start = time.time()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        save_file({k: v.contiguous() for k, v in self.hf_state().items()}, str(tmp), metadata={"format": "pt"})
+        tmp.rename(path)
+        return time.time() - start
+
+    def hf_model(self) -> torch.nn.Module:
+        """The policy as an HF model (for save_pretrained): the trained model itself."""
+        return self.model
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _old_logprobs(self, samples, input_ids, attention, targets, logprobs, mask, first_batch_of_step):
+        if self.old_logprobs is OldLogprobSource.engine:
+            return engine_logprobs(samples, like=logprobs)
+        if first_batch_of_step or self._snapshot is None:
+            return logprobs.detach()
+        with torch.no_grad():
+            logits = torch.func.functional_call(
+                self.model, self._snapshot, (), {"input_ids": input_ids, "attention_mask": attention.long()}
+            ).logits[:, :-1]
+            return token_logprobs(logits, targets, self.temperature) * mask
+
+    def _dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+
+def pack(samples: list[TrainSample], *, pad_id: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Right-padded token ids [B, L], next-token targets [B, L-1], and the response-token mask [B, L-1]."""
+    seqs = [s.prompt_ids + s.response_ids for s in samples]
+    length = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), length - 1), dtype=dtype)
+    for b, (s, seq) in enumerate(zip(samples, seqs)):
+        input_ids[b, : len(seq)] = torch.tensor(seq)
+        # logits at position j predict token j + 1: response tokens are predicted from P - 1 .. P + R - 2
+        mask[b, len(s.prompt_ids) - 1 : len(seq) - 1] = 1.0
+    return input_ids, input_ids[:, 1:], mask
+
+
+def engine_logprobs(samples: list[TrainSample], *, like: torch.Tensor) -> torch.Tensor:
+    """The engine's log-probs of the response tokens, laid out like the trainer's [B, L-1]."""
+    old = torch.zeros_like(like)
+    for b, s in enumerate(samples):
+        start = len(s.prompt_ids) - 1
+        old[b, start : start + len(s.engine_logprobs)] = torch.tensor(s.engine_logprobs, dtype=old.dtype)
+    return old
+
+
+def _real_tokens(samples: list[TrainSample], length: int) -> torch.Tensor:
+    """True on every real token (padding is on the right), whatever its id."""
+    lens = torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples])
+    return torch.arange(length)[None, :] < lens[:, None]
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
