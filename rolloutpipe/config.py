@@ -1,7 +1,8 @@
 """The job's typed configuration: Hydra YAML binds to these dataclasses, checked once at startup.
 
-Each component's own settings live beside it (``rollout.RolloutConfig``, ``trainer.TrainerConfig``,
-``data.DataConfig``, ...); this module assembles them and checks what spans components: the batch
+Each component's own settings live beside it (``rollout/config.py: RolloutConfig``, ``trainer/config.py:
+TrainerConfig``, ``rollout/data.py: DataConfig``, ``launch/config.py: LauncherConfig``, ...), in modules that
+import nothing that imports this one; this module assembles them and checks what spans components: the batch
 arithmetic, with Slime's knob names at the top level so that a Slime user types what they know:
 
     rollout_batch_size * n_samples_per_prompt == global_batch_size * num_steps_per_rollout
@@ -59,7 +60,7 @@ class PipelineConfig:
     """A process whose heart-beat stops this long is declared dead, and the run stops."""
     heartbeat_s: float = 1.0
     weight_sync: WeightSync = WeightSync.disk
-    """How policy k+1 reaches the engines (weight_sync.py): ``disk`` (a safetensors file under run_dir/weights,
+    """How policy k+1 reaches the engines (control/weight_sync.py): ``disk`` (a safetensors file under run_dir/weights,
     any engine) or ``distributed`` (trainer rank 0 broadcasts to the engines; HTTP engines only)."""
     weight_sync_bucket_mb: float = 512.0
     """With ``weight_sync=distributed``: tensors per /update_weights_from_distributed call, up to this size."""

@@ -177,7 +177,7 @@ class LifecycleState(enum.Enum):
 class GroupLifecycle:
     """One group's life across both node groups, built from every process's spans (``trace.group_lifecycles``).
 
-    Times are on the run's clock (clock.py); None means the group never reached that state.
+    Times are on the run's clock (control/clock.py); None means the group never reached that state.
     """
 
     step: int

@@ -24,11 +24,11 @@ ALLOWED = {
     "launch": {"types", "model", "config", "control", "observe", "rollout", "trainer", "pipeline"},
     "sim": {"rolloutpipe", "types", "model", "config", "control", "observe", "rollout", "trainer"},
 }
-"""What each part of the package may import besides itself: types and config at the bottom, control (the
-plane between the node groups) and observe above them, the two node groups side by side, never importing
-each other, and pipeline, launch and the simulator on top. config imports only the component config modules
-beside each component (rollout/config.py, trainer/config.py, launch/config.py, ...); the circle check keeps
-those from importing anything that imports config."""
+"""What each part of the package may import besides itself: types and model at the bottom, control (the plane
+between the node groups) above them, observe above control, the two node groups side by side, never importing
+each other, and pipeline, launch and the simulator on top. config.py binds the component config modules that
+live beside each component (rollout/config.py, trainer/config.py, launch/config.py, ...) and the node groups
+read it; the circle check keeps those config modules from importing anything that imports config."""
 
 
 def module_name(path: Path) -> str:

@@ -1,7 +1,7 @@
 """Weight sync: how policy_version k+1 reaches the engines between steps.
 
 ``pipeline.weight_sync`` picks one of two ways; both keep the on-policy invariant, because the rollout node makes
-every engine call, and it does so only between steps, when no request is in flight (pipeline.py load_weights).
+every engine call, and it does so only between steps, when no request is in flight (rollout/node.py load_weights).
 
 disk (default; every engine kind)
     Trainer rank 0 writes ``run_dir/weights/policy_v<k>.safetensors`` and publishes its path in the store; the
@@ -32,8 +32,11 @@ distributed (HTTP engines: ``rollout.engine=embedded_http`` or ``sglang``)
 
 The process group is formed the way SGLang 0.5.23 forms it on the engine side (``init_custom_process_group``:
 a ``tcp://`` rendezvous whose rank 0 hosts the store, a ``PrefixStore`` named after the group, torch's group
-helper), so the embedded engine's server (engine/http_server.py) and trainer rank 0 use ``join_group`` below and
-meet a real SGLang server on the same keys.
+helper), so the embedded engine's server (rollout/engines/http_server.py) and trainer rank 0 use ``join_group``
+below and meet a real SGLang server on the same keys.
+
+Both sides' pieces live here (records, buckets, the group, one broadcast and one receive); trainer rank 0's
+publisher, which drives them each step, is trainer/weights.py.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ class LauncherConfig:
     setup: list[str] = field(default_factory=list)
     """Shell lines the batch script runs before the step, e.g. ['module load cuda', 'source .venv/bin/activate']."""
     store_port: int | None = None
-    """Null: 20000 + job id mod 10000 (see env.py)."""
+    """Null: 20000 + job id mod 10000 (see control/env.py)."""
     poll_s: float = 10.0
     """How often the launcher asks sacct about the job."""
     dry_run: bool = False

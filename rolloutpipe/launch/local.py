@@ -1,4 +1,4 @@
-"""Launchers start both node groups with the same resolved config and the environment of env.py.
+"""Launchers start both node groups with the same resolved config and the environment of control/env.py.
 
 ``launcher.kind`` picks one (Hydra: ``launcher=local|slurm|sbatch``):
     local   LocalLauncher, below: both node groups as processes on this machine (the default).

@@ -1,4 +1,4 @@
-"""Entry point of one node-group process: ``python -m rolloutpipe.launch.node`` (see env.py for its contract)."""
+"""Entry point of one node-group process: ``python -m rolloutpipe.launch.node`` (control/env.py: its contract)."""
 
 from __future__ import annotations
 

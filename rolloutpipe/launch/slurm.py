@@ -20,7 +20,7 @@ only, and not sent to the accounting database unless AccountingStoreFlags=job_en
 inherit it. The batch script, submitit's pickle and the logs hold no secret.
 
 submitit (an optional dependency, ``pip install -e .[slurm]``) has no het-job support; the small
-extension in slurm_submitit.py writes this script, counts the tasks of both groups, and maps sacct's
+extension in submitit_het.py writes this script, counts the tasks of both groups, and maps sacct's
 ``<job>+<k>`` component rows back to the job. It is imported only when a job is submitted.
 
 Monitor loop (SlurmLauncher.launch)

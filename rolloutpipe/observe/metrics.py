@@ -48,7 +48,7 @@ class SpanRecorder:
     rank from the header. (One JSON document per flush, and integers rather than floats, make a flush
     about twice as cheap as one ``json.dumps`` per span.) A process that starts again (resume) appends a
     new header; it applies to the lines after it. Span times are on the run's clock: callers pass this process's
-    ``time.time()`` values and ``add`` adds the clock offset (clock.py), so the files of different nodes
+    ``time.time()`` values and ``add`` adds the clock offset (control/clock.py), so the files of different nodes
     merge as they are; the header keeps the offset and its uncertainty.
 
     Cost. ``add`` appends a tuple under a lock (about 2-3 us on a busy 2-core machine, most of it the call

@@ -3,7 +3,7 @@
 On a terminal the status line is rewritten in place, at most ``tty_interval_s`` apart. Anywhere else (a
 Slurm log, a pipe) it is printed as a plain line, at most one every ``interval_s``, and only for work
 that has already taken ``interval_s``: a run whose steps are short prints nothing here and keeps its one
-summary line per step (pipeline.py), while a step that takes ten minutes reports every ``interval_s``.
+summary line per step (trainer/node.py), while a step that takes ten minutes reports every ``interval_s``.
 
 Usage, from the thread that waits (``update`` costs a clock read when nothing is due):
 

@@ -14,7 +14,7 @@ and hands spans, lifecycles and picture to the W&B tracker (tracking.py), if one
 
 Why the merge is complete when trainer rank 0 runs it: the rollout flushes a step's spans before it
 publishes the step's stats, which rank 0 waits for; the other trainer ranks flush before the final
-barrier. Nothing is re-timed here: spans are already on the run's clock (clock.py).
+barrier. Nothing is re-timed here: spans are already on the run's clock (control/clock.py).
 
 Lifecycles are derived from spans, so recording costs nothing extra: admitted is the first request's
 submission (``start - queued_s`` of ``rollout/request``), generated the last request's end, rewarded
@@ -247,7 +247,7 @@ def chrome_trace(files: list[SpanFile], lifecycles: list[GroupLifecycle]) -> dic
     events.sort(key=lambda e: (e["pid"], e["tid"], e["ts"]))
     headers = {f.path.stem: f.header for f in files}
     return {"traceEvents": meta + events, "displayTimeUnit": "ms",
-            "otherData": {"t0_s": t0, "clock": "store host wall clock (see clock.py)", "processes": headers}}
+            "otherData": {"t0_s": t0, "clock": "store host wall clock (see control/clock.py)", "processes": headers}}
 
 
 def _event_name(s: Span) -> str:

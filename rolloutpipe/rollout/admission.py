@@ -173,7 +173,7 @@ class AdmissionPolicy(enum.Enum):
 
 
 def group_advantages(rewards: list[float], *, normalize_std: bool) -> list[float]:
-    """GRPO advantages of one group from its own rewards only (grpo.py); a group with one reward value gets zeros."""
+    """GRPO advantages of one group from its own rewards only (trainer/grpo.py); a group with one reward value gets zeros."""
     mean = math.fsum(rewards) / len(rewards)
     centered = [r - mean for r in rewards]
     if normalize_std and len(rewards) > 1:

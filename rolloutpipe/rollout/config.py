@@ -12,7 +12,7 @@ class EngineKind(enum.Enum):
     embedded = "embedded"
     """The embedded CPU engine (a small request scheduler over the transformers model), in this process."""
     embedded_http = "embedded_http"
-    """The embedded engine in its own process behind SGLang's HTTP API (engine/http_server.py), driven by the
+    """The embedded engine in its own process behind SGLang's HTTP API (engines/http_server.py), driven by the
     SGLang client: the rollout node as on a cluster, on CPU."""
     sglang = "sglang"
     """SGLang servers: one ``python -m sglang.launch_server`` per engine on this node, or ``engine_urls``."""
@@ -47,8 +47,8 @@ class RolloutConfig:
 
     @property
     def ranks_per_engine(self) -> int:
-        """Ranks one engine takes in the weight-update process group (weight_sync.py): one per tensor-parallel
-        rank of an SGLang server (its GPUs, assuming --dp-size 1), one for the embedded engine."""
+        """Ranks one engine takes in the weight-update process group (control/weight_sync.py): one per
+        tensor-parallel rank of an SGLang server (its GPUs, assuming --dp-size 1), one for the embedded engine."""
         return self.sglang_gpus_per_engine if self.engine is EngineKind.sglang else 1
 
     @property

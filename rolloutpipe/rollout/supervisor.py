@@ -14,8 +14,8 @@ failed) or, with ``rollout.request_timeout_s``, when it holds requests and hands
 3. A slot that fails more than ``rollout.max_engine_failures`` times stops the run with the engine's name and
    where its log is.
 
-With ``pipeline.weight_sync=distributed`` (weight_sync.py) the engines form one process group with trainer rank 0,
-whose membership is fixed when it forms: a fresh engine could not join it, so there an engine failure stops the
+With ``pipeline.weight_sync=distributed`` (control/weight_sync.py) the engines form one process group with
+trainer rank 0, whose membership is fixed when it forms: a fresh engine could not join it, so there an engine failure stops the
 run (with that reason) instead of step 2.
 
 The supervisor has no thread: the rollout loop calls ``check`` every poll and ``load_weights`` between steps.

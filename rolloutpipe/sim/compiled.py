@@ -1,9 +1,10 @@
 """The simulator's hot path, compiled with mypyc from the same source files.
 
-A simulated step runs the project's scheduling code (rollout/admission.py: Admission, GroupAssembler, StepSlots,
-RolloutSchedule; trainer/batching.py; observe/metrics.py's step record), the simulator's engines and glue (sim/engine.py,
-sim/run.py) and the nouns they pass (types.py) once per request: millions of times a run. mypyc compiles exactly these files, no
-copy of them, into C extensions that run the simulator about 2.4x faster (README "Simulator").
+A simulated step runs the project's scheduling code (rollout/admission.py: Admission, GroupAssembler,
+StepSlots, RolloutSchedule; trainer/batching.py; observe/metrics.py's step record), the simulator's engines and
+glue (sim/engine.py, sim/run.py) and the nouns they pass (types.py) once per request: millions of times a run.
+mypyc compiles exactly these files, no copy of them, into C extensions that run the simulator about 2.4x
+faster (README "Simulator").
 
 ``activate`` puts the compiled modules ahead of the sources on the package path. It must run before any of
 them is imported (tools/simulate.py and bench/sim_speed.py call it first thing); in a process that already
@@ -30,7 +31,8 @@ import tempfile
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent
-MODULES = ("types.py", "rollout/admission.py", "trainer/batching.py", "observe/metrics.py", "sim/engine.py", "sim/run.py")
+MODULES = ("types.py", "rollout/admission.py", "trainer/batching.py", "observe/metrics.py", "sim/engine.py",
+           "sim/run.py")
 """Paths under the package of the files compiled."""
 
 _MYPY_SETTINGS = """\

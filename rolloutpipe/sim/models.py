@@ -11,7 +11,7 @@ for the joiners' P prompt tokens, paid by the whole batch; each finished request
 by ``sim/calibrate.py``; GPU figures come from published SGLang throughput (conf/sim/hardware/*.yaml
 cite their sources).
 
-Trainer. A micro-batch is padded to its longest sample, as trainer.py does, so it costs
+Trainer. A micro-batch is padded to its longest sample, as trainer/torch_backend.py does, so it costs
 ``micro_batch_base_s + num_samples * (per_token_s * padded_len + per_token_squared_s * padded_len**2)``
 (the MLP, then attention); an optimizer step costs
 ``optimizer_step_s``. With several ranks each rank trains its share (batching.BatchConsumer) and the

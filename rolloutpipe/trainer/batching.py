@@ -6,9 +6,9 @@ so handles of later batches wait in ``arrived`` until their turn. Within the bat
 groups are dealt round-robin over the data-parallel ranks in arrival order (group i of the batch goes
 to rank i % world_size); a rank cuts its samples into micro-batches of ``micro_batch_size`` as they
 come and runs the remainder when the batch's last group is in, then every rank takes the optimizer
-step. Which rank trained which group changes only the order of floating-point additions (trainer.py).
+step. Which rank trained which group changes only the order of floating-point additions (torch_backend.py).
 
-``TrainerNode.train_step`` (pipeline.py) runs this with real handles and the real trainer; the
+``pipeline.train_step`` runs this with real handles and the real trainer; the
 simulator (rolloutpipe/sim) runs it with simulated groups on a virtual clock.
 """
 

@@ -2,7 +2,7 @@
 
 Variant. Advantages are per group (Shao et al., 2024): A_i = r_i - mean(r), divided by the group's
 unbiased standard deviation (+ 1e-6) when ``normalize_advantage_std`` (Dr. GRPO turns it off); the group's
-assembler computes them (``group_advantages``, kept in admission.py with it, pure Python). There is
+assembler computes them (``group_advantages``, kept in rollout/admission.py with it, pure Python). There is
 no KL term and no reference model (as in DAPO and Slime's GRPO default). The token loss is PPO's
 clipped surrogate with separate lower and upper clip ranges (DAPO's clip-higher when they differ):
     loss_t = max(-A * ratio_t, -A * clip(ratio_t, 1 - eps_low, 1 + eps_high)),

@@ -3,13 +3,13 @@
 ``EngineFactory`` is the one place the rollout node turns ``rollout.engine`` into engines (``build_all``):
 
 - ``embedded``: EmbeddedEngine threads in the rollout process.
-- ``embedded_http``: one embedded-engine server process per engine (engine/http_server.py), or the servers of
+- ``embedded_http``: one embedded-engine server process per engine (http_server.py), or the servers of
   ``rollout.engine_urls``, each driven by the SGLang client (http_client.SGLangEngine).
-- ``sglang``: one ``python -m sglang.launch_server`` per engine on this node (engine/server_process.py), or the
+- ``sglang``: one ``python -m sglang.launch_server`` per engine on this node (server_process.py), or the
   servers of ``rollout.engine_urls``, driven by the same client. Untested here (no GPU); tools/gpu_check.py.
 
 Servers the rollout node started are stopped by their engine's ``shutdown``; attached servers are left running.
-``restart`` builds one engine again after a failure (rolloutpipe/rollout/supervisor.py decides when).
+``restart`` builds one engine again after a failure (supervisor.py decides when).
 """
 
 from __future__ import annotations
