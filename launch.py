@@ -19,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from rolloutpipe.config import Config, ConfigError, load_config, register_hydra_schema
+from rolloutpipe.config import Config, ConfigError, check_command_line, load_config, register_hydra_schema
 from rolloutpipe.launch.config import LauncherKind
 from rolloutpipe.launch.local import Launcher, LocalLauncher, prepare_run
 
@@ -72,4 +72,9 @@ def main(raw: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    try:  # an unknown key stops here, with its name and the closest known ones, before Hydra composes anything
+        check_command_line(sys.argv[1:], Config, Path(__file__).resolve().parent / "conf")
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     main()

@@ -43,15 +43,14 @@ def one_run(mode: str, steps: int) -> dict:
 
     compiled.activate()
     from hydra import compose, initialize_config_dir
-    from hydra.core.config_store import ConfigStore
-    from omegaconf import OmegaConf
 
+    from rolloutpipe.config import bind, register_hydra_schema
     from rolloutpipe.sim.sweep import SimulateConfig, run_sweep
 
-    ConfigStore.instance().store(name="simulate_schema", node=SimulateConfig)
+    register_hydra_schema("simulate_schema", SimulateConfig)
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         raw = compose("simulate", overrides=["+sim/experiment=scale", f"num_steps={steps}", f"modes=[{mode}]"])
-    cfg: SimulateConfig = OmegaConf.to_object(raw)
+    cfg: SimulateConfig = bind(SimulateConfig, raw)
     before = loop_s()
     [row] = run_sweep(cfg, raw.job, raw.sim)
     return {"cpu_s": row.cpu_s, "loop_before": before, "loop_after": loop_s()}

@@ -85,10 +85,11 @@ def _prepare(overrides: list[str]):
     """Compose conf/ with the overrides (as launch.py does), check it, and write the run's config.yaml."""
     from hydra import compose, initialize_config_dir
 
-    from rolloutpipe.config import load_config, register_hydra_schema
+    from rolloutpipe.config import check_overrides, config_groups, load_config, register_hydra_schema
     from rolloutpipe.launch.config import LauncherKind
     from rolloutpipe.launch.local import prepare_run
 
+    check_overrides(overrides, groups=config_groups(CONF_DIR))  # an unknown key: its name, before composing
     register_hydra_schema()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = load_config(compose("config", overrides=overrides))

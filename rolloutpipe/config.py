@@ -12,6 +12,7 @@ arithmetic, with Slime's knob names at the top level so that a Slime user types 
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import enum
 from dataclasses import dataclass, field
@@ -203,28 +204,124 @@ OmegaConf.register_new_resolver("must_set", _must_set, replace=True)
 """Presets write ``path: ${must_set:model.path,an HF model directory}`` for what the user has to give."""
 
 
-def register_hydra_schema() -> None:
-    """Make ``base_config`` (this schema) available to conf/config.yaml's defaults list."""
+LISTED_BY = "python launch.py --cfg job"
+"""The command that lists every key of the job and its default (unknown-key messages point at it)."""
+
+
+def register_hydra_schema(name: str = "base_config", schema: type = Config) -> None:
+    """Make ``name``, the defaults of ``schema``, available to a defaults list (conf/config.yaml's ``base_config``).
+
+    As plain values, not the dataclass: Hydra then merges presets and ``+key=`` overrides without checking them,
+    and ``bind`` checks everything once, with the key's name and the fix. (Against the dataclass Hydra stops an
+    unknown key with its own advice to add ``+``, and ``+key=`` then fails later with a traceback.)
+    """
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(name="base_config", node=Config)
+    ConfigStore.instance().store(name=name, node=OmegaConf.to_container(OmegaConf.structured(schema),
+                                                                          enum_to_str=True))
 
 
 def load_config(raw: DictConfig | dict) -> Config:
-    """Bind and validate; every error names the key and the fix."""
+    """Bind and validate the job's config; every error names the key and the fix."""
+    return bind(Config, raw)
+
+
+def bind(schema: type, raw: DictConfig | dict, *, listed_by: str = LISTED_BY):
+    """``raw`` (Hydra's composition, a YAML file, a dict) as a ``schema`` object, checked: the one place untyped
+    config becomes typed. Raises ConfigError with one line that names the key and the fix."""
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(Config), raw)
-        return OmegaConf.to_object(merged)
+        plain = OmegaConf.to_container(raw, resolve=False) if isinstance(raw, DictConfig) else raw
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), plain))
     except ConfigError:
         raise
     except InterpolationResolutionError as err:
         raise ConfigError(str(err).splitlines()[0].split("resolving interpolation: ", 1)[-1]) from None
     except ConfigKeyError as err:
-        raise ConfigError(_unknown_key_message(err)) from None
+        raise ConfigError(unknown_key_message(schema, err.full_key or "", listed_by)) from None
     except OmegaConfBaseException as err:
-        raise ConfigError(f"bad config value at {err.full_key}: {err.msg}") from None
+        where = f" at {err.full_key}" if err.full_key else ""
+        raise ConfigError(f"bad config value{where}: {str(err.msg).splitlines()[0]}") from None
     except ValueError as err:
         raise ConfigError(str(err)) from None
+
+
+def check_overrides(overrides: list[str], schema: type = Config, *, groups: frozenset[str] = frozenset(),
+                    listed_by: str = LISTED_BY) -> None:
+    """Stop on a command-line override (``key=v``, ``+key=v``, a sweep's ``key=a,b``) whose key ``schema`` does not
+    have, before Hydra composes anything. ``groups`` are the config groups (``launcher``, ``experiment``): choosing
+    one is not a key. Syntax errors are left to Hydra, whose messages say what is wrong."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:
+        return
+    root = OmegaConf.structured(schema)
+    for override in parsed:
+        key = override.key_or_group
+        if override.is_hydra_override() or override.is_delete() or override.package is not None or key in groups:
+            continue
+        unknown = _first_unknown(root, key.split("."))
+        if unknown is not None:
+            raise ConfigError(unknown_key_message(schema, key, listed_by, unknown=unknown))
+
+
+def check_command_line(argv: list[str], schema: type, conf_dir: Path, *, listed_by: str = LISTED_BY) -> None:
+    """``check_overrides`` on the overrides of a Hydra command line (its flags, ``-m``, ``--cfg job``, are skipped),
+    the config groups being the folders of YAML files under ``conf_dir`` (``launcher``, ``sim/hardware``)."""
+    from hydra._internal.utils import get_args_parser
+
+    args, _ = get_args_parser().parse_known_args(argv)
+    check_overrides(args.overrides, schema, groups=config_groups(conf_dir), listed_by=listed_by)
+
+
+def config_groups(conf_dir: Path) -> frozenset[str]:
+    """The config groups under ``conf_dir``: its folders of YAML files (``launcher``, ``sim/hardware``)."""
+    return frozenset(d.relative_to(conf_dir).as_posix() for d in conf_dir.rglob("*")
+                     if d.is_dir() and any(d.glob("*.yaml")))
+
+
+def _first_unknown(node, parts: list[str]) -> str | None:
+    """The shortest prefix of the key ``parts`` that ``node`` does not have (free-form dicts take any key)."""
+    for i, part in enumerate(parts):
+        if not isinstance(node, DictConfig):
+            return ".".join(parts[: i + 1])
+        if not dataclasses.is_dataclass(OmegaConf.get_type(node)):
+            return None
+        if part not in node:
+            return ".".join(parts[: i + 1])
+        node = node._get_node(part)
+    return None
+
+
+def unknown_key_message(schema: type, full_key: str, listed_by: str = LISTED_BY, *, unknown: str | None = None) -> str:
+    """``unknown config key 'trainer.lrr'. Did you mean 'trainer.lr'? Every key and its default: <listed_by>``.
+    ``unknown``: the first part of ``full_key`` that ``schema`` lacks (``triner`` of ``triner.lr``), if not all."""
+    unknown = unknown or full_key
+    rest = full_key[len(unknown):]
+    parent, _, name = unknown.rpartition(".")
+    root = OmegaConf.structured(schema)
+    node = OmegaConf.select(root, parent) if parent else root
+    siblings = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+    close = [f"{parent}.{k}" if parent else k for k in difflib.get_close_matches(name, siblings, n=3, cutoff=0.75)]
+    if not close:  # the right name in the wrong place (lr=1 for trainer.lr=1)
+        close = [k for k in _keys(root) if k.rpartition(".")[2] == name][:3]
+    if not close:
+        close = [f"{parent}.{k}" if parent else k for k in difflib.get_close_matches(name, siblings, n=3)]
+    hint = f" Did you mean {' or '.join(repr(c + rest) for c in close)}?" if close else ""
+    return f"unknown config key '{full_key}'.{hint} Every key and its default: {listed_by}"
+
+
+def _keys(node: DictConfig, prefix: str = "") -> list[str]:
+    """Every key of a structured config, dotted, parents before children."""
+    out = []
+    for key in node.keys():
+        out.append(prefix + str(key))
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(child)):
+            out.extend(_keys(child, f"{prefix}{key}."))
+    return out
 
 
 def save_config(cfg: Config, path: Path) -> None:
@@ -234,16 +331,3 @@ def save_config(cfg: Config, path: Path) -> None:
 
 def read_config(path: Path) -> Config:
     return load_config(OmegaConf.load(path))
-
-
-def _unknown_key_message(err: ConfigKeyError) -> str:
-    full_key = err.full_key or ""
-    parent, _, name = full_key.rpartition(".")
-    node = OmegaConf.structured(Config)
-    if parent:
-        node = OmegaConf.select(node, parent)
-    known = list(node.keys()) if isinstance(node, DictConfig) else []
-    close = difflib.get_close_matches(name, known, n=3)
-    hint = f" Did you mean {', '.join(repr(f'{parent}.{c}' if parent else c) for c in close)}?" if close else ""
-    where = f"under '{parent}'" if parent else "at the top level"
-    return f"unknown config key '{full_key}'.{hint} Known keys {where}: {', '.join(known)}."

@@ -17,12 +17,51 @@ from .conftest import REPO, SMALL, assert_import_pulls_none_of, node_environ, re
 pytestmark = pytest.mark.multiprocess
 
 
-def test_unknown_config_key_is_named_before_anything_starts(job_dir):
+UNKNOWN_KEY = ("error: unknown config key 'trainer.lrr'. Did you mean 'trainer.lr'? Every key and its default: "
+               "python launch.py --cfg job")
+
+
+@pytest.mark.parametrize("where", ["command line", "with +", "sweep", "preset"])
+def test_unknown_config_key_is_named_before_anything_starts(job_dir, tmp_path, where):
+    """Hydra's own refusal would advise ``+trainer.lrr=``, and that ended in a traceback: both get one line."""
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "typo.yaml").write_text("# @package _global_\ntrainer:\n  lrr: 1.0e-3\n")
     run_dir = job_dir("typo")
-    result = run_job(run_dir, "trainer.lrr=1e-3", timeout_s=60)
-    assert result.returncode != 0
-    assert "lrr" in result.stderr
-    assert not (run_dir / "metrics.jsonl").exists()
+    args = {"command line": [f"run.dir={run_dir}", "trainer.lrr=1e-3"],
+            "with +": [f"run.dir={run_dir}", "+trainer.lrr=1e-3"],
+            "sweep": ["-m", "trainer.lrr=1e-3,1e-4", f"hydra.sweep.dir={run_dir}"],
+            "preset": [f"run.dir={run_dir}", f"hydra.searchpath=[file://{tmp_path}]", "+experiment=typo"]}[where]
+    result = subprocess.run([sys.executable, str(REPO / "launch.py"), *args], cwd=tmp_path, env=node_environ(),
+                            capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stderr.strip().splitlines()) == (2, [UNKNOWN_KEY])
+    assert not run_dir.exists() or not any(run_dir.iterdir())
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("trainer.lr=abc", "bad config value at trainer.lr: Value 'abc' of type 'str' could not be converted to Float"),
+    ("pipeline.mode=fast", "bad config value at pipeline.mode: Invalid value 'fast', expected one of "
+                           "[sync, cgp, async_one_step]"),
+    ("lr=1e-3", "unknown config key 'lr'. Did you mean 'trainer.lr'? Every key and its default: "
+                "python launch.py --cfg job"),
+])
+def test_a_config_mistake_gets_one_line_and_no_traceback(job_dir, override, message):
+    result = run_job(job_dir("mistake"), override, timeout_s=60)
+    assert (result.returncode, result.stderr.strip().splitlines()) == (2, [f"error: {message}"])
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("job.trainer.lrr=1", "unknown config key 'job.trainer.lrr'. Did you mean 'job.trainer.lr'?"),
+    ("+sim.engine.decode_bas_s=1", "unknown config key 'sim.engine.decode_bas_s'. Did you mean "
+                                   "'sim.engine.decode_base_s'?"),
+    ("+sweep.job.rollout.concurrenc=[8]", "job: unknown config key 'rollout.concurrenc'. Did you mean "
+                                          "'rollout.concurrency'?"),
+])
+def test_the_simulator_names_an_unknown_key_the_same_way(override, message):
+    result = subprocess.run([sys.executable, str(REPO / "tools" / "simulate.py"), "num_steps=1", "modes=[sync]",
+                             override], cwd=REPO, env={**os.environ, "ROLLOUTPIPE_SIM_COMPILED": "0"},
+                            capture_output=True, text=True, timeout=120)
+    said = f"error: {message} Every key and its default: python tools/simulate.py --cfg job"
+    assert (result.returncode, result.stderr.strip().splitlines()) == (2, [said])
 
 
 def test_impossible_batch_arithmetic_says_how_to_fix_it(job_dir):

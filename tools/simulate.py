@@ -16,23 +16,22 @@ import sys
 from pathlib import Path
 
 import hydra
-from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from rolloutpipe.sim import compiled
 
 COMPILED = compiled.activate()  # before the modules it compiles are imported (sim/compiled.py)
 
-from rolloutpipe.config import ConfigError
-from rolloutpipe.sim.sweep import SimulateConfig, draw, format_table, run_sweep, write_csv
+from rolloutpipe.config import ConfigError, bind, check_command_line, register_hydra_schema
+from rolloutpipe.sim.sweep import LISTED_BY, SimulateConfig, draw, format_table, run_sweep, write_csv
 
-ConfigStore.instance().store(name="simulate_schema", node=SimulateConfig)
+register_hydra_schema("simulate_schema", SimulateConfig)
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="simulate")
 def main(raw: DictConfig) -> None:
     try:
-        cfg: SimulateConfig = OmegaConf.to_object(raw)
+        cfg: SimulateConfig = bind(SimulateConfig, raw, listed_by=LISTED_BY)
         rows = run_sweep(cfg, raw.job, raw.sim)
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -48,4 +47,10 @@ def main(raw: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    try:  # an unknown key (job.*, sim.*, ...) stops here, before Hydra composes anything
+        check_command_line(sys.argv[1:], SimulateConfig, Path(__file__).resolve().parent.parent / "conf",
+                           listed_by=LISTED_BY)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     main()

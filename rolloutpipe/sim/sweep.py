@@ -16,11 +16,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from rolloutpipe.config import Config, ConfigError, load_config
+from rolloutpipe.config import Config, ConfigError, bind
 from rolloutpipe.sim.models import SimConfig
 from rolloutpipe.sim.run import SimResult, simulate
+
+LISTED_BY = "python tools/simulate.py --cfg job"
+"""The command that lists every key of the simulator's config and its default."""
 
 MODES = {
     "sync": {"pipeline": {"mode": "sync"}, "rollout": {"admission": "fifo"}},
@@ -87,12 +90,11 @@ def run_sweep(cfg: SimulateConfig, raw_job: Any, raw_sim: Any) -> list[Row]:
         bad = [k for k in setting if not k.startswith(("job.", "sim."))]
         if bad:
             raise ConfigError(f"sweep keys must start with job. or sim.: {bad}")
-        sim = _bind(SimConfig, raw_sim, sim_over, "sim")
+        sim = _bind(SimConfig, "sim", raw_sim, _dotlist(sim_over))
         if cfg.timeline and not rows:  # the picture draws steps 1 and 2 of the first setting
             sim = replace(sim, num_span_steps=max(sim.num_span_steps, 3))
         for mode in cfg.modes:
-            job = load_config(OmegaConf.merge(OmegaConf.to_container(raw_job), OmegaConf.from_dotlist([f"{k}={v}" for k, v in job_over.items()]),
-                                              MODES[mode]))
+            job = _bind(Config, "job", raw_job, _dotlist(job_over), MODES[mode])
             start = time.process_time()
             result = simulate(job, sim, cfg.num_steps)
             cpu_s = time.process_time() - start
@@ -153,10 +155,15 @@ def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _bind(schema, raw: Any, overrides: dict[str, Any], where: str):
+def _bind(schema, where: str, *layers: Any):
+    """``layers`` merged in order and bound to ``schema``; a config error names the section (``job``, ``sim``).
+    Hydra's composition is read-only to new keys: merged as plain values, so ``bind`` names an unknown one."""
+    plain = [OmegaConf.to_container(layer) if isinstance(layer, DictConfig) else layer for layer in layers]
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), raw,
-                                 OmegaConf.from_dotlist([f"{k}={v}" for k, v in overrides.items()]))
-        return OmegaConf.to_object(merged)
-    except Exception as err:  # noqa: BLE001 - re-raised as a config error naming the section
+        return bind(schema, OmegaConf.merge(*plain), listed_by=LISTED_BY)
+    except ConfigError as err:
         raise ConfigError(f"{where}: {err}") from None
+
+
+def _dotlist(overrides: dict[str, Any]):
+    return OmegaConf.from_dotlist([f"{k}={v}" for k, v in overrides.items()])
