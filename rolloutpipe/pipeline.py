@@ -156,7 +156,6 @@ def train_step(node: TrainerNode, step: int) -> TrainStats:
                 spans.add("train/forward_backward", step=step, start_s=start, end_s=start + last_micro_batch_s,
                           batch=work.batch, num_samples=len(work.samples), num_tokens=sums.num_tokens)
                 batch_compute_s += last_micro_batch_s
-                num_clipped += sums.num_clipped_tokens
                 continue
             with spans.span("train/optimizer_step", step=step, batch=work.batch, policy_version=step,
                             groups=work.groups):
@@ -164,7 +163,8 @@ def train_step(node: TrainerNode, step: int) -> TrainStats:
             optimizer_s = time.time() - start
             stats.losses.append(result.loss)
             stats.grad_norms.append(result.grad_norm)
-            stats.num_tokens += result.num_tokens
+            stats.num_tokens += result.num_tokens  # both over every data-parallel rank
+            num_clipped += result.num_clipped_tokens
             stats.compute_s += batch_compute_s + optimizer_s
             stats.tail_compute_s = last_micro_batch_s + optimizer_s
             batch_compute_s = 0.0

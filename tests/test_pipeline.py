@@ -59,6 +59,36 @@ def test_pipelined_update_equals_synchronous_update(job_dir, num_ranks, extra):
     assert [m["step"] for m in metrics] == [0, 1]
 
 
+@pytest.mark.parametrize("mode", ["sync", "cgp"])
+def test_bfloat16_trains_on_exactly_the_response_tokens_of_its_samples(job_dir, mode):
+    """Micro-batches of 16 responses of up to 40 tokens: counts above 256, where bfloat16 steps by 2 or 4, so a
+    count summed in the model's dtype would be rounded (and differ with the micro-batch split)."""
+    run_dir = job_dir(mode)
+    result = run_job(run_dir, *SMALL, *DENSE_REWARD, "model.dtype=bfloat16", "rollout_max_response_len=40",
+                     "micro_batch_size=16", "run.save_samples=true", f"pipeline.mode={mode}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lengths: dict[int, int] = {}
+    for s in read_samples(run_dir):
+        step = int(s["id"].split("/")[0].removeprefix("step="))
+        lengths[step] = lengths.get(step, 0) + len(s["response_ids"])
+    assert [m["train/num_tokens"] for m in read_metrics(run_dir)] == [lengths[0], lengths[1]]
+    assert min(lengths.values()) > 256
+
+
+def test_clip_fraction_counts_the_clipped_tokens_of_every_rank(job_dir):
+    """Two optimizer steps per rollout at a high learning rate, so the second batch's ratios leave the clip range;
+    the same samples on 1 and 2 data-parallel ranks must report the same fraction (float64)."""
+    fractions = {}
+    for num_ranks in (1, 2):
+        run_dir = job_dir(f"{num_ranks}-ranks")
+        result = run_job(run_dir, *SMALL, *DENSE_REWARD, "model.dtype=float64", "global_batch_size=8",
+                         "trainer.lr=0.05", f"trainer.num_ranks={num_ranks}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        fractions[num_ranks] = [m["train/clip_fraction"] for m in read_metrics(run_dir)]
+    assert min(fractions[1]) > 0.05, "the workload must clip"
+    assert fractions[2] == pytest.approx(fractions[1], abs=1e-12)
+
+
 def test_cgp_trains_before_the_rollout_ends_and_sync_does_not(job_dir):
     # One group at a time through the engine (concurrency = group size), long responses: groups complete
     # one after another over the step, so a pipelined trainer has time to start on the first one.

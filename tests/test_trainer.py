@@ -37,7 +37,7 @@ def test_engine_and_trainer_agree_on_the_log_probs_of_the_serving_policy():
     model = load_model(ModelConfig(dtype=DType.float64), len(build_tiny_tokenizer()))
     samples = generated_samples(copy.deepcopy(model), 6)
     trainer = make_trainer(model, multi_step=False)
-    input_ids, targets, mask = pack(samples, pad_id=trainer.pad_id, dtype=torch.float64)
+    input_ids, targets, mask = pack(samples, pad_id=trainer.pad_id)
     logits = model(input_ids=input_ids).logits[:, :-1]
     logprobs = torch.log_softmax(logits / TEMPERATURE, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     for b, s in enumerate(samples):
@@ -58,7 +58,7 @@ def test_batches_after_the_first_optimizer_step_clip_against_the_rollout_policy(
     assert moved > 1e-4
 
     second = samples[4:]
-    input_ids, targets, mask = pack(second, pad_id=trainer.pad_id, dtype=torch.float64)
+    input_ids, targets, mask = pack(second, pad_id=trainer.pad_id)
     attention = torch.ones_like(input_ids, dtype=torch.bool)
     for b, s in enumerate(second):
         attention[b, len(s.prompt_ids) + len(s.response_ids):] = False
@@ -67,3 +67,21 @@ def test_batches_after_the_first_optimizer_step_clip_against_the_rollout_policy(
         start = len(s.prompt_ids) - 1
         torch.testing.assert_close(current[b, start:start + len(s.response_ids)],
                                    torch.tensor(s.engine_logprobs, dtype=torch.float64), rtol=0, atol=1e-9)
+
+
+def test_a_bfloat16_model_keeps_updates_smaller_than_its_resolution():
+    """AdamW on bfloat16 weights rounds an update of 1e-5 away on a weight of 0.02 (bf16's step there is 1.2e-4);
+    the trainer steps float32 master copies instead, so small updates add up and reach the model."""
+    model = load_model(ModelConfig(dtype=DType.bfloat16), len(build_tiny_tokenizer()))
+    samples = generated_samples(copy.deepcopy(model), 8)
+    trainer = PolicyTrainer(model=model, cfg=TrainerConfig(lr=1e-5), grpo=GRPOConfig(), temperature=TEMPERATURE,
+                            pad_id=0, multi_step=False, process_group_active=False,
+                            old_logprobs=OldLogprobSource.trainer)
+    init = {k: v.detach().clone() for k, v in model.named_parameters()}
+    for _ in range(30):
+        sums = trainer.forward_backward(samples, first_batch_of_step=True)
+        assert sums.num_tokens == sum(len(s.response_ids) for s in samples)
+        trainer.finish_batch()
+    assert all(v.dtype is torch.bfloat16 for v in model.parameters())
+    num_moved = sum(int((init[k] != v).sum()) for k, v in model.named_parameters())
+    assert num_moved > 0.5 * sum(v.numel() for v in init.values())  # bf16 AdamW alone: about 16%

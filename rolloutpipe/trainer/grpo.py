@@ -92,7 +92,7 @@ def policy_loss_sums(
     logprobs: torch.Tensor,  # [B, T] log p of response tokens under the current weights
     old_logprobs: torch.Tensor,  # [B, T] under policy_version k (the weights that generated them)
     advantages: torch.Tensor,  # [B]
-    mask: torch.Tensor,  # [B, T] 1.0 on response tokens, 0.0 on padding
+    mask: torch.Tensor,  # [B, T] 1.0 on response tokens, 0.0 on padding; counts come from its non-zeros
     cfg: GRPOConfig,
 ) -> LossSums:
     ratio = torch.exp(logprobs - old_logprobs)
@@ -100,16 +100,18 @@ def policy_loss_sums(
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - cfg.eps_clip, 1.0 + cfg.eps_clip_high)
     token_loss = torch.maximum(unclipped, clipped) * mask
+    response = mask > 0
+    lengths = response.sum(dim=1)  # [B] int64: exact in every dtype
     if cfg.loss_agg is LossAggregation.token_mean:
         loss = token_loss.sum()
     else:
-        loss = (token_loss.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).sum()
+        loss = (token_loss.sum(dim=1) / lengths.clamp(min=1).to(token_loss.dtype)).sum()
     with torch.no_grad():
-        num_clipped = int(((clipped > unclipped) & (mask > 0)).sum())
+        num_clipped = int((clipped > unclipped)[response].sum())
         ratio_sum = float((ratio * mask).sum())
     return LossSums(
         loss=loss,
-        num_tokens=int(mask.sum()),
+        num_tokens=int(lengths.sum()),
         num_samples=int(mask.shape[0]),
         num_clipped_tokens=num_clipped,
         ratio_sum=ratio_sum,

@@ -15,6 +15,13 @@ large models; differs from the trainer's by the numerics of the two implementati
 own recomputation is the default because it is exact: the ratio is 1 to the last bit on the first
 batch, so the clipped objective sees no engine/trainer mismatch. ``async_one_step`` always uses the
 engine's log-probs, the only record of the stale policy that generated its samples.
+
+Precision. Token counts come from the response mask's non-zeros (exact integers in every dtype); log-probs,
+the loss and its sums are float32 at least, whatever the model's dtype. A bfloat16 (or float16) model runs
+forward and backward in its dtype while AdamW steps float32 master copies of its parameters, which are copied
+back rounded after each step: AdamW on bfloat16 weights would round most updates of a small learning rate away.
+(A resumed run rebuilds the master copies from the checkpoint's bfloat16 weights, so in bfloat16 a resumed run
+is close to, not bit-equal with, an uninterrupted one.)
 """
 
 from __future__ import annotations
@@ -71,8 +78,13 @@ class PolicyTrainer:
         self.distributed = process_group_active
         self.data_parallel_rank = dist.get_rank() if process_group_active else 0
         self.data_parallel_size = dist.get_world_size() if process_group_active else 1
+        self._master: list[torch.Tensor] | None = None
+        """float32 copies of a bfloat16/float16 model's parameters: what the optimizer steps (mixed precision)."""
+        if next(model.parameters()).dtype in (torch.bfloat16, torch.float16):
+            self._master = [p.detach().float().clone() for p in model.parameters()]
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay
+            self._master or model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+            weight_decay=cfg.weight_decay,
         )
         self._snapshot: dict[str, torch.Tensor] | None = None
         self._totals = BatchTotals()
@@ -84,7 +96,7 @@ class PolicyTrainer:
             self._snapshot = {k: v.detach().clone() for k, v in self.model.named_parameters()}
 
     def forward_backward(self, samples: list[TrainSample], *, first_batch_of_step: bool) -> LossSums:
-        input_ids, targets, mask = pack(samples, pad_id=self.pad_id, dtype=self._dtype())  # [B, L], [B, L-1] x 2
+        input_ids, targets, mask = pack(samples, pad_id=self.pad_id)  # [B, L], [B, L-1] x 2
         attention = _real_tokens(samples, input_ids.shape[1])  # [B, L]
         logits = self.model(input_ids=input_ids, attention_mask=attention.long()).logits[:, :-1]
         logprobs = token_logprobs(logits, targets, self.temperature)  # [B, L-1]
@@ -96,25 +108,36 @@ class PolicyTrainer:
         return sums
 
     def finish_batch(self) -> BatchResult:
-        """All-reduce, normalise once, clip and step: the batch's one optimizer update."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        """All-reduce, normalise once, clip and step: the batch's one optimizer update.
+
+        Mixed precision (a bfloat16/float16 model): the gradients are reduced, scaled and clipped in float32 on the
+        float32 master copies, AdamW steps those, and the model gets them back rounded to its dtype.
+        """
+        model_params = list(self.model.parameters())
+        stepped = self._master or model_params
+        params = [(p, s) for p, s in zip(model_params, stepped) if p.requires_grad]
+        for p, s in params:
+            grad = torch.zeros_like(p) if p.grad is None else p.grad
+            s.grad = grad.float() if s is not p else grad
         if self.distributed:
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            flat = torch.cat([s.grad.reshape(-1) for _, s in params])
             dist.all_reduce(flat)
             offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            for _, s in params:
+                s.grad.copy_(flat[offset : offset + s.numel()].view_as(s))
+                offset += s.numel()
         total = self._totals.reduce(dist.all_reduce if self.distributed else None)
         scale = 1.0 / normaliser(self.grpo, num_tokens=total.num_tokens, num_samples=total.num_samples)
-        for p in params:
-            p.grad.mul_(scale)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm))
+        for _, s in params:
+            s.grad.mul_(scale)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_([s for _, s in params], self.cfg.max_grad_norm))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self._master is not None:
+            with torch.no_grad():
+                for p, s in zip(model_params, self._master):
+                    p.copy_(s)
+                    p.grad = None
         self._totals = BatchTotals()
         return BatchResult(loss=total.loss * scale, grad_norm=grad_norm, num_tokens=total.num_tokens,
                            num_clipped_tokens=total.num_clipped_tokens)
@@ -151,16 +174,16 @@ class PolicyTrainer:
             ).logits[:, :-1]
             return token_logprobs(logits, targets, self.temperature) * mask
 
-    def _dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
 
+def pack(samples: list[TrainSample], *, pad_id: int) -> tuple[torch.Tensor, ...]:
+    """Right-padded token ids [B, L], next-token targets [B, L-1], and the response-token mask [B, L-1].
 
-def pack(samples: list[TrainSample], *, pad_id: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """Right-padded token ids [B, L], next-token targets [B, L-1], and the response-token mask [B, L-1]."""
+    The mask is float32 whatever the model's dtype: it only multiplies the loss, and token counts come from its
+    non-zeros (grpo.policy_loss_sums), so they are exact integers in bfloat16 too."""
     seqs = [s.prompt_ids + s.response_ids for s in samples]
     length = max(len(s) for s in seqs)
     input_ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), length - 1), dtype=dtype)
+    mask = torch.zeros((len(seqs), length - 1), dtype=torch.float32)
     for b, (s, seq) in enumerate(zip(samples, seqs)):
         input_ids[b, : len(seq)] = torch.tensor(seq)
         # logits at position j predict token j + 1: response tokens are predicted from P - 1 .. P + R - 2
@@ -184,5 +207,7 @@ def _real_tokens(samples: list[TrainSample], length: int) -> torch.Tensor:
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    logp = torch.log_softmax(logits / temperature, dim=-1)
+    """log p of ``targets`` [B, T] from ``logits`` [B, T, V], in float32 at least (a bfloat16 log-softmax over the
+    vocabulary is off by ~1e-2, the scale of a policy ratio's clip range)."""
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)

@@ -107,7 +107,7 @@ class MegatronTrainer:
 
     def forward_backward(self, samples: list[TrainSample], *, first_batch_of_step: bool) -> LossSums:
         input_ids, targets, mask = (t.to(self.device) if self.device else t
-                                    for t in pack(samples, pad_id=self.pad_id, dtype=self.dtype))
+                                    for t in pack(samples, pad_id=self.pad_id))
         with cpu.cuda_calls_on_cpu():
             logprobs = token_logprobs(self._logits(self.ddp, None, input_ids), targets, self.temperature)
             if self.old_logprobs is OldLogprobSource.engine:
