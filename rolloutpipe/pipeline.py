@@ -41,7 +41,7 @@ from rolloutpipe.control.transport import Liveness, StoreAddress, Transport
 from rolloutpipe.observe.metrics import RolloutStats, TrainStats
 from rolloutpipe.rollout.admission import GroupAssembler, RolloutSchedule
 from rolloutpipe.rollout.node import POLL_S, RolloutNode
-from rolloutpipe.rollout.samples import check_reward_failures, write_samples
+from rolloutpipe.rollout.samples import check_on_policy, check_reward_failures, write_samples
 from rolloutpipe.trainer.batching import BatchConsumer, MicroBatch
 from rolloutpipe.trainer.node import TrainerNode
 from rolloutpipe.trainer.torch_backend import train_samples
@@ -93,6 +93,7 @@ def rollout_step(node: RolloutNode, step: int, version: int, weight_load_s: floa
         if group is None:  # an engine slot freed: admit more requests
             schedule.on_slot_freed()
             continue
+        check_on_policy(step, version, group)  # every sample from the step's weights, as the engine reports
         check_reward_failures(step, [*schedule.complete.values(), group],
                               num_expected=cfg.rollout_batch_size * cfg.n_samples_per_prompt,
                               max_fraction=cfg.reward.max_failure_fraction, reward_name=cfg.reward.name)

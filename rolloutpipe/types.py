@@ -93,6 +93,8 @@ class Sample:
     response_text: str
     finish_reason: FinishReason
     reward: float
+    policy_version: int
+    """The weights that generated it, as the engine reported them (GenerationResult.policy_version)."""
     reward_error: str | None = None
     """Why the reward function failed (exception or timeout); the reward is then 0."""
 

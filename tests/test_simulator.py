@@ -55,7 +55,7 @@ def test_engine_finish_times_equal_an_iteration_by_iteration_run():
 
     engine = SimEngine(name="e", concurrency=3, model=MODEL, loop=loop, on_result=on_result)
     for i, n in enumerate(lengths):
-        engine.submit(SimRequest(i, i, 0, 4, n, 1.0))
+        engine.submit(SimRequest(i, i, 0, 4, n, 1.0, 0))
     loop.run()
     expected = iteration_by_iteration(lengths, prompt_len=4, concurrency=3)
     assert [finished[i] for i in range(len(lengths))] == pytest.approx(expected, rel=1e-12)

@@ -353,6 +353,7 @@ def encode_group(group: CompleteGroup) -> bytes:
         "response_lens": torch.tensor([len(s.response_ids) for s in samples], dtype=torch.int64),
         "logprobs": torch.tensor([lp for s in samples for lp in s.logprobs], dtype=torch.float64),
         "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float64),
+        "policy_versions": torch.tensor([s.policy_version for s in samples], dtype=torch.int64),
         "advantages": torch.tensor(group.advantages, dtype=torch.float64),
     }
     header = {
@@ -377,6 +378,7 @@ def decode_group(payload: bytes) -> CompleteGroup:
     ids = tensors["response_ids"].split(lens)
     logprobs = tensors["logprobs"].split(lens)
     rewards = tensors["rewards"].tolist()
+    versions = tensors["policy_versions"].tolist()
     samples = [
         Sample(
             group=header["group"],
@@ -386,6 +388,7 @@ def decode_group(payload: bytes) -> CompleteGroup:
             response_text=meta["text"],
             finish_reason=FinishReason(meta["finish_reason"]),
             reward=rewards[i],
+            policy_version=versions[i],
             reward_error=meta["reward_error"],
         )
         for i, meta in enumerate(header["samples"])

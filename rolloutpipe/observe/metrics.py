@@ -193,6 +193,8 @@ class RolloutStats:
     reward_mean: float
     reward_std: float
     response_len_mean: float
+    policy_lag: int
+    """The largest step - policy_version over the trained samples, from the versions the engines reported."""
 
     @classmethod
     def of(cls, *, step: int, policy_version: int, start_s: float, last_group_s: float, weight_load_s: float,
@@ -213,6 +215,7 @@ class RolloutStats:
             num_filtered_groups=num_filtered, num_returned_prompts=num_returned, num_aborted_samples=num_aborted,
             reward_mean=mean, reward_std=math.sqrt(math.fsum([(r - mean) ** 2 for r in rewards]) / len(rewards)),
             response_len_mean=sum(lengths) / len(lengths),
+            policy_lag=max([step - s.policy_version for g in selected for s in g.samples]),
         )
 
 
@@ -256,7 +259,7 @@ def reduce_step(rollout: RolloutStats, train: TrainStats, *, mean_compute_s: flo
         "rollout/num_filtered_groups": rollout.num_filtered_groups,
         "rollout/num_returned_prompts": rollout.num_returned_prompts,
         "rollout/num_aborted_samples": rollout.num_aborted_samples,
-        "rollout/policy_lag": rollout.step - rollout.policy_version,
+        "rollout/policy_lag": rollout.policy_lag,
         "train/loss": sum(train.losses) / max(len(train.losses), 1),
         "train/grad_norm": sum(train.grad_norms) / max(len(train.grad_norms), 1),
         "train/clip_fraction": train.clip_fraction,

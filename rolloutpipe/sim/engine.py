@@ -78,7 +78,7 @@ class SimRequest(Sample):
     joined_at: int
 
     def __init__(self, request_id: int, group: int, index: int, prompt_len: int, response_len: int,
-                 reward: float, truncated: bool = False) -> None:
+                 reward: float, policy_version: int, truncated: bool = False) -> None:
         self.request_id = request_id
         self.group = group
         self.index = index
@@ -89,6 +89,7 @@ class SimRequest(Sample):
         self.response_text = ""
         self.finish_reason = FinishReason.LENGTH if truncated else FinishReason.STOP
         self.reward = reward
+        self.policy_version = policy_version
         self.reward_error = None
 
 

@@ -125,7 +125,7 @@ class Simulation:
         self.loop.clear()
         self.loop.now = start_s
         rng = np.random.default_rng((job.seed, step))
-        draws = _StepDraws(rng, sim.lengths, n, job.rollout_max_response_len)
+        draws = _StepDraws(rng, sim.lengths, n, job.rollout_max_response_len, version)
         admission = Admission(policy=job.rollout.admission, engines=self.engines, concurrency=job.rollout.concurrency)
 
         self.schedule = schedule = RolloutSchedule(
@@ -257,8 +257,11 @@ def _sample_tokens(handle: SimHandle) -> list[int]:
 class _StepDraws:
     """Response lengths and reward draws of one step, by group index (so timing never changes a sample)."""
 
-    def __init__(self, rng: np.random.Generator, lengths: LengthModel, n: int, max_tokens: int) -> None:
+    def __init__(self, rng: np.random.Generator, lengths: LengthModel, n: int, max_tokens: int,
+                 policy_version: int) -> None:
         self.rng, self.lengths, self.n, self.max_tokens = rng, lengths, n, max_tokens
+        self.policy_version = policy_version
+        """What the simulated engines serve during the step (they change weights only between steps)."""
         self._lengths: list[list[int]] = []
         self._uniforms: list[list[float]] = []
 
@@ -272,7 +275,7 @@ class _StepDraws:
         lengths, uniforms, n, max_len = self._lengths[group], self._uniforms[group], self.n, self.max_tokens
         prompt_len, pass_rate = len(prompt.input_ids), float(prompt.label)
         return [SimRequest(group * n + s, group, s, prompt_len, lengths[s], 1.0 if uniforms[s] < pass_rate else 0.0,
-                           lengths[s] == max_len)
+                           self.policy_version, lengths[s] == max_len)
                 for s in range(n)]
 
 
