@@ -185,6 +185,13 @@ class Config:
                     "rank 0's broadcast would wait for the rollout's step boundary, removing the overlap that mode "
                     "exists for. Use pipeline.weight_sync=disk (or pipeline.mode=sync or cgp)."
                 )
+        initial = self.rollout_batch_size + self.rollout.over_sampling_groups
+        if self.rollout.max_groups_per_step is not None and self.rollout.max_groups_per_step < initial:
+            raise ValueError(
+                f"rollout.max_groups_per_step={self.rollout.max_groups_per_step} is below what a step admits at "
+                f"its start, rollout_batch_size + rollout.over_sampling_groups = {initial}; raise it (or leave it "
+                "null: 10 x rollout_batch_size)."
+            )
         if self.rollout.num_engines > self.rollout_batch_size:
             raise ValueError(
                 f"rollout.num_engines={self.rollout.num_engines} exceeds rollout_batch_size={self.rollout_batch_size}; "
@@ -194,6 +201,11 @@ class Config:
     @property
     def groups_per_batch(self) -> int:
         return self.global_batch_size // self.n_samples_per_prompt
+
+    @property
+    def max_groups_per_step(self) -> int:
+        """``rollout.max_groups_per_step``, or 10 rollout batches' worth (veRL's max_num_gen_batches default)."""
+        return self.rollout.max_groups_per_step or 10 * self.rollout_batch_size
 
 
 def _must_set(key: str, what: str) -> str:

@@ -68,7 +68,8 @@ def rollout_step(node: RolloutNode, step: int, version: int, weight_load_s: floa
     schedule = RolloutSchedule(
         rollout_batch_size=cfg.rollout_batch_size, groups_per_batch=cfg.groups_per_batch,
         filter_zero_variance=cfg.rollout.filter_zero_variance,
-        over_sampling_groups=cfg.rollout.over_sampling_groups, admission=admission,
+        over_sampling_groups=cfg.rollout.over_sampling_groups, max_groups=cfg.max_groups_per_step,
+        admission=admission,
         draw=node.source.next_batch, requests_for=lambda group, prompt: node.requests_for(step, group, prompt),
     )
     assembler = GroupAssembler(step=step, policy_version=version, prompts=schedule.prompts,

@@ -71,6 +71,18 @@ def test_impossible_batch_arithmetic_says_how_to_fix_it(job_dir):
     assert "global_batch_size=8" in result.stderr and "divisor of 12" in result.stderr
 
 
+def test_dynamic_sampling_that_finds_no_trainable_group_stops_with_the_share_it_dropped(job_dir):
+    """Every group is dropped and replaced: with 4 groups per step and a budget of 12, the 9th drop would need a
+    13th group."""
+    result = run_job(job_dir("flat"), *SMALL, "reward.name=always_flat",
+                     "reward.import_modules=[tests.fixtures.dense_rewards]", "rollout.filter_zero_variance=true",
+                     "rollout.max_groups_per_step=12", timeout_s=120)
+    assert result.returncode != 0
+    assert ("the step needs more than rollout.max_groups_per_step=12 groups: 0 of the 9 complete ones are trainable "
+            "and 9 (100%) had rewards all equal (zero variance)") in result.stderr, result.stderr[-2000:]
+    assert not (job_dir("flat") / "metrics.jsonl").exists()
+
+
 def test_malformed_row_stops_the_run_with_file_and_line(job_dir, tmp_path):
     data = tmp_path / "bad.jsonl"
     data.write_text(json.dumps({"prompt": "abc=", "label": "cba"}) + "\n" + '{"prompt": "abd=", "label": \n')

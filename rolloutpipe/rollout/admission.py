@@ -422,10 +422,13 @@ class RolloutSchedule:
     """
 
     def __init__(self, *, rollout_batch_size: int, groups_per_batch: int, filter_zero_variance: bool,
-                 over_sampling_groups: int, admission: Admission, draw: Callable[[int], list[Prompt]],
-                 requests_for: Callable[[int, Prompt], Sequence[Request]]) -> None:
+                 over_sampling_groups: int, max_groups: int, admission: Admission,
+                 draw: Callable[[int], list[Prompt]], requests_for: Callable[[int, Prompt], Sequence[Request]]) -> None:
         self.slots = StepSlots(rollout_batch_size=rollout_batch_size, groups_per_batch=groups_per_batch)
         self.filter_zero_variance = filter_zero_variance
+        self.max_groups = max_groups
+        """The most groups the step may admit (dynamic sampling replaces dropped ones: without a bound, prompts
+        that all get equal rewards would be admitted forever)."""
         self.num_initial_groups = rollout_batch_size + (over_sampling_groups if filter_zero_variance else 0)
         self.admission = admission
         self.draw = draw
@@ -469,6 +472,16 @@ class RolloutSchedule:
         return [self.complete[g] for g in self.slots.selected()]
 
     def _admit(self, num_groups: int) -> None:
+        if len(self.prompts) + num_groups > self.max_groups:
+            num_resolved = len(self.complete)
+            raise RuntimeError(  # a plain one: mypyc compiles no subclass of a builtin exception
+                f"the step needs more than rollout.max_groups_per_step={self.max_groups} groups: "
+                f"{num_resolved - self.num_filtered} of the {num_resolved} complete ones are trainable and "
+                f"{self.num_filtered} ({100 * self.num_filtered // max(num_resolved, 1)}%) had rewards all equal "
+                "(zero variance), which dynamic sampling drops. The prompts are too easy or too hard for the "
+                "policy: use prompts it solves sometimes, raise rollout.max_groups_per_step, or set "
+                "rollout.filter_zero_variance=false."
+            )
         for prompt in self.draw(num_groups) if num_groups else []:
             group = self.slots.admit()
             self.prompts.append(prompt)

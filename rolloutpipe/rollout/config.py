@@ -29,6 +29,9 @@ class RolloutConfig:
     """Dynamic sampling (DAPO): drop groups whose rewards are all equal and admit replacements."""
     over_sampling_groups: int = 0
     """Extra groups admitted at the start of each step when filtering, so replacements are already running."""
+    max_groups_per_step: int | None = None
+    """The most groups a step may admit, replacements of dropped ones included; past it the run stops with the
+    share of zero-variance groups. Null: 10 x rollout_batch_size."""
     engine_urls: list[str] = field(default_factory=list)
     """With ``engine: sglang`` or ``embedded_http``: attach to these running servers (one per engine, started with
     ``--weight-version 0`` and model.path's weights) instead of starting them. Empty: start them."""

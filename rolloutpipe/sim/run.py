@@ -131,7 +131,8 @@ class Simulation:
         self.schedule = schedule = RolloutSchedule(
             rollout_batch_size=job.rollout_batch_size, groups_per_batch=job.groups_per_batch,
             filter_zero_variance=job.rollout.filter_zero_variance,
-            over_sampling_groups=job.rollout.over_sampling_groups, admission=admission,
+            over_sampling_groups=job.rollout.over_sampling_groups, max_groups=job.max_groups_per_step,
+            admission=admission,
             draw=self.source.next_batch, requests_for=draws.requests,
         )
         self.admission = admission
