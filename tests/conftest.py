@@ -38,11 +38,13 @@ def node_environ() -> dict[str, str]:
     return env
 
 
-def run_job(run_dir: Path, *overrides: str, timeout_s: float = 240) -> subprocess.CompletedProcess:
-    """``python launch.py run.dir=<run_dir> <overrides>``, to completion."""
+def run_job(run_dir: Path, *overrides: str, timeout_s: float = 240,
+            environ: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python launch.py run.dir=<run_dir> <overrides>``, to completion (``environ``: more variables)."""
     return subprocess.run(
         [sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", *overrides],
-        cwd=run_dir.parent, env=node_environ(), capture_output=True, text=True, timeout=timeout_s,
+        cwd=run_dir.parent, env={**node_environ(), **(environ or {})}, capture_output=True, text=True,
+        timeout=timeout_s,
     )
 
 
