@@ -106,10 +106,13 @@ def test_clip_fraction_counts_the_clipped_tokens_of_every_rank(job_dir):
 
 
 def test_cgp_trains_before_the_rollout_ends_and_sync_does_not(job_dir):
-    # One group at a time through the engine (concurrency = group size), long responses: groups complete
-    # one after another over the step, so a pipelined trainer has time to start on the first one.
+    """Sync trains only after the last group, by construction (the dispatcher holds every group until then). For
+    cgp the rollout is slow by construction, not by luck: one reward worker and rewards that take 0.1 s, so the
+    step's six groups complete at least 0.4 s apart and its last about 2 s after its first, while the trainer needs
+    milliseconds to start on a group; no machine load reverses that."""
     workload = [*SMALL, "rollout_batch_size=6", "global_batch_size=24", "rollout.concurrency=4",
-                "rollout_max_response_len=24"]
+                "rollout_max_response_len=12", "reward.name=letter_fraction_slow",
+                "reward.import_modules=[tests.fixtures.dense_rewards]", "reward.num_workers=1"]
     for mode, overlaps in (("cgp", True), ("sync", False)):
         run_dir = job_dir(mode)
         result = run_job(run_dir, *workload, f"pipeline.mode={mode}")
