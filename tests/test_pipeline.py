@@ -76,6 +76,7 @@ def test_pipelined_update_equals_synchronous_update(job_dir, num_ranks, extra):
     assert [m["step"] for m in cgp_m] == [0, 1]
 
 
+@pytest.mark.parametrize("mode", ["sync", "cgp"])
 def test_bfloat16_trains_on_exactly_the_response_tokens_of_its_samples(job_dir, mode):
     """Micro-batches of 16 responses of up to 40 tokens: counts above 256, where bfloat16 steps by 2 or 4, so a
     count summed in the model's dtype would be rounded (and differ with the micro-batch split)."""
