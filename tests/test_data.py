@@ -138,7 +138,7 @@ LONG_PROMPT = "a" * 9
 @pytest.mark.parametrize(
     "content, reason",
     [
-        (b'{"prompt": "ab=", "label": ', "invalid JSON"),
+        (b'{"prompt": "ab=", "label": ', "invalid JSON (Expecting value at column 28)"),
         (b'["ab=", "ba"]', "expected a JSON object, got array"),
         (b'{"label": "ba"}', "missing key 'prompt'"),
         (b'{"prompt": "  ", "label": "ba"}', "empty 'prompt'"),

@@ -108,7 +108,7 @@ def _read_rows(path: Path) -> Iterator[tuple[int, Any]]:
             if not text.strip():
                 raise DatasetError(path, line, "empty line", "Remove it: every line must hold one JSON object.")
             try:
-                yield line, json.loads(text)
+                yield line, json.loads(text.rstrip("\r\n"))  # (with its newline, an error at the end reads "column 1")
             except json.JSONDecodeError as err:
                 raise DatasetError(
                     path, line, f"invalid JSON ({err.msg} at column {err.colno})",
