@@ -299,7 +299,7 @@ def _first_unknown(node, parts: list[str]) -> str | None:
     for i, part in enumerate(parts):
         if not isinstance(node, DictConfig):
             return ".".join(parts[: i + 1])
-        if not dataclasses.is_dataclass(OmegaConf.get_type(node)):
+        if not _is_schema(node):
             return None
         if part not in node:
             return ".".join(parts[: i + 1])
@@ -331,9 +331,14 @@ def _keys(node: DictConfig, prefix: str = "") -> list[str]:
     for key in node.keys():
         out.append(prefix + str(key))
         child = node._get_node(key)
-        if isinstance(child, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(child)):
+        if isinstance(child, DictConfig) and _is_schema(child):
             out.extend(_keys(child, f"{prefix}{key}."))
     return out
+
+
+def _is_schema(node: DictConfig) -> bool:
+    """A dataclass's node (its keys are fixed), not a free-form dict's (``sweep``: any key)."""
+    return dataclasses.is_dataclass(OmegaConf.get_type(node))
 
 
 def save_config(cfg: Config, path: Path) -> None:
