@@ -37,7 +37,8 @@ import time
 
 from rolloutpipe.config import Config, PipelineMode
 from rolloutpipe.control.env import NodeEnv, Role
-from rolloutpipe.control.transport import Liveness, StoreAddress, Transport
+from rolloutpipe.control.liveness import Liveness
+from rolloutpipe.control.transport import StoreAddress, Transport
 from rolloutpipe.observe.metrics import RolloutStats, TrainStats
 from rolloutpipe.rollout.admission import GroupAssembler, RolloutSchedule
 from rolloutpipe.rollout.node import POLL_S, RolloutNode
@@ -182,8 +183,8 @@ def sync_weights(node: TrainerNode, version: int) -> float:
     with node.spans.span("sync/weights", step=version - 1):
         node.weights.publish(version, serves=serves)
         if serves and cfg.pipeline.mode is not PipelineMode.async_one_step:
-            node.transport.wait_get(node.transport.key("serving", f"policy_version={version}"),
-                                    what=f"the engines to serve policy_version {version}")
+            node.transport.wait_record(node.transport.key("serving", f"policy_version={version}"),
+                                       what=f"the engines to serve policy_version {version}")
     # sync/cgp: the engines serve ``version`` now. async_one_step does not wait: the rollout may still be
     # about to load version - 1 (the next step's policy), so only version - 2 is surely done with.
     node.weights.retire(version - (2 if cfg.pipeline.mode is PipelineMode.async_one_step else 1))

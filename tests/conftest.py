@@ -56,6 +56,37 @@ def assert_import_pulls_none_of(modules: list[str], heavy: list[str]) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def listening_addresses(*pids: int) -> list[str]:
+    """``host:port`` of every TCP socket these processes listen on (Linux: /proc), e.g. ``127.0.0.1:31337``."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                try:
+                    target = os.readlink(fd)
+                except OSError:
+                    continue
+                if target.startswith("socket:["):
+                    inodes.add(target[len("socket:["):-1])
+        except OSError:  # the process has exited
+            continue
+    found = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                address, port = fields[1].split(":")
+                raw = bytes.fromhex(address)
+                if width == 8:
+                    host = ".".join(str(b) for b in reversed(raw))
+                else:  # four little-endian 32-bit words
+                    import ipaddress
+
+                    host = str(ipaddress.IPv6Address(b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))))
+                found.append(f"{host}:{int(port, 16)}")
+    return found
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -68,21 +99,24 @@ def read_samples(run_dir: Path) -> list[dict]:
 
 
 def start_nodes(run_dir: Path, *overrides: str, commands: dict[str, list[str]] | None = None,
-                capture: bool = True) -> dict[str, subprocess.Popen]:
+                capture: bool = True, roles: tuple[str, ...] = ("rollout", "trainer"),
+                port: int | None = None) -> dict[str, subprocess.Popen]:
     """Start the two node groups by hand with the launcher's environment contract (no launcher watching).
 
-    ``commands`` replaces a role's ``-m rolloutpipe.launch.node`` (the fault suite runs a role under a wrapper).
+    ``commands`` replaces a role's ``-m rolloutpipe.launch.node`` (the fault suite runs a role under a wrapper);
+    ``roles`` and ``port`` start one group now and the other later, on the same store port.
     """
     from omegaconf import OmegaConf
 
     from rolloutpipe.config import load_config, save_config
     from rolloutpipe.control.env import NodeEnv, Role, free_port
 
-    cfg = load_config(OmegaConf.from_dotlist([*overrides, f"run.dir={run_dir}", "run.id=bytest"]))
-    save_config(cfg, run_dir / "config.yaml")
-    port = free_port()
+    if not (run_dir / "config.yaml").exists():
+        cfg = load_config(OmegaConf.from_dotlist([*overrides, f"run.dir={run_dir}", "run.id=bytest"]))
+        save_config(cfg, run_dir / "config.yaml")
+    port = port or free_port()
     procs = {}
-    for role in (Role.rollout, Role.trainer):
+    for role in map(Role, roles):
         env = NodeEnv(role=role, rank=0, world_size=1, store_host="127.0.0.1", store_port=port, run_id="bytest",
                       secret=b"k" * 32, run_dir=run_dir)
         command = (commands or {}).get(role.value, ["-m", "rolloutpipe.launch.node"])

@@ -26,6 +26,7 @@ from tests.test_embedded_engine import run_all
 VOCAB_SIZE = len(build_tiny_tokenizer())
 MODEL = ModelConfig(dtype=DType.float64)
 CONCURRENCY = 4
+API_KEY = "k" * 64
 
 
 class Results:
@@ -63,7 +64,7 @@ def server(tmp_path_factory):
     model_yaml = log_dir / "model.yaml"
     model_yaml.write_text(OmegaConf.to_yaml(OmegaConf.structured(MODEL)))
     proc = server_process.embedded_server(name="engine0", model_config_yaml=model_yaml, concurrency=CONCURRENCY,
-                                          log_dir=log_dir, num_threads=1).start()
+                                          log_dir=log_dir, num_threads=1, api_key=API_KEY).start()
     proc.wait_ready(timeout_s=120)
     yield proc
     proc.stop()
@@ -72,7 +73,7 @@ def server(tmp_path_factory):
 @pytest.fixture
 def client(server):
     results = Results()
-    engine = SGLangEngine(name="engine0", url=server.url, concurrency=CONCURRENCY, on_result=results,
+    engine = SGLangEngine(name="engine0", endpoint=server.endpoint, concurrency=CONCURRENCY, on_result=results,
                           server_error=server.exit_reason)
     engine.results = results
     yield engine
@@ -100,15 +101,15 @@ def test_same_request_same_seed_same_tokens(client, server):
     twin = request(2, max_new_tokens=20)
     client.submit(twin)
     first = client.results.wait_for(1)[twin.request_id]
-    again = sglang_api.generate(server.url, twin, timeout_s=30)
+    again = sglang_api.generate(server.endpoint, twin, timeout_s=30)
     assert again.output_ids == first.output_ids
-    other_seed = sglang_api.generate(server.url, request(2, max_new_tokens=20, sampling_seed=5), timeout_s=30)
+    other_seed = sglang_api.generate(server.endpoint, request(2, max_new_tokens=20, sampling_seed=5), timeout_s=30)
     assert other_seed.output_ids != first.output_ids
 
 
 def test_abort_returns_a_running_request_early_and_a_waiting_one_at_once(server):
     results = Results()
-    engine = SGLangEngine(name="engine0", url=server.url, concurrency=1, on_result=results)
+    engine = SGLangEngine(name="engine0", endpoint=server.endpoint, concurrency=1, on_result=results)
     try:
         long, queued = request(0, max_new_tokens=480), request(1, max_new_tokens=480)
         engine.submit(long)
@@ -128,15 +129,39 @@ def test_abort_returns_a_running_request_early_and_a_waiting_one_at_once(server)
 
 def test_weight_update_outside_a_session_is_refused_as_sglang_0_5_23_does(server, tmp_path):
     with pytest.raises(sglang_api.SGLangError, match="HTTP 400"):
-        sglang_api.call(server.url, sglang_api.UPDATE_WEIGHTS_FROM_DISK,
+        sglang_api.call(server.endpoint, sglang_api.UPDATE_WEIGHTS_FROM_DISK,
                         sglang_api.update_weights_from_disk_body(str(tmp_path), 9))
-    assert sglang_api.served_weight_version(sglang_api.call(server.url, sglang_api.MODEL_INFO)) == "0"
+    assert sglang_api.served_weight_version(sglang_api.call(server.endpoint, sglang_api.MODEL_INFO)) == "0"
+
+
+def test_a_process_without_the_runs_key_can_neither_update_nor_steer_the_server(server, tmp_path):
+    """An outsider on the same machine (no key, or a wrong one) gets 401 on every route but /health, and the
+    server still serves policy_version 0; the refusal is in the server's log."""
+    state = load_model(ModelConfig(dtype=DType.float64, init_seed=7), VOCAB_SIZE).state_dict()
+    save_file({k: v.contiguous() for k, v in state.items() if k != "lm_head.weight"}, str(tmp_path / "evil.safetensors"))
+    group = {"master_address": "127.0.0.1", "master_port": 1, "world_size": 2, "group_name": "g", "backend": "gloo"}
+    calls = [(sglang_api.PAUSE_GENERATION, sglang_api.pause_body()),
+             (sglang_api.BEGIN_WEIGHT_UPDATE, sglang_api.begin_weight_update_body()),
+             (sglang_api.UPDATE_WEIGHTS_FROM_DISK, sglang_api.update_weights_from_disk_body(str(tmp_path), 5)),
+             (sglang_api.INIT_WEIGHTS_UPDATE_GROUP, {**group, "rank_offset": 1}),
+             (sglang_api.ABORT_REQUEST, sglang_api.abort_all_body()),
+             (sglang_api.GENERATE, sglang_api.generate_body(request(0)))]
+    for key in (None, "not-the-key"):
+        outsider = sglang_api.Endpoint(server.url, key)
+        for route, body in calls:
+            with pytest.raises(sglang_api.SGLangError, match=r"HTTP 401: \{\"error\": \"Unauthorized\"\}"):
+                sglang_api.call(outsider, route, body)
+        with pytest.raises(sglang_api.SGLangError, match="HTTP 401"):
+            sglang_api.call(outsider, sglang_api.MODEL_INFO)
+        assert sglang_api.is_healthy(outsider)
+    assert sglang_api.served_weight_version(sglang_api.call(server.endpoint, sglang_api.MODEL_INFO)) == "0"
+    assert "refused POST /update_weights_from_disk" in server.log_path.read_text()
 
 
 def test_unreachable_server_is_an_engine_error_naming_its_url():
     url = f"http://127.0.0.1:{server_process.free_port()}"
     results = Results()
-    engine = SGLangEngine(name="engine9", url=url, concurrency=1, on_result=results)
+    engine = SGLangEngine(name="engine9", endpoint=sglang_api.Endpoint(url), concurrency=1, on_result=results)
     engine.submit(request(0))
     deadline = time.monotonic() + 10
     while engine.error is None and time.monotonic() < deadline:
@@ -150,7 +175,8 @@ def test_unreachable_server_is_an_engine_error_naming_its_url():
 
 def test_a_server_that_dies_is_reported_with_its_log(tmp_path):
     dying = server_process.ServerProcess(name="engine3", command=[sys.executable, "-c", "print('boom'); exit(3)"],
-                                         log_path=tmp_path / "engine3.log", url="http://127.0.0.1:9").start()
+                                         log_path=tmp_path / "engine3.log", url="http://127.0.0.1:9",
+                                         api_key=None).start()
     with pytest.raises(RuntimeError, match=r"engine3 .* exited with code 3(.|\n)*boom"):
         dying.wait_ready(timeout_s=30)
 
@@ -167,7 +193,7 @@ def test_weight_update_serves_the_new_policy_version_and_weights(client, server,
 
     client.update_weights_from_disk(str(path), 1)
     assert client.policy_version == 1
-    assert sglang_api.served_weight_version(sglang_api.call(server.url, sglang_api.MODEL_INFO)) == "1"
+    assert sglang_api.served_weight_version(sglang_api.call(server.endpoint, sglang_api.MODEL_INFO)) == "1"
     requests = [request(i) for i in range(3)]
     for r in requests:
         client.submit(r)
@@ -186,7 +212,7 @@ def test_embedded_http_run_trains_through_the_server_and_stops_it(job_dir):
     versions = {(s.step, s.attrs["policy_version"]) for s in read_spans(run_dir) if s.name == "rollout/request"}
     assert versions == {(0, 0), (1, 1)}  # step 1 was generated after the weight update over HTTP
     port = int((run_dir / "engines" / "engine0.port").read_text())
-    assert not sglang_api.is_healthy(f"http://127.0.0.1:{port}", timeout_s=1)  # the run stopped its server
+    assert not sglang_api.is_healthy(sglang_api.Endpoint(f"http://127.0.0.1:{port}"), timeout_s=1)  # the run stopped its server
 
 
 def test_fgd_reaches_sglang_as_group_order_priorities(tmp_path):
@@ -199,7 +225,8 @@ def test_fgd_reaches_sglang_as_group_order_priorities(tmp_path):
     for admission, scheduled in (("fifo", False), ("fgd", True)):
         cfg = load_config({"model": {"path": str(tmp_path)}, "run": {"dir": str(tmp_path / admission)},
                            "rollout": {"engine": "sglang", "admission": admission}})
-        command = EngineFactory(cfg, vocab_size=VOCAB_SIZE, on_result=print)._server(0, "engine0").command
+        factory = EngineFactory(cfg, vocab_size=VOCAB_SIZE, on_result=print, api_key=API_KEY)
+        command = factory._server(0, "engine0").command
         assert ("--enable-priority-scheduling" in command) is scheduled, admission
         assert ("--schedule-low-priority-values-first" in command) is scheduled, admission
     prompt = Prompt(index=0, text="abc", input_ids=[5, 6], label="cba")

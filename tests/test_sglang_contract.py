@@ -165,6 +165,8 @@ class FakeServer:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, str, dict | None]] = []
+        self.authorization: list[str | None] = []
+        """Each call's Authorization header."""
         self.reads: dict[str, set[str]] = {}
         self.weight_version = "0"
 
@@ -177,6 +179,7 @@ class FakeServer:
         route = "/" + req.full_url.split("/", 3)[3]
         body = json.loads(req.data) if req.data else None
         self.calls.append((req.get_method(), route, body))
+        self.authorization.append(req.get_header("Authorization"))
         answer = self.answer(route, body)
         return _Response(b"" if answer is None else json.dumps(answer).encode())
 
@@ -217,7 +220,7 @@ def fake(monkeypatch) -> FakeServer:
 
 def drive_the_client(fake: FakeServer, tmp_path: Path) -> None:
     """Every call RolloutPipe makes to an engine server, through sglang_api's real functions."""
-    url = "http://engine:30000"
+    url = sglang_api.Endpoint("http://engine:30000", api_key="the-run-key")
     request = GenerationRequest(request_id="step=0/group=1/sample=2", input_ids=[3, 4], max_new_tokens=8,
                                 temperature=1.0, top_p=0.9, sampling_seed=2**63 - 1, stop_token_ids=[1], priority=3)
     assert sglang_api.is_healthy(url)
@@ -302,9 +305,24 @@ def test_logprob_entries_are_logprob_first(sglang):
 
 def test_every_launch_flag_exists(sglang, tmp_path):
     server = server_process.sglang_server(name="engine0", model_path="/m", dtype="bfloat16", concurrency=8, seed=1,
-                                          base_gpu_id=0, priority_scheduling=True, extra_args=[], log_dir=tmp_path)
-    flags = [a for a in server.command if a.startswith("--")]
+                                          base_gpu_id=0, priority_scheduling=True, extra_args=[], log_dir=tmp_path,
+                                          api_key="the-run-key")
+    assert "the-run-key" not in server.command, "a command line is readable by every user of the machine"
+    flags = [a for a in server.command if a.startswith("--")] + ["--api-key"]  # sglang_launch adds the key
     assert not set(flags) - sglang.server_flags, sorted(set(flags) - sglang.server_flags)
+
+
+def test_every_call_carries_the_api_key_and_no_route_needs_the_admin_key(sglang, fake, tmp_path):
+    """Servers run with --api-key: SGLang then wants ``Bearer <key>`` on every route but /health, and routes of
+    level ADMIN_FORCE want --admin-api-key instead, which RolloutPipe does not set."""
+    drive_the_client(fake, tmp_path)
+    assert set(fake.authorization) == {"Bearer the-run-key"}
+    handlers = {fn.name: fn for fn in sglang.http_server.body
+                if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    for route in {route for _, route, _ in fake.calls}:
+        decorators = handlers[sglang.routes[route][2]].decorator_list
+        levels = {ast.unparse(d) for d in decorators if "auth_level" in ast.unparse(d)}
+        assert levels <= {"auth_level(AuthLevel.ADMIN_OPTIONAL)", "auth_level(AuthLevel.NORMAL)"}, (route, levels)
 
 
 def test_distributed_update_bodies_carry_every_field_the_broadcast_needs(sglang, fake, tmp_path):

@@ -1,11 +1,14 @@
 """The control plane: groups cross a real TCPStore as signed handles; anything altered or stray is refused."""
 
 import json
+import os
+import threading
 import time
 
 import pytest
 
-from rolloutpipe.control.transport import HandleRejected, Liveness, PeerLost, StoreAddress, Transport
+from rolloutpipe.control.liveness import Liveness
+from rolloutpipe.control.transport import HandleRejected, PeerLost, StoreAddress, Transport
 from rolloutpipe.types import CompleteGroup, FinishReason, Sample
 
 
@@ -50,18 +53,81 @@ def _tamper(transport: Transport, key: str, **changes) -> None:
     transport.set(key, json.dumps(fields))
 
 
-def test_tampered_handle_is_rejected(transport):
-    transport.publish(make_group(), seq=0, inline_max_bytes=1 << 20)
+class InThread:
+    """Runs ``fn`` on a thread: a waiter that must still be waiting after a forged value, and return later."""
+
+    def __init__(self, fn):
+        self.result, self.error = None, None
+        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self.thread.start()
+
+    def _run(self, fn):
+        try:
+            self.result = fn()
+        except BaseException as err:  # noqa: BLE001 - handed to the test
+            self.error = err
+
+    def join(self, timeout_s=10.0):
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), "the waiter never returned"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def waiting_client(host: Transport, **kwargs) -> Transport:
+    waiter = client(host, **kwargs)
+    waiter.poll_s = 0.05
+    return waiter
+
+
+def test_tampered_handle_is_refused_and_the_genuine_one_waited_for(transport, caplog):
+    trainer = waiting_client(transport)
+    genuine = transport.publish(make_group(), seq=0, inline_max_bytes=1 << 20)
     _tamper(transport, transport.key("step=0", "handle", "seq=0"), group=5)
-    with pytest.raises(HandleRejected, match="bad signature"):
-        client(transport).wait_handle(step=0, seq=0, policy_version=0)
+    waiting = InThread(lambda: trainer.wait_handle(step=0, seq=0, policy_version=0))
+    time.sleep(0.5)
+    assert waiting.thread.is_alive(), "a tampered handle must not be taken"
+    assert "bad signature" in caplog.text and "refused a store record" in caplog.text
+    transport.publish(make_group(), seq=0, inline_max_bytes=1 << 20)  # the publisher's (re)write
+    handle = waiting.join()
+    assert (handle.group, handle.digest) == (genuine.group, genuine.digest)
 
 
-def test_handle_signed_with_another_secret_is_rejected(transport):
+def test_handle_signed_with_another_secret_is_refused(transport, caplog):
     forger = client(transport, secret=b"x" * 32)
-    forger.publish(make_group(), seq=0, inline_max_bytes=1 << 20)
-    with pytest.raises(HandleRejected, match="bad signature"):
-        client(transport).wait_handle(step=0, seq=0, policy_version=0)
+    forger.publish(make_group(group=1), seq=0, inline_max_bytes=1 << 20)
+    waiting = InThread(lambda: waiting_client(transport).wait_handle(step=0, seq=0, policy_version=0))
+    time.sleep(0.5)
+    assert waiting.thread.is_alive() and "bad signature" in caplog.text
+    transport.publish(make_group(group=3), seq=0, inline_max_bytes=1 << 20)
+    assert waiting.join().group == 3
+
+
+def test_sealed_record_round_trips_and_a_forged_or_moved_one_is_refused(transport, caplog):
+    key = transport.key("weights", "policy_version=2")
+    transport.put_record(key, {"path": "weights/policy_v2.safetensors", "policy_version": 2})
+    assert client(transport).read_record(key) == {"path": "weights/policy_v2.safetensors", "policy_version": 2}
+    # a genuine record copied to another key (a replay of policy 2 as policy 3), and records without the seal
+    other = transport.key("weights", "policy_version=3")
+    transport.set(other, transport.get(key))
+    assert client(transport).read_record(other) is None
+    for forged in (json.dumps({"path": "/etc/passwd", "policy_version": 3}),
+                   client(transport, secret=b"x" * 32).seal(other, {"path": "/tmp/evil", "policy_version": 3}),
+                   b"\xff not json"):
+        transport.set(other, forged)
+        waiting = InThread(lambda: waiting_client(transport).wait_record(other, what="policy 3"))
+        time.sleep(0.3)
+        assert waiting.thread.is_alive(), f"{forged!r} must not be taken"
+        transport.put_record(other, {"path": "weights/policy_v3.safetensors", "policy_version": 3})
+        assert waiting.join() == {"path": "weights/policy_v3.safetensors", "policy_version": 3}
+    assert caplog.text.count("not sealed with this run's secret") == 4
+
+
+def test_the_store_listens_on_its_host_address_only(transport):
+    from tests.conftest import listening_addresses
+
+    assert listening_addresses(os.getpid()) and all(a.startswith("127.") for a in listening_addresses(os.getpid()))
 
 
 def test_tampered_payload_is_rejected(transport):
@@ -76,6 +142,7 @@ def test_tampered_payload_is_rejected(transport):
 
 
 def test_replayed_handle_from_another_step_or_run_is_rejected(transport):
+    """A genuine handle copied to another step's or run's key is signed, so it is a bug or a replay: it stops."""
     transport.publish(make_group(step=0), seq=0, inline_max_bytes=1 << 20)
     raw = transport.get(transport.key("step=0", "handle", "seq=0"))
     transport.set(transport.key("step=1", "handle", "seq=0"), raw)
@@ -113,3 +180,38 @@ def test_abort_reason_reaches_every_waiter(transport):
     with pytest.raises(PeerLost, match="engine crashed"):
         waiter.wait_get(waiter.key("never"), what="a handle")
 
+
+
+def test_a_forged_abort_is_refused_and_a_genuine_one_still_stops_the_run(transport, caplog):
+    waiter = waiting_client(transport)
+    waiter.liveness = Liveness(waiter, role="trainer", rank=0, peers=[], heartbeat_s=0.1, peer_timeout_s=1,
+                               startup_timeout_s=5)
+    transport.set(transport.key("abort"), json.dumps({"reason": "forged: stop now"}))
+    waiter.liveness.check(waiting_for="a handle")  # refused: no error
+    assert "refused a store record" in caplog.text
+    transport.abort("rollout rank 0 failed: engine crashed")  # overwrites the forged record
+    with pytest.raises(PeerLost, match="engine crashed"):
+        waiter.wait_get(waiter.key("never"), what="a handle")
+
+
+def test_forged_or_replayed_heart_beats_do_not_keep_a_dead_peer_alive(transport):
+    peer = client(transport)
+    beats = Liveness(peer, role="trainer", rank=1, peers=[], heartbeat_s=0.05, peer_timeout_s=0.5,
+                     startup_timeout_s=5).start()
+    waiter = waiting_client(transport)
+    waiter.liveness = Liveness(waiter, role="rollout", rank=0, peers=[("trainer", 1)], heartbeat_s=0.1,
+                               peer_timeout_s=0.5, startup_timeout_s=5)
+    time.sleep(0.2)
+    waiter.liveness.check(waiting_for="nothing")
+    beats.stop()
+    time.sleep(0.1)
+    key = transport.key("alive", "trainer", 1)
+    replay = transport.get(key)
+    forger = client(transport, secret=b"x" * 32)
+    start = time.monotonic()
+    with pytest.raises(PeerLost, match="trainer rank 1 stopped heart-beating"):
+        while time.monotonic() - start < 5:
+            transport.set(key, replay)
+            forger.put_record(key, {"count": 10**9})
+            waiter.liveness.check(waiting_for="nothing")
+            time.sleep(0.05)

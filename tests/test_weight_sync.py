@@ -23,7 +23,7 @@ from rolloutpipe.rollout.engines.http_client import SGLangEngine
 from rolloutpipe.rollout.supervisor import EngineSupervisor
 from rolloutpipe.trainer.weights import Broadcaster
 from tests.conftest import DENSE_REWARD, SMALL, read_samples, run_job
-from tests.test_sglang_client import MODEL, VOCAB_SIZE, Results, in_process, request
+from tests.test_sglang_client import API_KEY, MODEL, VOCAB_SIZE, Results, in_process, request
 
 NUM_SERVERS = 2
 
@@ -34,7 +34,8 @@ def servers(tmp_path_factory):
     model_yaml = log_dir / "model.yaml"
     model_yaml.write_text(OmegaConf.to_yaml(OmegaConf.structured(MODEL)))
     procs = [server_process.embedded_server(name=f"engine{i}", model_config_yaml=model_yaml, concurrency=4,
-                                            log_dir=log_dir, num_threads=1).start() for i in range(NUM_SERVERS)]
+                                            log_dir=log_dir, num_threads=1, api_key=API_KEY).start()
+             for i in range(NUM_SERVERS)]
     for proc in procs:
         proc.wait_ready(timeout_s=120)
     yield procs
@@ -66,14 +67,14 @@ def test_distributed_weight_sync_needs_http_engines_and_says_so():
 
 def test_engines_serve_the_broadcast_weights_and_report_their_version(servers):
     results = Results()
-    engines = [SGLangEngine(name=p.name, url=p.url, concurrency=4, on_result=results) for p in servers]
+    engines = [SGLangEngine(name=p.name, endpoint=p.endpoint, concurrency=4, on_result=results) for p in servers]
     supervisor = EngineSupervisor(engines=engines, restart=None, where_to_look=lambda e: e.url, max_failures=0,
                                   request_timeout_s=None, spans=None)
     try:
         outside = sglang_api.update_weights_from_distributed_body(plan_buckets({"x": torch.zeros(1)}, 8)[0],
                                                                   "nope", 9)
         with pytest.raises(sglang_api.SGLangError, match="HTTP 400"):  # outside a session, as 0.5.23 refuses
-            sglang_api.call(servers[0].url, sglang_api.UPDATE_WEIGHTS_FROM_DISTRIBUTED, outside)
+            sglang_api.call(servers[0].endpoint, sglang_api.UPDATE_WEIGHTS_FROM_DISTRIBUTED, outside)
 
         group = WeightGroup(master_address="127.0.0.1", master_port=free_port(), world_size=1 + NUM_SERVERS)
         rank0: dict[str, Broadcaster] = {}
@@ -97,9 +98,9 @@ def test_engines_serve_the_broadcast_weights_and_report_their_version(servers):
         local = in_process(new_cfg, requests, policy_version=1)
         for engine, proc in zip(engines, servers):
             assert engine.policy_version == 1
-            assert sglang_api.served_weight_version(sglang_api.call(proc.url, sglang_api.MODEL_INFO)) == "1"
+            assert sglang_api.served_weight_version(sglang_api.call(proc.endpoint, sglang_api.MODEL_INFO)) == "1"
             for r in requests:
-                got = sglang_api.generate(proc.url, r, timeout_s=30)
+                got = sglang_api.generate(proc.endpoint, r, timeout_s=30)
                 assert got.weight_version == "1"
                 assert got.output_ids == local[r.request_id].output_ids
                 torch.testing.assert_close(torch.tensor(got.output_logprobs),

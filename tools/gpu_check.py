@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import subprocess
 import sys
 import threading
@@ -74,7 +75,8 @@ def check_logprobs(out: Path, sglang_args: list[str], atol: float) -> dict:
     save_tiny(model_dir, init_seed=0)
     server = server_process.sglang_server(name="check0", model_path=str(model_dir), dtype="float32",
                                           concurrency=16, seed=0, base_gpu_id=0, priority_scheduling=False,
-                                          extra_args=SERVER_ARGS + sglang_args, log_dir=out / "engines")
+                                          extra_args=SERVER_ARGS + sglang_args, log_dir=out / "engines",
+                                          api_key=secrets.token_hex(16))
     start = time.time()
     server.start().wait_ready(timeout_s=600)
     print(f"sglang server ready in {time.time() - start:.0f}s at {server.url}", flush=True)
@@ -85,7 +87,7 @@ def check_logprobs(out: Path, sglang_args: list[str], atol: float) -> dict:
             results[r.request_id] = r
             done.notify_all()
 
-    engine = SGLangEngine(name="check0", url=server.url, concurrency=16, on_result=on_result,
+    engine = SGLangEngine(name="check0", endpoint=server.endpoint, concurrency=16, on_result=on_result,
                           server_error=server.exit_reason, stop_server=server.stop)
     vocab = len(build_tiny_tokenizer())
     summary = {}

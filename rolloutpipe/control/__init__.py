@@ -1,7 +1,9 @@
 """The control plane both node groups share: what crosses between them, and how.
 
-    env.py          the node environment contract (RP_* variables, Slurm het-job derivation, ports)
-    transport.py    the TCPStore: run-scoped keys, HMAC-signed group handles, payloads, heart-beats, abort
+    env.py          the node environment contract (RP_* variables, Slurm het-job derivation, ports, sockets)
+    transport.py    the TCPStore: run-scoped keys, sealed records, signed group handles, payloads, abort
+    liveness.py     heart-beats and the check that the peers still beat
+    codec.py        a complete group as safetensors bytes and back
     clock.py        one clock for every span of the run (the store host's)
     weight_sync.py  how policy k+1 reaches the engines: weight records, buckets, the weight-update group
     checkpoint.py   the step-atomic checkpoint layout (the trainer writes it, both sides resume from it)

@@ -68,7 +68,8 @@ def measure_offset(transport: Transport, *, num_rounds: int = 8) -> ClockSync:
         ticket = transport.add(transport.key("clock", "ticket"), 1)
         t0 = time.time()
         transport.set(transport.key("clock", f"ping={ticket}"), b"")
-        host_s = float(transport.wait_get(transport.key("clock", f"pong={ticket}"), what="the store host's clock"))
+        host_s = float(transport.wait_record(transport.key("clock", f"pong={ticket}"),
+                                             what="the store host's clock")["time_s"])
         t1 = time.time()
         sample = (t1 - t0, host_s - (t0 + t1) / 2)
         best = sample if best is None or sample[0] < best[0] else best
@@ -113,7 +114,8 @@ class ClockServer:
             except RuntimeError:
                 return
             try:
-                store.set(transport.key("clock", f"pong={ticket}"), repr(time.time()))
+                pong = transport.key("clock", f"pong={ticket}")
+                store.set(pong, transport.seal(pong, {"time_s": time.time()}))
             except RuntimeError:
                 return
             ticket, waiting_since = ticket + 1, time.monotonic()

@@ -11,7 +11,9 @@ Every launcher (local processes, Slurm, TorchX) starts the same entry point,
                      node list whose first host it is (TorchX's ``rank0_env``)
     RP_STORE_PORT
     RP_RUN_ID        names the run's store keys
-    RP_RUN_SECRET    hex; signs group handles (never written to disk by RolloutPipe)
+    RP_RUN_SECRET    hex; seals every store record and derives the engines' API key. Never written to disk
+                     by RolloutPipe, never printed; ``NodeEnv.take`` removes it from the process's
+                     environment, so no child process (engine servers, reward workers) inherits it
     RP_RUN_DIR       the run directory, shared by both node groups
     RP_CPUS          optional, e.g. "0,1": CPUs this process is pinned to
 
@@ -32,11 +34,13 @@ comes from Slurm, because no Slurm variable names a task's het group:
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import os
 import random
 import re
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 LAUNCHER_VARS = ("RP_RUN_ID", "RP_RUN_SECRET", "RP_RUN_DIR")
@@ -56,13 +60,19 @@ class NodeEnv:
     store_host: str
     store_port: int
     run_id: str
-    secret: bytes
+    secret: bytes = field(repr=False)
     run_dir: Path
     cpus: list[int] | None = None
 
     @property
     def config_path(self) -> Path:
         return self.run_dir / "config.yaml"
+
+    @property
+    def engine_api_key(self) -> str:
+        """The API key of the engine servers the rollout node starts (``--api-key``): derived from the run's
+        secret, so it is the run's own and the secret itself never leaves the node process."""
+        return hmac.new(self.secret, b"rolloutpipe engine api key", hashlib.sha256).hexdigest()
 
     def to_environ(self) -> dict[str, str]:
         env = {
@@ -77,6 +87,13 @@ class NodeEnv:
         }
         if self.cpus:
             env["RP_CPUS"] = ",".join(map(str, self.cpus))
+        return env
+
+    @classmethod
+    def take(cls) -> NodeEnv:
+        """This process's NodeEnv, with the secret removed from ``os.environ`` before any child process starts."""
+        env = cls.from_environ()
+        os.environ.pop("RP_RUN_SECRET", None)
         return env
 
     @classmethod
@@ -147,6 +164,27 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on the address ``host`` names (loopback for 127.0.0.1 or localhost, the node's own
+    address for its host name), never on every interface; port 0 takes a free one. For the stores RolloutPipe
+    hosts (``TCPStore(master_listen_fd=...)``), which would otherwise listen on all interfaces."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def loopback_interface() -> str | None:
+    """The loopback interface's name (``lo`` on Linux), for ``GLOO_SOCKET_IFNAME`` in a run on one machine."""
+    return next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
 
 
 def slurm_store_port(job_id: int) -> int:

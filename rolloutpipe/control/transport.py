@@ -1,18 +1,31 @@
-"""The control plane between the node groups: a torch.distributed TCPStore, signed handles, heart-beats.
+"""The control plane between the node groups: a torch.distributed TCPStore, sealed records, signed handles.
 
 Store keys all live under ``rp/<run_id>/`` and follow the one id scheme:
 
     rp/<run>/step=<k>/handle/seq=<i>      signed GroupHandle (JSON), publish order i = 0, 1, ...
     rp/<run>/step=<k>/payload/seq=<i>     the group's payload when it is inline (safetensors bytes)
-    rp/<run>/step=<k>/rollout_stats       the rollout's per-step record (JSON)
-    rp/<run>/weights/policy_version=<v>   where the trainer wrote policy v (JSON)
+    rp/<run>/step=<k>/rollout_stats       the rollout's per-step record
+    rp/<run>/step=<k>/source_state        the prompt source's state after step k (goes into checkpoints)
+    rp/<run>/weights/policy_version=<v>   where the trainer wrote policy v and its digest, or its buckets
+    rp/<run>/weight_sync/group            the weight-update process group's address (distributed sync)
     rp/<run>/serving/policy_version=<v>   the rollout's acknowledgement that every engine serves v
-    rp/<run>/alive/<role>/<rank>          heart-beat counter of one process
-    rp/<run>/abort                        the first fatal error of any process (text)
-    rp/<run>/trainer_pg/...               the trainer's gloo process group rendezvous
+    rp/<run>/trainer/ready, trainer/done  trainer rank 0's start and end
+    rp/<run>/alive/<role>/<rank>          heart-beat count of one process
+    rp/<run>/abort                        the first fatal error of any process
+    rp/<run>/clock/...                    the store host's clock (control/clock.py)
+    rp/<run>/trainer_pg/...               the trainer's gloo process group rendezvous (through ``SealedStore``)
 
-Nothing read from the store is unpickled: handles are JSON checked against an HMAC-SHA256 signature
-made with a per-run secret that the launcher hands to both node groups, and payloads are safetensors
+Only the run steers the run: every value a process acts on is sealed with the run's secret (HMAC-SHA256
+over the key and the value, so a record copied to another key, step or run is refused too) and checked
+before it is used. Group handles carry their own signature; every other record is a sealed JSON record
+(``put_record`` / ``wait_record``); the trainer's process-group rendezvous goes through ``SealedStore``;
+heart-beats and the abort check are control/liveness.py, the payload codec control/codec.py.
+A value that fails the check is refused with a line in the log and the reader goes on waiting for the
+genuine one, so a process without the secret can neither stop nor steer the run. It can still delete or
+overwrite keys and so stall it: the store's port is for the run's processes only (README, "Security").
+The store listens on its host's own address only (``listen_socket``: loopback for a local run).
+
+Nothing read from the store is unpickled: records and handles are JSON, payloads are safetensors
 (tensors plus a JSON header) whose sha256 digest the handle carries.
 
 A TCPStore client serialises its operations, and a blocking ``wait`` holds it, so every thread that
@@ -25,17 +38,19 @@ import dataclasses
 import hashlib
 import hmac
 import json
-import threading
+import logging
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Protocol
 
-import torch
 import torch.distributed as dist
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 
-from rolloutpipe.types import CompleteGroup, FinishReason, GroupHandle, Sample
+from rolloutpipe.control.codec import decode_group, encode_group
+from rolloutpipe.control.env import listen_socket
+from rolloutpipe.types import CompleteGroup, GroupHandle
+
+log = logging.getLogger(__name__)
 
 STORE_MAX_VALUE_BYTES = 8 * 1024 * 1024
 """The libuv TCPStore rejects larger values, so bigger payloads go through the run directory."""
@@ -45,8 +60,18 @@ class TransportError(RuntimeError):
     """The other node group went away, sent something we refuse, or a run was aborted."""
 
 
+class PeerCheck(Protocol):
+    """What a waiter calls every poll: control/liveness.py's Liveness (raises PeerLost for a dead peer or an abort)."""
+
+    def check(self, *, waiting_for: str) -> None: ...
+
+
 class HandleRejected(TransportError):
     pass
+
+
+class Forged(ValueError):
+    """A store value that is not this run's: unsealed, sealed with another secret, or moved from another key."""
 
 
 class PeerLost(TransportError):
@@ -82,21 +107,26 @@ class Transport:
         self.run_dir = run_dir
         self.is_host = is_host
         self.poll_s = poll_s
-        self.liveness: Liveness | None = None
+        self.liveness: PeerCheck | None = None
+        """This process's heart-beats and peer check (control/liveness.py), set by pipeline.open_transport."""
+        self._refused: set[tuple[str, str]] = set()
 
     @classmethod
     def open(
         cls, *, address: StoreAddress, is_host: bool, run_id: str, secret: bytes, run_dir: Path, connect_timeout_s: float
     ) -> Transport:
+        """Host the store (on ``address.host``'s own address only; port 0 takes a free one) or connect to it."""
         try:
+            listen_fd = listen_socket(address.host, address.port).detach() if is_host else None
             store = dist.TCPStore(
                 address.host,
                 address.port,
                 is_master=is_host,
                 wait_for_workers=False,
                 timeout=timedelta(seconds=connect_timeout_s),
+                master_listen_fd=listen_fd,
             )
-        except RuntimeError as err:
+        except (RuntimeError, OSError) as err:
             if is_host:
                 raise TransportError(f"could not host the TCPStore on {address.host}:{address.port}: {err}") from err
             raise TransportError(
@@ -161,16 +191,77 @@ class Transport:
                     raise self._lost(err) from err
             except RuntimeError as err:
                 raise self._lost(err) from err
-            if self.liveness is not None:
-                self.liveness.check(waiting_for=what)
+            self.check_peers(what)
+
+    def check_peers(self, waiting_for: str) -> None:
+        if self.liveness is not None:
+            self.liveness.check(waiting_for=waiting_for)
 
     def abort(self, reason: str) -> None:
-        """Tell every process of the run to stop; the first reason wins. Best effort: the store may be gone."""
+        """Tell every process of the run to stop; the first genuine reason wins (a forged one is overwritten).
+        Best effort: the store may be gone."""
+        key = self.key("abort")
         try:
-            if not self.store.check([self.key("abort")]):
-                self.store.set(self.key("abort"), reason)
+            if not self.store.check([key]) or self.read_record(key) is None:
+                self.store.set(key, self.seal(key, {"reason": reason}))
         except RuntimeError:
             pass
+
+    # -- sealed records ----------------------------------------------------------------------------
+    def _mac(self, key: str, body: bytes) -> str:
+        return hmac.new(self.secret, key.encode() + b"\n" + body, hashlib.sha256).hexdigest()
+
+    def seal(self, key: str, record: dict) -> str:
+        """``record`` as the value of ``key``: JSON with an HMAC over the key and the JSON text."""
+        body = json.dumps(record, sort_keys=True, separators=(",", ":"))
+        return json.dumps({"mac": self._mac(key, body.encode()), "body": body})
+
+    def unseal(self, key: str, raw: bytes) -> dict:
+        """The record sealed as ``key``'s value; raises Forged for anything else."""
+        try:
+            sealed = json.loads(raw)
+            body, mac = sealed["body"], sealed["mac"]
+            genuine = isinstance(body, str) and isinstance(mac, str) and hmac.compare_digest(
+                mac, self._mac(key, body.encode()))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            genuine = False
+        if not genuine:
+            raise Forged(f"{key}: not sealed with this run's secret (written by a process outside the run, or "
+                         "copied from another key)")
+        return json.loads(body)
+
+    def refuse(self, key: str, raw: bytes, why: str) -> None:
+        """Log, once per distinct value, that a value at ``key`` was refused."""
+        seen = (key, hashlib.sha256(raw).hexdigest())
+        if seen not in self._refused:
+            self._refused.add(seen)
+            log.warning("refused a store record: %s; ignoring it and waiting for the run's own.", why)
+
+    def put_record(self, key: str, record: dict) -> None:
+        self.set(key, self.seal(key, record))
+
+    def read_record(self, key: str) -> dict | None:
+        """``key``'s record if it exists and is genuine (a forged one is refused, in the log), else None."""
+        if not self.has(key):
+            return None
+        raw = self.get(key)
+        try:
+            return self.unseal(key, raw)
+        except Forged as err:
+            self.refuse(key, raw, str(err))
+            return None
+
+    def wait_record(self, key: str, *, what: str) -> dict:
+        """Block until ``key`` holds a genuine record and return it; forged values are refused and waited past."""
+        raw = self.wait_get(key, what=what)
+        while True:
+            try:
+                return self.unseal(key, raw)
+            except Forged as err:
+                self.refuse(key, raw, str(err))
+            time.sleep(self.poll_s)
+            self.check_peers(what)
+            raw = self.get(key)
 
     # -- handles and payloads -------------------------------------------------------------------------
     def _sign(self, handle: GroupHandle) -> str:
@@ -210,10 +301,22 @@ class Transport:
         return handle
 
     def wait_handle(self, *, step: int, seq: int, policy_version: int) -> GroupHandle:
-        """Wait for the handle published ``seq``-th in ``step`` and verify it (signature, run, step, version)."""
+        """Wait for the handle published ``seq``-th in ``step`` and verify it (signature, run, step, version).
+
+        A handle without this run's signature is refused (logged) and waited past; one that is signed but names
+        another run, step or version, or a payload outside the run directory, stops the run (HandleRejected).
+        """
         key = self.key(f"step={step}", "handle", f"seq={seq}")
-        raw = self.wait_get(key, what=f"group handle step={step}/seq={seq}")
-        return self._verified_handle(raw, key=key, step=step, seq=seq, policy_version=policy_version)
+        what = f"group handle step={step}/seq={seq}"
+        raw = self.wait_get(key, what=what)
+        while True:
+            try:
+                return self._verified_handle(raw, key=key, step=step, seq=seq, policy_version=policy_version)
+            except Forged as err:
+                self.refuse(key, raw, str(err))
+            time.sleep(self.poll_s)
+            self.check_peers(what)
+            raw = self.get(key)
 
     def load_group(self, handle: GroupHandle) -> CompleteGroup:
         """Fetch a verified handle's payload, check its digest and decode it."""
@@ -233,14 +336,13 @@ class Transport:
 
     def _verified_handle(self, raw: bytes, *, key: str, step: int, seq: int, policy_version: int) -> GroupHandle:
         try:
-            fields = json.loads(raw)
-            handle = GroupHandle(**fields)
+            handle = GroupHandle(**json.loads(raw))
+            genuine = isinstance(handle.signature, str) and hmac.compare_digest(handle.signature, self._sign(handle))
         except (ValueError, TypeError) as err:
-            raise HandleRejected(f"{key}: not a group handle ({err}); refusing it.") from err
-        if not hmac.compare_digest(handle.signature, self._sign(handle)):
-            raise HandleRejected(
-                f"{key}: bad signature; the handle was altered or written by a process without this run's secret."
-            )
+            raise Forged(f"{key}: not a group handle ({err})") from err
+        if not genuine:
+            raise Forged(f"{key}: bad signature; the handle was altered or written by a process without this run's "
+                         "secret")
         expected = {"run_id": self.run_id, "step": step, "seq": seq, "policy_version": policy_version}
         for name, value in expected.items():
             if getattr(handle, name) != value:
@@ -248,164 +350,72 @@ class Transport:
                     f"{key}: handle has {name}={getattr(handle, name)!r}, expected {value!r} (a replayed or stray "
                     "handle); refusing it."
                 )
-        if handle.location != "inline" and not handle.location.startswith("file:payloads/"):
+        if handle.location != "inline" and not _is_payload_file(handle.location):
             raise HandleRejected(f"{key}: payload location {handle.location!r} is outside the run directory.")
         return handle
 
-    # -- small JSON records ------------------------------------------------------------------------
-    def put_json(self, key: str, record: dict) -> None:
-        self.set(key, json.dumps(record))
 
-    def wait_json(self, key: str, *, what: str) -> dict:
-        return json.loads(self.wait_get(key, what=what))
+class SealedStore(dist.Store):
+    """A store for torch's process-group rendezvous (the trainer's gloo group) whose values are sealed.
 
-
-class Liveness:
-    """Heart-beats of this process, and the check that every peer still beats.
-
-    Heart-beat thread: produces a counter increment under ``alive/<role>/<rank>`` every ``heartbeat_s``
-    on a store client of its own; waits for nothing else; stops when ``stop()`` is called or when the
-    store goes away (then ``check`` reports the store as lost). Counters, not timestamps, so clocks of
-    different nodes never need to agree.
-
-    ``check`` (called by whoever waits) raises PeerLost when the run was aborted, when a peer that was
-    seen once has not beaten for ``peer_timeout_s``, or when a peer never showed up within
-    ``startup_timeout_s``.
+    torch's rendezvous exchanges each rank's address through ``set``/``get``/``wait`` (gloo uses only those):
+    through this store every value carries an HMAC over its key and bytes, and a ``get`` of a value without
+    the run's seal waits for the genuine one (the refusal is logged), so no outsider can point a rank at
+    another peer. Counters (``add``) pass through unsealed: at worst they stall the rendezvous.
     """
 
-    def __init__(
-        self,
-        transport: Transport,
-        *,
-        role: str,
-        rank: int,
-        peers: list[tuple[str, int]],
-        heartbeat_s: float,
-        peer_timeout_s: float,
-        startup_timeout_s: float,
-    ) -> None:
-        self.transport = transport
-        self.me = (role, rank)
-        self.peers = peers
-        self.heartbeat_s = heartbeat_s
-        self.peer_timeout_s = peer_timeout_s
-        self.startup_timeout_s = startup_timeout_s
-        self._beat_client = transport.connect_another()
-        self._check_client = transport.connect_another()
-        self._seen: dict[tuple[str, int], tuple[int, float]] = {}
-        self._started_s = time.monotonic()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name=f"heartbeat-{role}{rank}", daemon=True)
-        self._check_lock = threading.Lock()
+    def __init__(self, transport: Transport, prefix: str) -> None:
+        super().__init__()
+        self._transport = transport
+        self._store = transport.store
+        self._prefix = prefix
 
-    def start(self) -> Liveness:
-        self._beat_client.add(self._key(self.me), 1)
-        self._thread.start()
-        return self
+    def _key(self, key: str) -> str:
+        return f"{self._prefix}/{key}"
 
-    def stop(self) -> None:
-        self._stop.set()
+    def _mac(self, key: str, value: bytes) -> bytes:
+        return hmac.new(self._transport.secret, key.encode() + b"\n" + value, hashlib.sha256).digest()
 
-    def _key(self, who: tuple[str, int]) -> str:
-        return self.transport.key("alive", who[0], who[1])
+    def set(self, key: str, value) -> None:
+        value = value.encode() if isinstance(value, str) else bytes(value)
+        self._store.set(self._key(key), self._mac(self._key(key), value) + value)
 
-    def _beat(self) -> None:
-        key = self._key(self.me)
-        while not self._stop.wait(self.heartbeat_s):
-            try:
-                self._beat_client.add(key, 1)
-            except TransportError:
-                return
+    def get(self, key: str) -> bytes:
+        full = self._key(key)
+        while True:
+            raw = self._store.get(full)
+            mac, value = raw[:32], raw[32:]
+            if hmac.compare_digest(mac, self._mac(full, value)):
+                return value
+            self._transport.refuse(full, raw, f"{full}: a process-group rendezvous value not sealed with this "
+                                              "run's secret")
+            time.sleep(self._transport.poll_s)
 
-    def check(self, *, waiting_for: str) -> None:
-        with self._check_lock:
-            client = self._check_client
-            abort_key = client.key("abort")
-            if client.has(abort_key):
-                raise PeerLost(f"run aborted while waiting for {waiting_for}: {client.get(abort_key).decode()}")
-            now = time.monotonic()
-            for peer in self.peers:
-                count = client.add(self._key(peer), 0)
-                last = self._seen.get(peer)
-                if last is None or count != last[0]:
-                    if count > 0:
-                        self._seen[peer] = (count, now)
-                    elif now - self._started_s > self.startup_timeout_s:
-                        raise PeerLost(
-                            f"{peer[0]} rank {peer[1]} never showed up within {self.startup_timeout_s:.0f} s "
-                            f"(waiting for {waiting_for}); check that its component started and see its log. "
-                            "Raise pipeline.connect_timeout_s if it is only slow to start."
-                        )
-                elif now - last[1] > self.peer_timeout_s:
-                    raise PeerLost(
-                        f"{peer[0]} rank {peer[1]} stopped heart-beating {now - last[1]:.0f} s ago (limit "
-                        f"pipeline.peer_timeout_s={self.peer_timeout_s:.0f}) while this process waited for "
-                        f"{waiting_for}: it has probably died; see its log."
-                    )
+    def add(self, key: str, amount: int) -> int:
+        return self._store.add(self._key(key), amount)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._store.check([self._key(k) for k in keys])
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        full = [self._key(k) for k in keys]
+        if timeout is None:
+            self._store.wait(full)
+        else:
+            self._store.wait(full, timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return self._store.delete_key(self._key(key))
+
+    def num_keys(self) -> int:
+        return self._store.num_keys()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._store.set_timeout(timeout)
 
 
-# -- payload codec: safetensors, never pickle -------------------------------------------------------
-def encode_group(group: CompleteGroup) -> bytes:
-    samples = group.samples
-    tensors = {
-        "prompt_ids": torch.tensor(group.prompt_ids, dtype=torch.int64),
-        "response_ids": torch.tensor([t for s in samples for t in s.response_ids], dtype=torch.int64),
-        "response_lens": torch.tensor([len(s.response_ids) for s in samples], dtype=torch.int64),
-        "logprobs": torch.tensor([lp for s in samples for lp in s.logprobs], dtype=torch.float64),
-        "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float64),
-        "policy_versions": torch.tensor([s.policy_version for s in samples], dtype=torch.int64),
-        "advantages": torch.tensor(group.advantages, dtype=torch.float64),
-    }
-    header = {
-        "step": group.step,
-        "group": group.group,
-        "batch": group.batch,
-        "policy_version": group.policy_version,
-        "prompt_index": group.prompt_index,
-        "completed_s": group.completed_s,
-        "samples": [
-            {"text": s.response_text, "finish_reason": s.finish_reason.value, "reward_error": s.reward_error}
-            for s in samples
-        ],
-    }
-    return save_safetensors(tensors, metadata={"group": json.dumps(header)})
-
-
-def decode_group(payload: bytes) -> CompleteGroup:
-    tensors = load_safetensors(payload)
-    header = json.loads(_safetensors_metadata(payload)["group"])
-    lens = tensors["response_lens"].tolist()
-    ids = tensors["response_ids"].split(lens)
-    logprobs = tensors["logprobs"].split(lens)
-    rewards = tensors["rewards"].tolist()
-    versions = tensors["policy_versions"].tolist()
-    samples = [
-        Sample(
-            group=header["group"],
-            index=i,
-            response_ids=ids[i].tolist(),
-            logprobs=logprobs[i].tolist(),
-            response_text=meta["text"],
-            finish_reason=FinishReason(meta["finish_reason"]),
-            reward=rewards[i],
-            policy_version=versions[i],
-            reward_error=meta["reward_error"],
-        )
-        for i, meta in enumerate(header["samples"])
-    ]
-    return CompleteGroup(
-        step=header["step"],
-        group=header["group"],
-        policy_version=header["policy_version"],
-        prompt_index=header["prompt_index"],
-        prompt_ids=tensors["prompt_ids"].tolist(),
-        samples=samples,
-        advantages=tensors["advantages"].tolist(),
-        completed_s=header["completed_s"],
-        batch=header["batch"],
-    )
-
-
-def _safetensors_metadata(payload: bytes) -> dict[str, str]:
-    header_len = int.from_bytes(payload[:8], "little")
-    return json.loads(payload[8 : 8 + header_len]).get("__metadata__", {})
+def _is_payload_file(location: str) -> bool:
+    """``file:payloads/step=<k>/seq=<i>.safetensors``, nothing that climbs out of the run directory."""
+    parts = Path(location.removeprefix("file:")).parts
+    return (location.startswith("file:") and len(parts) == 3 and parts[0] == "payloads"
+            and parts[1].startswith("step=") and parts[2].endswith(".safetensors") and ".." not in parts)

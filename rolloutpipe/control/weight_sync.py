@@ -4,8 +4,10 @@
 every engine call, and it does so only between steps, when no request is in flight (rollout/node.py load_weights).
 
 disk (default; every engine kind)
-    Trainer rank 0 writes ``run_dir/weights/policy_v<k>.safetensors`` and publishes its path in the store; the
-    rollout node calls ``update_weights_from_disk`` on every engine. Needs a file system both node groups see.
+    Trainer rank 0 writes ``run_dir/weights/policy_v<k>.safetensors`` and publishes its path and sha256 in the
+    store (a sealed record, control/transport.py); the rollout node checks that the path is that file and the
+    file has that digest, then calls ``update_weights_from_disk`` on every engine. Needs a file system both node
+    groups see.
 
 distributed (HTTP engines: ``rollout.engine=embedded_http`` or ``sglang``)
     SGLang's ``/init_weights_update_group`` + ``/update_weights_from_distributed``: trainer rank 0 is rank 0 of a
@@ -42,11 +44,13 @@ publisher, which drives them each step, is trainer/weights.py.
 from __future__ import annotations
 
 import enum
+import hashlib
 import socket
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -59,6 +63,16 @@ class WeightSync(enum.Enum):
 
 
 GROUP_NAME = "rolloutpipe_weights"
+
+
+def weights_file(version: int) -> str:
+    """Where disk sync writes policy ``version``, relative to the run directory."""
+    return f"weights/policy_v{version}.safetensors"
+
+
+def file_digest(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 @dataclass(kw_only=True, slots=True)
@@ -120,13 +134,27 @@ def weight_sync_backend(engines_on_gpus: bool, state: dict[str, torch.Tensor]) -
 
 
 def join_group(group: WeightGroup, rank: int, *, timeout_s: float = 1800.0) -> dist.ProcessGroup:
-    """Join ``group`` as ``rank``; returns when every member has joined. Keys as SGLang 0.5.23 lays them out."""
+    """Join ``group`` as ``rank``; returns when every member has joined. Keys as SGLang 0.5.23 lays them out.
+
+    Rank 0 (trainer rank 0) hosts the rendezvous store as ``tcp://`` rendezvous would, but on the master
+    address only (not every interface); the engines (SGLang's ``init_custom_process_group``, the embedded
+    server) connect to it through ``tcp://``. SGLang's side cannot check a seal, so this store is unsealed:
+    the README's security table names its port among those to keep to the run's nodes.
+    """
     from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
 
+    from rolloutpipe.control.env import listen_socket
+
     timeout = timedelta(seconds=timeout_s)
-    host = f"[{group.master_address}]" if ":" in group.master_address else group.master_address
-    store, rank, world_size = next(dist.rendezvous(f"tcp://{host}:{group.master_port}", rank, group.world_size,
-                                                   timeout=timeout))
+    if rank == 0:
+        store = dist.TCPStore(group.master_address, group.master_port, group.world_size, is_master=True,
+                              timeout=timeout, wait_for_workers=False,
+                              master_listen_fd=listen_socket(group.master_address, group.master_port).detach())
+        world_size = group.world_size
+    else:
+        host = f"[{group.master_address}]" if ":" in group.master_address else group.master_address
+        store, rank, world_size = next(dist.rendezvous(f"tcp://{host}:{group.master_port}", rank, group.world_size,
+                                                       timeout=timeout))
     store.set_timeout(timeout)
     pg, _ = _new_process_group_helper(world_size, rank, [], Backend(group.backend),
                                       dist.PrefixStore(group.group_name, store), group_name=group.group_name,

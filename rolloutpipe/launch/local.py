@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Protocol
 
 from rolloutpipe.config import Config, save_config
-from rolloutpipe.control.env import NodeEnv, Role, free_port
+from rolloutpipe.control.env import NodeEnv, Role, free_port, loopback_interface
 
 
 class Launcher(Protocol):
@@ -94,6 +94,8 @@ class LocalLauncher:
 
     def _start(self, env: NodeEnv) -> Child:
         environ = {**os.environ, **env.to_environ(), "PYTHONUNBUFFERED": "1"}
+        if (loopback := loopback_interface()) is not None:  # gloo's peer sockets: loopback too, like the stores
+            environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
         root = str(Path(__file__).resolve().parents[2])  # the directory that holds the package
         environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, environ.get("PYTHONPATH")]))
         process = subprocess.Popen([sys.executable, "-m", "rolloutpipe.launch.node"], env=environ)

@@ -19,7 +19,7 @@ def main() -> int:
     from rolloutpipe.control.transport import TransportError
     from rolloutpipe.pipeline import run_node
 
-    env = NodeEnv.from_environ()
+    env = NodeEnv.take()  # the secret leaves the environment before anything can start a child process
     who = f"[{env.role.value} rank {env.rank}]"
     if env.cpus:
         os.sched_setaffinity(0, env.cpus)

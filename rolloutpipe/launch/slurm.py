@@ -263,9 +263,9 @@ def run_task() -> None:
     from rolloutpipe.control.env import NodeEnv
     from rolloutpipe.launch import node
 
+    env = NodeEnv.from_environ()  # who this task is, read before node.main takes the secret out of the environment
     code = node.main()
     if code != 0:
-        env = NodeEnv.from_environ()
         raise RuntimeError(f"{env.role.value} rank {env.rank} exited with code {code}; its message is above.")
 
 

@@ -35,6 +35,10 @@ class RolloutConfig:
     engine_urls: list[str] = field(default_factory=list)
     """With ``engine: sglang`` or ``embedded_http``: attach to these running servers (one per engine, started with
     ``--weight-version 0`` and model.path's weights) instead of starting them. Empty: start them."""
+    engine_api_key_file: str | None = None
+    """With ``engine_urls``: a file (mode 600) whose first line is the ``--api-key`` the attached servers were
+    started with; every call sends it. None: they are called without a key (a warning says so at start). Servers
+    RolloutPipe starts always get a key of the run's own (derived from the run's secret)."""
     sglang_launch_args: list[str] = field(default_factory=list)
     """Extra arguments for every ``sglang.launch_server``, e.g. ``[--mem-fraction-static, "0.8"]``."""
     sglang_gpus_per_engine: int = 1
@@ -70,6 +74,9 @@ class RolloutConfig:
         if self.engine_urls and self.engine is EngineKind.embedded:
             raise ValueError("rollout.engine_urls is set but rollout.engine=embedded runs in-process; "
                              "use rollout.engine=sglang (or embedded_http) to attach to servers.")
+        if self.engine_api_key_file is not None and not self.engine_urls:
+            raise ValueError("rollout.engine_api_key_file is set but rollout.engine_urls is empty: the servers "
+                             "RolloutPipe starts get the run's own key; the file is for attached servers only.")
         if self.engine_urls and len(self.engine_urls) != self.num_engines:
             raise ValueError(f"rollout.engine_urls has {len(self.engine_urls)} URLs but rollout.num_engines="
                              f"{self.num_engines}; give one URL per engine.")

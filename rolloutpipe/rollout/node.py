@@ -22,13 +22,14 @@ from __future__ import annotations
 import queue
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 from rolloutpipe.config import Config, ResumeMode
 from rolloutpipe.control.checkpoint import latest_checkpoint
 from rolloutpipe.control.clock import sync_clock
 from rolloutpipe.control.env import NodeEnv
 from rolloutpipe.control.transport import Transport
-from rolloutpipe.control.weight_sync import Bucket, WeightGroup, WeightSync
+from rolloutpipe.control.weight_sync import Bucket, WeightGroup, WeightSync, file_digest, weights_file
 from rolloutpipe.model import load_tokenizer
 from rolloutpipe.observe.metrics import RolloutStats, SpanRecorder
 from rolloutpipe.observe.progress import Progress
@@ -60,7 +61,8 @@ class RolloutNode:
             self.source.load_state_dict(self.resumed.source_state)
         self.rewards = RewardThreads(pool=RewardPool(cfg.reward), tokenizer=self.tokenizer,
                                      num_threads=cfg.reward.num_workers, spans=self.spans)
-        factory = EngineFactory(cfg, vocab_size=len(self.tokenizer), on_result=self.on_result)
+        factory = EngineFactory(cfg, vocab_size=len(self.tokenizer), on_result=self.on_result,
+                                api_key=env.engine_api_key)
         self.engines = factory.build_all()
         self.supervisor = EngineSupervisor(  # a failed engine: retry its requests elsewhere, restart it
             engines=self.engines, restart=factory.restart, where_to_look=factory.where_to_look,
@@ -85,24 +87,36 @@ class RolloutNode:
             self.supervisor.load_weights(str(self.resumed.weights_path), self.resumed.policy_version)
             serving, first_step = self.resumed.policy_version, self.resumed.step + 1
         if self.cfg.pipeline.weight_sync is WeightSync.distributed:  # the engines join trainer rank 0's group
-            group = self.transport.wait_json(self.transport.key("weight_sync", "group"),
-                                             what="trainer rank 0's weight-update process group")
+            group = self.transport.wait_record(self.transport.key("weight_sync", "group"),
+                                               what="trainer rank 0's weight-update process group")
             self.supervisor.join_weight_group(WeightGroup(**group), self.cfg.rollout.ranks_per_engine)
-        self.transport.wait_get(self.transport.key("trainer", "ready"), what="the trainer to start")
+        self.transport.wait_record(self.transport.key("trainer", "ready"), what="the trainer to start")
         return first_step, serving
 
     def load_weights(self, version: int) -> float:
         """Wait for policy ``version`` from the trainer and make every engine serve it."""
-        record = self.transport.wait_json(self.transport.key("weights", f"policy_version={version}"),
-                                          what=f"weights of policy_version {version}")
+        record = self.transport.wait_record(self.transport.key("weights", f"policy_version={version}"),
+                                            what=f"weights of policy_version {version}")
         start = time.time()
         if "buckets" in record:  # pipeline.weight_sync=distributed: trainer rank 0 is broadcasting them now
             self.supervisor.load_weights_distributed([Bucket(**b) for b in record["buckets"]], version)
         else:
-            self.supervisor.load_weights(str(self.env.run_dir / record["path"]), version)
-        self.transport.set(self.transport.key("serving", f"policy_version={version}"), "1")
+            self.supervisor.load_weights(str(self.checked_weights_file(record, version)), version)
+        self.transport.put_record(self.transport.key("serving", f"policy_version={version}"),
+                                  {"policy_version": version})
         self.spans.add("sync/weights", step=version, start_s=start, end_s=time.time())
         return time.time() - start
+
+    def checked_weights_file(self, record: dict, version: int) -> Path:
+        """Policy ``version``'s file, once it is the one the trainer wrote: the run's own file, with its digest."""
+        path = self.env.run_dir / weights_file(version)
+        if record.get("path") != weights_file(version) or record.get("policy_version") != version:
+            raise RuntimeError(f"the weights record of policy_version {version} names {record.get('path')!r}, not "
+                               f"{weights_file(version)!r}; refusing to load it.")
+        if file_digest(path) != record.get("sha256"):
+            raise RuntimeError(f"{path} does not have the sha256 the trainer published for policy_version "
+                               f"{version}: the file was changed after it was written; refusing to load it.")
+        return path
 
     def begin_step(self, step: int) -> Admission:
         """A fresh admission over the engines, and no request of an earlier step in flight."""
@@ -151,8 +165,8 @@ class RolloutNode:
 
     def end_step(self, step: int, stats: RolloutStats) -> None:
         self.spans.flush()  # before the stats: trainer rank 0 merges the spans once it has the last stats
-        self.transport.put_json(self.transport.key(f"step={step}", "source_state"), self.source.state_dict())
-        self.transport.put_json(self.transport.key(f"step={step}", "rollout_stats"), asdict(stats))
+        self.transport.put_record(self.transport.key(f"step={step}", "source_state"), self.source.state_dict())
+        self.transport.put_record(self.transport.key(f"step={step}", "rollout_stats"), asdict(stats))
 
     def check_health(self, waiting_for: str) -> None:
         self.supervisor.check()  # a failed engine is replaced; past rollout.max_engine_failures it raises
@@ -162,7 +176,7 @@ class RolloutNode:
         self.transport.liveness.check(waiting_for=waiting_for)
 
     def finish(self) -> None:
-        self.transport.wait_get(self.transport.key("trainer", "done"), what="the trainer to finish")
+        self.transport.wait_record(self.transport.key("trainer", "done"), what="the trainer to finish")
 
     def close(self) -> None:
         for engine in self.engines:

@@ -30,7 +30,7 @@ from rolloutpipe.config import Config, PipelineMode, ResumeMode
 from rolloutpipe.control.checkpoint import latest_checkpoint, load_optimizer, save_checkpoint
 from rolloutpipe.control.clock import sync_clock
 from rolloutpipe.control.env import NodeEnv, trainer_process_group_backend
-from rolloutpipe.control.transport import Transport
+from rolloutpipe.control.transport import SealedStore, Transport
 from rolloutpipe.model import load_model, load_tokenizer, save_hf_checkpoint
 from rolloutpipe.observe.metrics import RolloutStats, SpanRecorder, TrainStats, reduce_step, summary_line
 from rolloutpipe.observe.timeline import finish_run
@@ -62,7 +62,7 @@ class TrainerNode:
                                     enabled=self.is_writer)
         self.distributed = env.world_size > 1
         if self.distributed:
-            pg_store = dist.PrefixStore(transport.key("trainer_pg") + "/", transport.connect_another().store)
+            pg_store = SealedStore(transport.connect_another(), transport.key("trainer_pg"))
             dist.init_process_group(trainer_process_group_backend(), store=pg_store, rank=env.rank,
                                     world_size=env.world_size)
         self.tokenizer = load_tokenizer(cfg.model)
@@ -95,7 +95,7 @@ class TrainerNode:
 
         if self.is_writer:  # the rollout starts its first step only now, so no step's timings include start-up
             self.weights.open()
-            self.transport.set(self.transport.key("trainer", "ready"), "1")
+            self.transport.put_record(self.transport.key("trainer", "ready"), {"ready": True})
         self.progress = tqdm(total=self.cfg.num_rollout, initial=self.first_step, desc="RL steps", unit="step",
                              disable=not (self.is_writer and sys.stderr.isatty()))
         return self.first_step
@@ -121,8 +121,8 @@ class TrainerNode:
             means /= self.env.world_size
         if not self.is_writer:
             return {}
-        rollout = RolloutStats(**self.transport.wait_json(self.transport.key(f"step={step}", "rollout_stats"),
-                                                          what=f"step {step}'s rollout stats"))
+        rollout = RolloutStats(**self.transport.wait_record(self.transport.key(f"step={step}", "rollout_stats"),
+                                                            what=f"step {step}'s rollout stats"))
         return reduce_step(rollout, stats, mean_compute_s=float(means[0]), mean_tail_compute_s=float(means[1]),
                            lr=self.cfg.trainer.lr)
 
@@ -131,8 +131,8 @@ class TrainerNode:
         return every > 0 and ((step + 1) % every == 0 or step + 1 == self.cfg.num_rollout)
 
     def save_checkpoint(self, step: int) -> None:
-        source_state = self.transport.wait_json(self.transport.key(f"step={step}", "source_state"),
-                                                what=f"step {step}'s prompt source state")
+        source_state = self.transport.wait_record(self.transport.key(f"step={step}", "source_state"),
+                                                  what=f"step {step}'s prompt source state")
         with self.spans.span("checkpoint/save", step=step):
             save_checkpoint(run_dir=self.env.run_dir, step=step, model=self.trainer.hf_model(),
                             tokenizer=self.tokenizer, optimizer=self.trainer.optimizer, source_state=source_state,
@@ -147,6 +147,6 @@ class TrainerNode:
         if self.is_writer:
             save_hf_checkpoint(self.trainer.hf_model(), self.tokenizer, self.env.run_dir / "checkpoints" / "final")
             finish_run(self.env.run_dir, self.tracker)  # trace.json, lifecycle.jsonl, timeline.png, W&B
-            self.transport.set(self.transport.key("trainer", "done"), "1")
+            self.transport.put_record(self.transport.key("trainer", "done"), {"done": True})
         if self.distributed:
             dist.destroy_process_group()

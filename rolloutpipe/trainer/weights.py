@@ -23,11 +23,13 @@ from rolloutpipe.control.weight_sync import (
     WeightGroup,
     WeightSync,
     broadcast_bucket,
+    file_digest,
     join_group,
     master_address,
     plan_buckets,
     wait_all,
     weight_sync_backend,
+    weights_file,
 )
 
 
@@ -95,7 +97,7 @@ class WeightPublisher:
                             world_size=1 + cfg.rollout.num_engines * cfg.rollout.ranks_per_engine,
                             backend=weight_sync_backend(cfg.rollout.engines_on_gpus,
                                                         self.trainer.hf_state()))
-        self.transport.put_json(self.transport.key("weight_sync", "group"), group.to_json())
+        self.transport.put_record(self.transport.key("weight_sync", "group"), group.to_json())
         self.broadcaster = Broadcaster(group=group, bucket_bytes=int(cfg.pipeline.weight_sync_bucket_mb * 2**20),
                                        timeout_s=cfg.rollout.server_start_timeout_s + cfg.pipeline.connect_timeout_s,
                                        check=lambda what: self.transport.liveness.check(waiting_for=what))
@@ -104,20 +106,16 @@ class WeightPublisher:
         """Send policy ``version``; ``serves`` is False for the last one, which only goes to the final checkpoint."""
         key = self.transport.key("weights", f"policy_version={version}")
         if self.broadcaster is None:
-            relative = _weights_file(version)
-            self.trainer.save_weights(self.run_dir / relative)
-            self.transport.put_json(key, {"path": relative, "policy_version": version})
+            path = self.run_dir / weights_file(version)
+            self.trainer.save_weights(path)
+            self.transport.put_record(key, {"path": weights_file(version), "policy_version": version,
+                                            "sha256": file_digest(path)})
         elif serves:  # the rollout node has the engines receive the plan's buckets while they are sent
             state = self.trainer.hf_state()
             buckets = self.broadcaster.plan(state)
-            self.transport.put_json(key, {"policy_version": version, "buckets": [asdict(b) for b in buckets]})
+            self.transport.put_record(key, {"policy_version": version, "buckets": [asdict(b) for b in buckets]})
             self.broadcaster.send(state, buckets, version)
 
     def retire(self, version: int) -> None:
         """Delete policy ``version``'s file (disk sync) once no engine can still need it."""
-        (self.run_dir / _weights_file(version)).unlink(missing_ok=True)
-
-
-def _weights_file(version: int) -> str:
-    """Where disk sync writes policy ``version``, relative to the run directory."""
-    return f"weights/policy_v{version}.safetensors"
+        (self.run_dir / weights_file(version)).unlink(missing_ok=True)

@@ -14,6 +14,7 @@ Servers the rollout node started are stopped by their engine's ``shutdown``; att
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from rolloutpipe.rollout.engines.base import Engine, OnResult
     from rolloutpipe.rollout.engines.server_process import ServerProcess
 
+log = logging.getLogger(__name__)
+
 
 class EngineFactory:
     """Builds the rollout node's engines (``build_all``), and one again after a failure (``restart``).
@@ -33,8 +36,10 @@ class EngineFactory:
     file of its own.
     """
 
-    def __init__(self, cfg: Config, *, vocab_size: int, on_result: OnResult) -> None:
+    def __init__(self, cfg: Config, *, vocab_size: int, on_result: OnResult, api_key: str | None) -> None:
         self.cfg = cfg
+        self.api_key = api_key
+        """The run's engine API key: every server this node starts requires it (NodeEnv.engine_api_key)."""
         self.vocab_size = vocab_size
         self.on_result = on_result
         self._servers: dict[str, ServerProcess] = {}
@@ -88,12 +93,14 @@ class EngineFactory:
         from rolloutpipe.rollout.engines.http_client import SGLangEngine
 
         rollout = self.cfg.rollout
-        for url in urls:
-            sglang_api.wait_healthy(url, timeout_s=rollout.server_start_timeout_s)
-            sglang_api.check_serves(url, 0, hint="Start attached servers with --weight-version 0 and model.path's "
-                                               "weights: policy_version 0 is model.path.")
-        return [SGLangEngine(name=n, url=u, concurrency=rollout.concurrency, on_result=self.on_result)
-                for n, u in zip(names, urls)]
+        api_key = attached_api_key(rollout.engine_api_key_file)
+        endpoints = [sglang_api.Endpoint(url, api_key) for url in urls]
+        for endpoint in endpoints:
+            sglang_api.wait_healthy(endpoint, timeout_s=rollout.server_start_timeout_s)
+            sglang_api.check_serves(endpoint, 0, hint="Start attached servers with --weight-version 0 and "
+                                                    "model.path's weights: policy_version 0 is model.path.")
+        return [SGLangEngine(name=n, endpoint=e, concurrency=rollout.concurrency, on_result=self.on_result)
+                for n, e in zip(names, endpoints)]
 
     def _started(self, engines: list[tuple[int, str]]) -> list[Engine]:
         """Start one server per (index, name), wait until all answer /health, and drive each with the client."""
@@ -111,7 +118,8 @@ class EngineFactory:
                 server.stop()
             raise
         self._servers.update((s.name, s) for s in servers)
-        return [SGLangEngine(name=s.name, url=s.url, concurrency=rollout.concurrency, on_result=self.on_result,
+        return [SGLangEngine(name=s.name, endpoint=s.endpoint, concurrency=rollout.concurrency,
+                             on_result=self.on_result,
                              server_error=s.exit_reason, stop_server=s.stop) for s in servers]
 
     def _server(self, index: int, name: str) -> ServerProcess:
@@ -128,7 +136,7 @@ class EngineFactory:
             num_threads = max(1, len(os.sched_getaffinity(0)) // rollout.num_engines)
             return server_process.embedded_server(name=name, model_config_yaml=model_yaml,
                                                   concurrency=rollout.concurrency, log_dir=log_dir,
-                                                  num_threads=num_threads)
+                                                  num_threads=num_threads, api_key=self.api_key)
         if cfg.model.path is None:
             raise ValueError("rollout.engine=sglang needs model.path (an HF model directory): the embedded tiny "
                              "model exists only inside RolloutPipe. Save it with save_hf_checkpoint and pass its "
@@ -137,7 +145,7 @@ class EngineFactory:
             name=name, model_path=cfg.model.path, dtype=cfg.model.dtype.value, concurrency=rollout.concurrency,
             seed=cfg.seed, base_gpu_id=index * rollout.sglang_gpus_per_engine,
             priority_scheduling=rollout.admission is AdmissionPolicy.fgd,  # FGD's group order reaches the engine
-            extra_args=rollout.sglang_launch_args, log_dir=log_dir)
+            extra_args=rollout.sglang_launch_args, log_dir=log_dir, api_key=self.api_key)
 
     def _engine_dir(self) -> Path:
         if self._log_dir is None:
@@ -147,3 +155,20 @@ class EngineFactory:
             self._log_dir.mkdir(parents=True, exist_ok=True)
         return self._log_dir
 
+
+
+def attached_api_key(path: str | None) -> str | None:
+    """The API key of the servers of ``rollout.engine_urls``: the first line of ``rollout.engine_api_key_file``
+    (they were started with ``--api-key`` and that key), or None: they take calls without one."""
+    if path is None:
+        log.warning("rollout.engine_urls: the attached servers are called without an API key, so any process that "
+                    "reaches them can load weights into them. Start them with --api-key and set "
+                    "rollout.engine_api_key_file to a file (mode 600) that holds the key.")
+        return None
+    try:
+        key = Path(path).read_text().strip()
+    except OSError as err:
+        raise ValueError(f"rollout.engine_api_key_file={path}: cannot read it ({err.strerror}).") from None
+    if not key:
+        raise ValueError(f"rollout.engine_api_key_file={path} is empty; it must hold the servers' --api-key.")
+    return key

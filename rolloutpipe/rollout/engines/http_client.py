@@ -57,20 +57,22 @@ class _Waiting:
 
 
 class SGLangEngine:
-    """One engine server at ``url``; ``on_result`` gets every request back exactly once.
+    """One engine server at ``endpoint`` (its URL and API key); ``on_result`` gets every request back exactly once.
 
     ``server_error`` (optional) returns why the server process is gone, or None while it runs; ``stop_server`` is
     called by ``shutdown`` (both are given by whoever started the server, see engine/__init__.py).
     """
 
-    def __init__(self, *, name: str, url: str, concurrency: int, on_result: OnResult, policy_version: int = 0,
+    def __init__(self, *, name: str, endpoint: sglang_api.Endpoint, concurrency: int, on_result: OnResult,
+                 policy_version: int = 0,
                  request_timeout_s: float = 3600.0, weight_update_timeout_s: float = 600.0,
                  server_error: Callable[[], str | None] = lambda: None,
                  stop_server: Callable[[], None] = lambda: None) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency={concurrency} for engine {name!r}: it must be at least 1.")
         self.name = name
-        self.url = url.rstrip("/")
+        self.endpoint = sglang_api.Endpoint(endpoint.url.rstrip("/"), endpoint.api_key)
+        self.url = self.endpoint.url
         self.concurrency = concurrency
         self._on_result = on_result
         self._policy_version = policy_version
@@ -143,17 +145,18 @@ class SGLangEngine:
 
     def update_weights_from_disk(self, path: str, policy_version: int) -> None:
         self._check_idle("update_weights_from_disk")
-        sglang_api.update_weights_from_disk(self.url, path, policy_version, timeout_s=self._weight_update_timeout_s)
+        sglang_api.update_weights_from_disk(self.endpoint, path, policy_version,
+                                            timeout_s=self._weight_update_timeout_s)
         self._policy_version = policy_version
 
     def init_weights_update_group(self, group: WeightGroup, rank_offset: int) -> None:
         """Join the trainer's weight-update process group (rolloutpipe/control/weight_sync.py); blocks until it forms."""
-        sglang_api.init_weights_update_group(self.url, group, rank_offset, timeout_s=self._weight_update_timeout_s)
+        sglang_api.init_weights_update_group(self.endpoint, group, rank_offset, timeout_s=self._weight_update_timeout_s)
 
     def update_weights_from_distributed(self, buckets: list[Bucket], group_name: str, policy_version: int) -> None:
         """Receive ``policy_version`` from the trainer's broadcasts (all engines of the group at the same time)."""
         self._check_idle("update_weights_from_distributed")
-        sglang_api.update_weights_from_distributed(self.url, buckets, group_name, policy_version,
+        sglang_api.update_weights_from_distributed(self.endpoint, buckets, group_name, policy_version,
                                                    timeout_s=self._weight_update_timeout_s)
         self._policy_version = policy_version
 
@@ -219,7 +222,7 @@ class SGLangEngine:
     def _generate(self, waiting: _Waiting) -> GenerationResult | None:
         started_s = time.time()
         try:
-            out = sglang_api.generate(self.url, waiting.request, timeout_s=self._request_timeout_s)
+            out = sglang_api.generate(self.endpoint, waiting.request, timeout_s=self._request_timeout_s)
             if out.weight_version != str(self._policy_version):
                 raise sglang_api.SGLangError(
                     f"{self.url} generated {waiting.request.request_id} with weight_version {out.weight_version!r}, "
@@ -249,7 +252,7 @@ class SGLangEngine:
 
     def _send_abort(self, request_id: str) -> None:
         try:
-            sglang_api.abort(self.url, request_id)
+            sglang_api.abort(self.endpoint, request_id)
         except sglang_api.SGLangError as err:
             log.warning("engine %s: abort of %s failed: %s", self.name, request_id, err)
 

@@ -3,7 +3,8 @@
     python -m rolloutpipe.rollout.engines.http_server --model-config model.yaml --port 0 --port-file port.txt
 
 ``--model-config`` is a YAML ``ModelConfig`` (the ``model`` section of a RolloutPipe config); ``--port 0`` takes a
-free port and writes it to ``--port-file`` once the server listens. ``rollout.engine=embedded_http`` starts one per
+free port and writes it to ``--port-file`` once the server listens. With ``RP_ENGINE_API_KEY`` in its environment
+it takes calls only with that key, as SGLang does with ``--api-key`` (``sglang_api.authorized``). ``rollout.engine=embedded_http`` starts one per
 engine (engine/__init__.py), so the rollout node drives the embedded engine exactly as it drives SGLang servers:
 through ``SGLangEngine`` and ``sglang_api``, which parses every request and builds every response here too.
 
@@ -60,8 +61,10 @@ class _Server(ThreadingHTTPServer):
 class EmbeddedServer:
     """The API's state around one EmbeddedEngine; ``serve_forever`` answers requests until ``close``."""
 
-    def __init__(self, *, engine_factory, model_path: str, host: str, port: int) -> None:
+    def __init__(self, *, engine_factory, model_path: str, host: str, port: int, api_key: str | None = None) -> None:
         self.model_path = model_path
+        self.api_key = api_key
+        """Every route but /health needs ``Authorization: Bearer <api_key>`` (SGLang's --api-key); None: open."""
         self._lock = threading.Lock()
         self._resumed = threading.Condition(self._lock)
         self._waiters: dict[str, _Waiter] = {}
@@ -235,12 +238,16 @@ def _handler_for(server: EmbeddedServer) -> type[BaseHTTPRequestHandler]:
         protocol_version = "HTTP/1.1"
 
         def do_GET(self) -> None:
+            if not self._authorized():
+                return
             route = gets.get(self.path.split("?")[0])
             self._answer(*(route() if route else (HTTPStatus.NOT_FOUND, {"detail": "Not Found"})))
 
         def do_POST(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(length) if length else b""
+            if not self._authorized():
+                return
             route = posts.get(self.path.split("?")[0])
             if route is None:
                 self._answer(HTTPStatus.NOT_FOUND, {"detail": "Not Found"})
@@ -251,6 +258,15 @@ def _handler_for(server: EmbeddedServer) -> type[BaseHTTPRequestHandler]:
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
                 answer = HTTPStatus.BAD_REQUEST, {"error": {"message": f"bad request body: {err!r}"}}
             self._answer(*answer)
+
+        def _authorized(self) -> bool:
+            path = self.path.split("?")[0]
+            if sglang_api.authorized(path, self.headers.get("Authorization"), server.api_key):
+                return True
+            log.warning("refused %s %s from %s: no or wrong API key (the run's engines take calls from the "
+                        "rollout node only)", self.command, path, self.address_string())
+            self._answer(HTTPStatus.UNAUTHORIZED, sglang_api.UNAUTHORIZED)
+            return False
 
         def _answer(self, status: int, body: Any) -> None:
             if body is None:
@@ -281,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weight-version", type=int, default=0, help="the policy_version of the initial weights")
     parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     args = parser.parse_args(argv)
+    api_key = os.environ.pop(sglang_api.API_KEY_ENV, None)
 
     import torch
     from omegaconf import OmegaConf
@@ -297,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         engine_factory=lambda on_result: EmbeddedEngine(name=f"http:{args.port}", model=model,
                                                         concurrency=args.concurrency, on_result=on_result,
                                                         policy_version=args.weight_version),
-        model_path=model_cfg.path or "embedded-tiny", host=args.host, port=args.port,
+        model_path=model_cfg.path or "embedded-tiny", host=args.host, port=args.port, api_key=api_key,
     )
 
     def stop(signum, frame) -> None:

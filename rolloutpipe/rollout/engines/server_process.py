@@ -1,7 +1,9 @@
 """Engine servers as child processes of the rollout node: the embedded engine's server or ``sglang.launch_server``.
 
 Each server runs in its own session (process group), so ``stop`` reaches whatever it spawned (SGLang starts a
-scheduler and a detokenizer process); its output goes to a log file that errors point to.
+scheduler and a detokenizer process); its output goes to a log file that errors point to. It listens on loopback
+only and takes calls only with the run's engine API key, which it gets in its environment
+(``sglang_api.API_KEY_ENV``), never on its command line.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ STOP_GRACE_S = 20.0
 class ServerProcess:
     """One engine server process; ``url`` is known once ``start`` returns."""
 
-    def __init__(self, *, name: str, command: list[str], log_path: Path, url: str | None = None,
+    def __init__(self, *, name: str, command: list[str], log_path: Path, api_key: str | None, url: str | None = None,
                  port_file: Path | None = None) -> None:
         self.name = name
         self.command = command
         self.log_path = log_path
         self.url = url
+        self.api_key = api_key
         self._port_file = port_file
         self._proc: subprocess.Popen | None = None
 
@@ -38,8 +41,17 @@ class ServerProcess:
         with self.log_path.open("ab") as log:
             log.write(f"$ {shlex.join(self.command)}\n".encode())
             log.flush()
-            self._proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            environ = dict(os.environ)
+            if self.api_key is not None:
+                environ[sglang_api.API_KEY_ENV] = self.api_key
+            self._proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                          env=environ)
         return self
+
+    @property
+    def endpoint(self) -> sglang_api.Endpoint:
+        assert self.url is not None, "the URL is known once wait_ready returns"
+        return sglang_api.Endpoint(self.url, self.api_key)
 
     def wait_ready(self, *, timeout_s: float) -> None:
         """Wait until /health answers; raises with the log's tail (and stops the process) if it does not."""
@@ -52,7 +64,7 @@ class ServerProcess:
                         raise RuntimeError(f"{self.name}: no port written to {self._port_file} within {timeout_s:.0f}s")
                     time.sleep(0.05)
                 self.url = f"http://127.0.0.1:{int(self._port_file.read_text())}"
-            sglang_api.wait_healthy(self.url, timeout_s=max(1.0, deadline - time.monotonic()),
+            sglang_api.wait_healthy(self.endpoint, timeout_s=max(1.0, deadline - time.monotonic()),
                                     check_alive=self.check_alive, poll_s=0.2)
         except BaseException:
             self.stop()
@@ -94,7 +106,7 @@ class ServerProcess:
         self._proc.wait()
 
 
-def embedded_server(*, name: str, model_config_yaml: Path, concurrency: int, log_dir: Path,
+def embedded_server(*, name: str, model_config_yaml: Path, concurrency: int, log_dir: Path, api_key: str | None,
                     num_threads: int | None = None) -> ServerProcess:
     """The embedded engine's server (``python -m rolloutpipe.rollout.engines.http_server``) on a free local port."""
     port_file = log_dir / f"{name}.port"
@@ -103,25 +115,29 @@ def embedded_server(*, name: str, model_config_yaml: Path, concurrency: int, log
                "--port", "0", "--port-file", str(port_file), "--concurrency", str(concurrency)]
     if num_threads:
         command += ["--num-threads", str(num_threads)]
-    return ServerProcess(name=name, command=command, log_path=log_dir / f"{name}.log", port_file=port_file)
+    return ServerProcess(name=name, command=command, log_path=log_dir / f"{name}.log", port_file=port_file,
+                         api_key=api_key)
 
 
 def sglang_server(*, name: str, model_path: str, dtype: str, concurrency: int, seed: int, base_gpu_id: int,
-                  priority_scheduling: bool, extra_args: list[str], log_dir: Path) -> ServerProcess:
-    """``python -m sglang.launch_server`` for one engine, on this node's GPUs from ``base_gpu_id``.
+                  priority_scheduling: bool, extra_args: list[str], log_dir: Path,
+                  api_key: str | None) -> ServerProcess:
+    """``python -m sglang.launch_server`` for one engine, on this node's GPUs from ``base_gpu_id``, started through
+    ``rolloutpipe.rollout.engines.sglang_launch`` so that its ``--api-key`` comes from the environment.
 
     Untested here (no GPU, and sglang pins a CUDA torch); tools/gpu_check.py runs it on a GPU machine.
     """
     port = free_port()
     command = [
-        sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", "127.0.0.1",
+        sys.executable, "-m", "rolloutpipe.rollout.engines.sglang_launch", "--model-path", model_path,
+        "--host", "127.0.0.1",
         "--port", str(port), "--dtype", dtype, "--skip-tokenizer-init", "--max-running-requests", str(concurrency),
         "--weight-version", "0", "--random-seed", str(seed), "--base-gpu-id", str(base_gpu_id),
     ]
     if priority_scheduling:
         command += ["--enable-priority-scheduling", "--schedule-low-priority-values-first"]
     return ServerProcess(name=name, command=command + extra_args, log_path=log_dir / f"{name}.log",
-                         url=f"http://127.0.0.1:{port}")
+                         url=f"http://127.0.0.1:{port}", api_key=api_key)
 
 
 def _tail(path: Path, num_lines: int = 15) -> str:

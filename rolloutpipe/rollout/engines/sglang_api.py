@@ -41,13 +41,14 @@ Facts about 0.5.23 that shape this module (read in its source):
 
 from __future__ import annotations
 
+import hmac
 import json
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -74,12 +75,31 @@ ROUTES = (GENERATE, HEALTH, MODEL_INFO, ABORT_REQUEST, PAUSE_GENERATION, CONTINU
           BEGIN_WEIGHT_UPDATE, UPDATE_WEIGHTS_FROM_DISK, END_WEIGHT_UPDATE, INIT_WEIGHTS_UPDATE_GROUP,
           UPDATE_WEIGHTS_FROM_DISTRIBUTED)
 
+API_KEY_ENV = "RP_ENGINE_API_KEY"
+"""How a server this node starts gets its API key: in its environment (never on its command line, which any user
+of the machine can read), taken out before it starts children (http_server.py, sglang_launch.py)."""
+
+UNAUTHORIZED = {"error": "Unauthorized"}
+
 CONTROL_TIMEOUT_S = 60.0
 """Every call but /generate and the weight load: these answer at once on a healthy server."""
 
 
 class SGLangError(RuntimeError):
     """A server answered with an error, or could not be reached; the message names the URL and the route."""
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """An engine server: its base URL, and the API key it was started with (``--api-key``; None: it takes calls
+    without one). Every call sends the key as ``Authorization: Bearer <key>``; a server started with a key
+    answers 401 ``{"error": "Unauthorized"}`` to a call without it, except ``/health`` (SGLang's rule)."""
+
+    url: str
+    api_key: str | None = field(default=None, repr=False)
+
+    def __str__(self) -> str:
+        return self.url
 
 
 # --- /generate -------------------------------------------------------------------------------------------------
@@ -253,19 +273,32 @@ def model_dir_for(weights_path: str) -> str:
     return str(directory)
 
 
+def authorized(path: str, authorization: str | None, api_key: str | None) -> bool:
+    """Whether a server started with ``api_key`` takes a call to ``path``: SGLang 0.5.23's rule for the routes
+    RolloutPipe uses (``srt/utils/auth.py``, routes of level normal or admin-optional without an admin key):
+    /health, /ready and /metrics always, everything else with ``Authorization: Bearer <api_key>``."""
+    if api_key is None or path.startswith(("/health", "/ready", "/metrics")):
+        return True
+    scheme, _, token = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), api_key.encode())
+
+
 # --- HTTP --------------------------------------------------------------------------------------------------------
 
 
-def call(base_url: str, route: str, body: dict[str, Any] | None = None, *, timeout_s: float = CONTROL_TIMEOUT_S,
+def call(server: Endpoint, route: str, body: dict[str, Any] | None = None, *, timeout_s: float = CONTROL_TIMEOUT_S,
          method: str | None = None) -> Any:
-    """POST ``body`` as JSON (GET when None); returns the decoded JSON answer, or its text, or None when empty.
+    """POST ``body`` as JSON (GET when None), with the server's API key; returns the decoded JSON answer, or its
+    text, or None when empty.
 
     Raises SGLangError naming the URL and route on an HTTP error status or when the server cannot be reached.
     """
-    url = base_url.rstrip("/") + route
+    url = server.url.rstrip("/") + route
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method or ("GET" if body is None else "POST"),
-                                 headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if server.api_key is not None:
+        headers["Authorization"] = f"Bearer {server.api_key}"
+    req = urllib.request.Request(url, data=data, method=method or ("GET" if body is None else "POST"), headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as response:
             raw = response.read()
@@ -283,88 +316,88 @@ def call(base_url: str, route: str, body: dict[str, Any] | None = None, *, timeo
         return raw.decode(errors="replace")
 
 
-def is_healthy(base_url: str, timeout_s: float = 5.0) -> bool:
+def is_healthy(server: Endpoint, timeout_s: float = 5.0) -> bool:
     try:
-        call(base_url, HEALTH, timeout_s=timeout_s)
+        call(server, HEALTH, timeout_s=timeout_s)
         return True
     except SGLangError:
         return False
 
 
-def wait_healthy(base_url: str, *, timeout_s: float, check_alive: Callable[[], None] = lambda: None,
+def wait_healthy(server: Endpoint, *, timeout_s: float, check_alive: Callable[[], None] = lambda: None,
                  poll_s: float = 0.5) -> None:
     """Poll /health until it answers 200. ``check_alive`` raises if the server's process has died meanwhile."""
     deadline = time.monotonic() + timeout_s
-    while not is_healthy(base_url):
+    while not is_healthy(server):
         check_alive()
         if time.monotonic() > deadline:
-            raise SGLangError(f"the engine server at {base_url} did not answer {HEALTH} within {timeout_s:.0f}s.")
+            raise SGLangError(f"the engine server at {server} did not answer {HEALTH} within {timeout_s:.0f}s.")
         time.sleep(poll_s)
 
 
-def generate(base_url: str, request: GenerationRequest, *, timeout_s: float) -> Generated:
-    return parse_generate_response(call(base_url, GENERATE, generate_body(request), timeout_s=timeout_s))
+def generate(server: Endpoint, request: GenerationRequest, *, timeout_s: float) -> Generated:
+    return parse_generate_response(call(server, GENERATE, generate_body(request), timeout_s=timeout_s))
 
 
-def abort(base_url: str, request_id: str) -> None:
-    call(base_url, ABORT_REQUEST, abort_body(request_id))
+def abort(server: Endpoint, request_id: str) -> None:
+    call(server, ABORT_REQUEST, abort_body(request_id))
 
 
 @contextmanager
-def weight_update_session(base_url: str):
+def weight_update_session(server: Endpoint):
     """pause -> begin_weight_update -> (the body's update calls) -> end_weight_update -> flush_cache -> continue.
 
     The flush is explicit because radix cache entries computed with the old weights must never serve the new
     policy, whatever the update's flags did. The session is closed and generation resumed even when a call in
     between fails; the flush only after a successful update.
     """
-    call(base_url, PAUSE_GENERATION, pause_body())
+    call(server, PAUSE_GENERATION, pause_body())
     try:
-        call(base_url, BEGIN_WEIGHT_UPDATE, begin_weight_update_body())
+        call(server, BEGIN_WEIGHT_UPDATE, begin_weight_update_body())
         try:
             yield
         finally:
-            call(base_url, END_WEIGHT_UPDATE, end_weight_update_body())
-        call(base_url, FLUSH_CACHE, {})
+            call(server, END_WEIGHT_UPDATE, end_weight_update_body())
+        call(server, FLUSH_CACHE, {})
     finally:
-        call(base_url, CONTINUE_GENERATION, continue_body())
+        call(server, CONTINUE_GENERATION, continue_body())
 
 
-def update_weights_from_disk(base_url: str, weights_path: str, policy_version: int, *, timeout_s: float) -> None:
+def update_weights_from_disk(server: Endpoint, weights_path: str, policy_version: int, *, timeout_s: float) -> None:
     """Serve ``policy_version`` from ``weights_path``, between steps, and check that the server reports it."""
     model_dir = model_dir_for(weights_path)
-    with weight_update_session(base_url):
-        answer = call(base_url, UPDATE_WEIGHTS_FROM_DISK, update_weights_from_disk_body(model_dir, policy_version),
+    with weight_update_session(server):
+        answer = call(server, UPDATE_WEIGHTS_FROM_DISK, update_weights_from_disk_body(model_dir, policy_version),
                       timeout_s=timeout_s)
         if not answer["success"]:
-            raise SGLangError(f"{base_url}{UPDATE_WEIGHTS_FROM_DISK} failed: {answer['message']}")
-    check_serves(base_url, policy_version, hint=f"(after loading {model_dir})")
+            raise SGLangError(f"{server}{UPDATE_WEIGHTS_FROM_DISK} failed: {answer['message']}")
+    check_serves(server, policy_version, hint=f"(after loading {model_dir})")
 
 
-def init_weights_update_group(base_url: str, group: WeightGroup, rank_offset: int, *, timeout_s: float) -> None:
+def init_weights_update_group(server: Endpoint, group: WeightGroup, rank_offset: int, *, timeout_s: float) -> None:
     """Make the server join ``group`` from ``rank_offset``; returns once every member has joined."""
-    call(base_url, INIT_WEIGHTS_UPDATE_GROUP, init_weights_update_group_body(group, rank_offset), timeout_s=timeout_s)
+    call(server, INIT_WEIGHTS_UPDATE_GROUP, init_weights_update_group_body(group, rank_offset), timeout_s=timeout_s)
 
 
-def update_weights_from_distributed(base_url: str, buckets: list[Bucket], group_name: str, policy_version: int, *,
+def update_weights_from_distributed(server: Endpoint, buckets: list[Bucket], group_name: str, policy_version: int, *,
                                     timeout_s: float) -> None:
     """Receive ``policy_version`` from the trainer's broadcasts, between steps, and check the version served.
 
     The trainer broadcasts the same buckets in the same order; every engine of the group must make these calls at
     the same time (each broadcast waits for all of them).
     """
-    with weight_update_session(base_url):
+    with weight_update_session(server):
         for i, bucket in enumerate(buckets):
             last = i == len(buckets) - 1
-            call(base_url, UPDATE_WEIGHTS_FROM_DISTRIBUTED,
+            call(server, UPDATE_WEIGHTS_FROM_DISTRIBUTED,
                  update_weights_from_distributed_body(bucket, group_name, policy_version if last else None),
                  timeout_s=timeout_s)
-    check_serves(base_url, policy_version, hint=f"(after {len(buckets)} broadcast buckets)")
+    check_serves(server, policy_version, hint=f"(after {len(buckets)} broadcast buckets)")
 
 
-def check_serves(base_url: str, policy_version: int, *, hint: str = "") -> None:
+def check_serves(server: Endpoint, policy_version: int, *, hint: str = "") -> None:
     """Raise unless /model_info reports ``str(policy_version)`` as the server's weight version."""
-    served = served_weight_version(call(base_url, MODEL_INFO))
+    served = served_weight_version(call(server, MODEL_INFO))
     if served != str(policy_version):
-        raise SGLangError(f"the engine server at {base_url} reports weight_version {served!r}, expected "
+        raise SGLangError(f"the engine server at {server} reports weight_version {served!r}, expected "
                           f"{str(policy_version)!r}. {hint}".strip())
