@@ -7,7 +7,7 @@
       prompts -> n requests each (seeded per sample)
       admission (FIFO | FGD: frontier groups first) -> engines -> reward threads
       -> complete group (advantages from its own rewards)
-      -> filter? (zero variance: drop, admit a replacement)
+      -> drop? (zero variance, or a reward timeout: admit a replacement)
       -> placed in its training batch (admission.StepSlots)
       -> dispatcher thread ------ signed handle, payload --> train_step:
                                   (TCPStore)                   consume in publish order (every rank reads
@@ -42,6 +42,7 @@ from rolloutpipe.control.transport import StoreAddress, Transport
 from rolloutpipe.observe.metrics import RolloutStats, TrainStats
 from rolloutpipe.rollout.admission import GroupAssembler, RolloutSchedule
 from rolloutpipe.rollout.node import POLL_S, RolloutNode
+from rolloutpipe.rollout.rewards import OnTimeout
 from rolloutpipe.rollout.samples import check_on_policy, check_reward_failures, write_samples
 from rolloutpipe.trainer.batching import BatchConsumer, MicroBatch
 from rolloutpipe.trainer.node import TrainerNode
@@ -69,6 +70,7 @@ def rollout_step(node: RolloutNode, step: int, version: int, weight_load_s: floa
     schedule = RolloutSchedule(
         rollout_batch_size=cfg.rollout_batch_size, groups_per_batch=cfg.groups_per_batch,
         filter_zero_variance=cfg.rollout.filter_zero_variance,
+        drop_timed_out=cfg.reward.on_timeout is OnTimeout.drop_group,
         over_sampling_groups=cfg.rollout.over_sampling_groups, max_groups=cfg.max_groups_per_step,
         admission=admission,
         draw=node.source.next_batch, requests_for=lambda group, prompt: node.requests_for(step, group, prompt),
@@ -99,10 +101,10 @@ def rollout_step(node: RolloutNode, step: int, version: int, weight_load_s: floa
         check_reward_failures(step, [*schedule.complete.values(), group],
                               num_expected=cfg.rollout_batch_size * cfg.n_samples_per_prompt,
                               max_fraction=cfg.reward.max_failure_fraction, reward_name=cfg.reward.name)
-        resolution = schedule.on_group(group)  # trainable or filtered; placed once its batch is certain
-        if not resolution.trainable:
+        resolution = schedule.on_group(group)  # trainable or dropped; placed once its batch is certain
+        if resolution.dropped is not None:
             node.spans.add("rollout/group_dropped", step=step, start_s=group.completed_s, end_s=time.time(),
-                           group=group.group, reason="zero_variance")
+                           group=group.group, reason=resolution.dropped.value)
         for placed in resolution.placed:
             node.dispatcher.put(placed)  # CGP: published now; sync: held until the batch is complete
     last_group_s = time.time()
@@ -120,7 +122,8 @@ def rollout_step(node: RolloutNode, step: int, version: int, weight_load_s: floa
     return RolloutStats.of(step=step, policy_version=version, start_s=start_s, last_group_s=last_group_s,
                            weight_load_s=weight_load_s, selected=selected,
                            complete=list(schedule.complete.values()), num_filtered=schedule.num_filtered,
-                           num_returned=len(unused), num_aborted=num_aborted)
+                           num_timeout_dropped=schedule.num_timeout_dropped, num_returned=len(unused),
+                           num_aborted=num_aborted)
 
 
 # ================================================================================================

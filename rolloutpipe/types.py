@@ -97,6 +97,8 @@ class Sample:
     """The weights that generated it, as the engine reported them (GenerationResult.policy_version)."""
     reward_error: str | None = None
     """Why the reward function failed (exception or timeout); the reward is then 0."""
+    reward_timed_out: bool = False
+    """The reward call ran past ``reward.timeout_s``; with ``reward.on_timeout=drop_group`` its group is dropped."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -172,7 +174,18 @@ class LifecycleState(enum.Enum):
     TRAINED = "trained"
     """The optimizer step of its training batch is done."""
     DROPPED = "dropped"
-    """Filtered (dynamic sampling) or aborted (an over-sampled group the step did not need): never trained."""
+    """Dropped (zero reward variance under dynamic sampling, or a reward timeout under reward.on_timeout=drop_group)
+    or aborted (an over-sampled group the step did not need): never trained."""
+
+
+class DropReason(enum.Enum):
+    """Why a complete group is not trained (rollout/admission.py replaces it): a rollout/group_dropped span's reason."""
+
+    zero_variance = "zero_variance"
+    """Dynamic sampling (``rollout.filter_zero_variance``): its rewards are all equal, so its advantages are 0."""
+    reward_timeout = "reward_timeout"
+    """A reward call ran past ``reward.timeout_s`` under ``reward.on_timeout=drop_group``: its 0 would say how
+    loaded the machine was, not how good the response is."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -196,7 +209,8 @@ class GroupLifecycle:
     trained_s: float | None = None
     dropped_s: float | None = None
     drop_reason: str | None = None
-    """``filtered``, ``aborted`` or ``not published``."""
+    """The ``rollout/group_dropped`` span's reason (``zero_variance``, ``reward_timeout``, ``unused``), else
+    ``aborted``, or ``filtered`` (complete, never published, in a step that trained)."""
     policy_version_admitted: int | None = None
     """The weights that generated its samples."""
     policy_version_trained: int | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -41,6 +42,8 @@ def test_unknown_config_key_is_named_before_anything_starts(job_dir, tmp_path, w
     ("trainer.lr=abc", "bad config value at trainer.lr: Value 'abc' of type 'str' could not be converted to Float"),
     ("pipeline.mode=fast", "bad config value at pipeline.mode: Invalid value 'fast', expected one of "
                            "[sync, cgp, async_one_step]"),
+    ("reward.on_timeout=skip", "bad config value at reward.on_timeout: Invalid value 'skip', expected one of "
+                               "[zero, drop_group]"),
     ("lr=1e-3", "unknown config key 'lr'. Did you mean 'trainer.lr'? Every key and its default: "
                 "python launch.py --cfg job"),
 ])
@@ -103,18 +106,57 @@ def _rows_with_labels(path: Path, labels: list[str]) -> Path:
 @pytest.mark.parametrize("reward,bad_label,error", [("raises", "fail", "ValueError"), ("hangs", "hang", "timeout")])
 def test_failing_reward_gives_zero_and_is_counted_without_stopping_the_run(job_dir, tmp_path, reward, bad_label,
                                                                            error):
+    """A timeout too, when reward.on_timeout=zero says so (the default drops its group: the tests below)."""
     data = _rows_with_labels(tmp_path / "rows.jsonl", ["ok", bad_label, "ok", "ok"])
     run_dir = job_dir(reward)
     result = run_job(run_dir, *SMALL, "num_rollout=1", f"data.path={data}", "data.shuffle=false",
                      f"reward.name={reward}", "reward.timeout_s=1", "reward.import_modules=[tests.fixtures.faulty_rewards]",
-                     "run.save_samples=true", timeout_s=180)
+                     "reward.on_timeout=zero", "run.save_samples=true", timeout_s=180)
     assert result.returncode == 0, result.stderr[-3000:]
     [metrics] = read_metrics(run_dir)
     assert metrics["rollout/num_reward_errors"] == 4  # the 4 samples of the one bad prompt
+    assert metrics["rollout/num_timeout_dropped_groups"] == 0
     samples = [json.loads(line) for line in (run_dir / "rollouts" / "step=0.jsonl").read_text().splitlines()]
     failed = [s for s in samples if s["reward_error"]]
     assert len(failed) == 4 and all(s["reward"] == 0.0 and error in s["reward_error"] for s in failed)
     assert all(s["reward"] == 1.0 for s in samples if not s["reward_error"])
+
+
+HANGS = ["reward.name=hangs", "reward.timeout_s=1", "reward.import_modules=[tests.fixtures.faulty_rewards]",
+         "reward.on_timeout=drop_group", "data.shuffle=false", "num_rollout=1", "run.save_samples=true"]
+"""Rows in file order; the prompt labelled ``hang`` hangs its reward past the timeout, the others score 1."""
+
+
+def test_a_group_whose_reward_times_out_is_not_trained_and_is_replaced_under_drop_group(job_dir, tmp_path):
+    """Prompt 1 hangs: its group is dropped, the step's last slot goes to the next prompt (row 0 again, the next
+    epoch), and the trainer sees 4 groups whose rewards are all the reward function's own."""
+    data = _rows_with_labels(tmp_path / "rows.jsonl", ["ok", "hang", "ok", "ok"])
+    run_dir = job_dir("timeout-dropped")
+    result = run_job(run_dir, *SMALL, *HANGS, f"data.path={data}", timeout_s=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [metrics] = read_metrics(run_dir)
+    assert (metrics["rollout/num_timeout_dropped_groups"], metrics["rollout/num_filtered_groups"]) == (1, 0)
+    assert metrics["rollout/num_reward_errors"] == 4  # counted (reward.max_failure_fraction), not trained
+    samples = [json.loads(line) for line in (run_dir / "rollouts" / "step=0.jsonl").read_text().splitlines()]
+    assert sorted({s["prompt_index"] for s in samples}) == [0, 2, 3] and len(samples) == 16
+    assert all(s["reward"] == 1.0 and s["reward_error"] is None for s in samples)
+    lives = {g["group"]: g for g in map(json.loads, (run_dir / "lifecycle.jsonl").read_text().splitlines())}
+    assert (lives[1]["state"], lives[1]["drop_reason"], lives[1]["consumed_s"]) == ("dropped", "reward_timeout", None)
+    assert [g for g, life in sorted(lives.items()) if life["state"] == "trained"] == [0, 2, 3, 4]
+
+
+def test_a_timed_out_group_that_nothing_may_replace_stops_the_run_with_the_cap(job_dir, tmp_path):
+    """rollout.max_groups_per_step=4 leaves no room for a replacement: the run stops instead of training 3 groups."""
+    data = _rows_with_labels(tmp_path / "rows.jsonl", ["ok", "hang", "ok", "ok"])
+    run_dir = job_dir("timeout-capped")
+    result = run_job(run_dir, *SMALL, *HANGS, f"data.path={data}", "rollout.max_groups_per_step=4", timeout_s=180)
+    assert result.returncode != 0
+    stopped = re.search(r"the step needs more than rollout.max_groups_per_step=4 groups: (\d) of the (\d) complete "
+                        r"ones are trainable and 1 \(\d+%\) had a reward call that ran past reward.timeout_s, which "
+                        r"reward.on_timeout=drop_group drops\. ", result.stderr)
+    assert stopped, result.stderr[-2000:]
+    assert int(stopped[1]) == int(stopped[2]) - 1  # how many others completed first depends on timing; not this
+    assert not (run_dir / "metrics.jsonl").exists()
 
 
 def test_mostly_failing_rewards_stop_the_run_before_training_on_them(job_dir, tmp_path):

@@ -161,14 +161,15 @@ def test_pool_scores_like_the_function_from_many_threads():
 def test_reward_exception_gives_zero_and_records_error():
     with faulty_pool("raises") as pool:
         outcome = pool.score("xyz", "fail", {})
-        assert (outcome.reward, outcome.error) == (0.0, "ValueError: cannot score 'xyz'")
+        assert (outcome.reward, outcome.error, outcome.timed_out) == (0.0, "ValueError: cannot score 'xyz'", False)
         assert pool.score("xyz", "ok", {}).reward == 1.0
 
 
-def test_reward_timeout_gives_zero_and_pool_recovers():
+def test_reward_timeout_gives_zero_marked_as_a_timeout_and_pool_recovers():
+    """Marked: reward.on_timeout (not the error text) decides whether its group is trained."""
     with faulty_pool("hangs", timeout_s=0.5) as pool:
         outcome = pool.score("x", "hang", {})
-        assert (outcome.reward, outcome.error) == (0.0, "timeout after 0.5 s")
+        assert (outcome.reward, outcome.error, outcome.timed_out) == (0.0, "timeout after 0.5 s", True)
         assert outcome.elapsed_s >= 0.5
         after = pool.score("x", "ok", {})
         assert (after.reward, after.error) == (1.0, None)
@@ -177,7 +178,7 @@ def test_reward_timeout_gives_zero_and_pool_recovers():
 def test_dead_worker_is_restarted():
     with faulty_pool("dies") as pool:
         outcome = pool.score("x", "die", {})
-        assert outcome.reward == 0.0 and "worker died (exit code 3)" in outcome.error
+        assert outcome.reward == 0.0 and "worker died (exit code 3)" in outcome.error and not outcome.timed_out
         assert pool.score("x", "ok", {}).reward == 1.0
 
 

@@ -34,7 +34,8 @@ def encode_group(group: CompleteGroup) -> bytes:
         "prompt_index": group.prompt_index,
         "completed_s": group.completed_s,
         "samples": [
-            {"text": s.response_text, "finish_reason": s.finish_reason.value, "reward_error": s.reward_error}
+            {"text": s.response_text, "finish_reason": s.finish_reason.value, "reward_error": s.reward_error,
+             "reward_timed_out": s.reward_timed_out}
             for s in samples
         ],
     }
@@ -60,6 +61,7 @@ def decode_group(payload: bytes) -> CompleteGroup:
             reward=rewards[i],
             policy_version=versions[i],
             reward_error=meta["reward_error"],
+            reward_timed_out=meta["reward_timed_out"],
         )
         for i, meta in enumerate(header["samples"])
     ]

@@ -188,6 +188,9 @@ class RolloutStats:
     num_truncated: int
     num_reward_errors: int
     num_filtered_groups: int
+    """Dropped for zero reward variance (dynamic sampling)."""
+    num_timeout_dropped_groups: int
+    """Dropped for a timed-out reward (reward.on_timeout=drop_group)."""
     num_returned_prompts: int
     num_aborted_samples: int
     reward_mean: float
@@ -198,8 +201,8 @@ class RolloutStats:
 
     @classmethod
     def of(cls, *, step: int, policy_version: int, start_s: float, last_group_s: float, weight_load_s: float,
-           selected: list[CompleteGroup], complete: list[CompleteGroup], num_filtered: int, num_returned: int,
-           num_aborted: int) -> RolloutStats:
+           selected: list[CompleteGroup], complete: list[CompleteGroup], num_filtered: int,
+           num_timeout_dropped: int, num_returned: int, num_aborted: int) -> RolloutStats:
         """The record of a step whose ``selected`` groups are trained, out of every ``complete`` one."""
         samples = [s for g in complete for s in g.samples]  # (list comprehensions: the simulator calls this)
         rewards = [s.reward for s in samples]
@@ -212,7 +215,8 @@ class RolloutStats:
             num_tokens=sum(lengths),
             num_truncated=[s.finish_reason for s in samples].count(FinishReason.LENGTH),
             num_reward_errors=len(samples) - [s.reward_error for s in samples].count(None),
-            num_filtered_groups=num_filtered, num_returned_prompts=num_returned, num_aborted_samples=num_aborted,
+            num_filtered_groups=num_filtered, num_timeout_dropped_groups=num_timeout_dropped,
+            num_returned_prompts=num_returned, num_aborted_samples=num_aborted,
             reward_mean=mean, reward_std=math.sqrt(math.fsum([(r - mean) ** 2 for r in rewards]) / len(rewards)),
             response_len_mean=sum(lengths) / len(lengths),
             policy_lag=max([step - s.policy_version for g in selected for s in g.samples]),
@@ -257,6 +261,7 @@ def reduce_step(rollout: RolloutStats, train: TrainStats, *, mean_compute_s: flo
         "rollout/truncated_ratio": rollout.num_truncated / max(rollout.num_samples, 1),
         "rollout/num_reward_errors": rollout.num_reward_errors,
         "rollout/num_filtered_groups": rollout.num_filtered_groups,
+        "rollout/num_timeout_dropped_groups": rollout.num_timeout_dropped_groups,
         "rollout/num_returned_prompts": rollout.num_returned_prompts,
         "rollout/num_aborted_samples": rollout.num_aborted_samples,
         "rollout/policy_lag": rollout.policy_lag,

@@ -7,16 +7,16 @@ with real engines, the simulator (rolloutpipe/sim) with simulated ones. The simu
 with mypyc (sim/compiled.py), so it is fully typed, and sees requests and engines only through the ``Request``
 and ``EngineView`` protocols (a GenerationRequest's id is a string, a simulated one's an int).
 
-Batch membership (``StepSlots``). A step admits groups in order, group 0, 1, 2, ... (group g carries
-the g-th prompt the step drew from the source, and its samples are seeded by their ids, so a group's
-content never depends on timing). Without filtering every group is trainable and group g belongs to
-training batch g // groups_per_batch. With dynamic sampling, a group whose rewards have zero variance
-is dropped, and the rule becomes: *the j-th trainable group in group order fills slot j; slot j belongs
-to batch j // groups_per_batch; the step is full when slot rollout_batch_size - 1 is filled.* A dropped
-group is replaced by admitting one more group, and every later group moves up one slot: the
-replacement lands in the last batch, while the frontier (below) moves on to the next group in line.
-This rule makes membership a function of the samples alone, so ``sync`` and ``cgp`` (and two runs
-with the same seed) train the same groups in the same batches.
+Batch membership (``StepSlots``). A step admits groups in order, group 0, 1, 2, ... (group g carries the g-th
+prompt the step drew from the source, and its samples are seeded by their ids, so a group's content never
+depends on timing). Without filtering every group is trainable and group g belongs to training batch
+g // groups_per_batch. With dynamic sampling, a group whose rewards have zero variance is dropped (so is one
+whose reward timed out, under reward.on_timeout=drop_group), and the rule becomes: *the j-th trainable group in
+group order fills slot j; slot j belongs to batch j // groups_per_batch; the step is full when slot
+rollout_batch_size - 1 is filled.* A dropped group is replaced by admitting one more group, and every later
+group moves up one slot: the replacement lands in the last batch, while the frontier (below) moves on to the
+next group in line. This rule makes membership a function of the samples alone, so ``sync`` and ``cgp`` (and
+two runs with the same seed) train the same groups in the same batches.
 
 A trainable group can be published before every group below it is resolved, as soon as its batch
 is certain: with t trainable and p pending groups below it, its slot lies in [t, t + p], so it is in
@@ -39,7 +39,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
-from rolloutpipe.types import CompleteGroup, Prompt, Sample
+from rolloutpipe.types import CompleteGroup, DropReason, Prompt, Sample
 
 # Final: the compiled simulator (sim/compiled.py) calls them directly instead of looking them up in bisect each time
 _bisect_left: Final = bisect.bisect_left
@@ -51,7 +51,7 @@ class GroupState(enum.Enum):
     """Admitted, not all samples rewarded yet."""
     TRAINABLE = "trainable"
     FILTERED = "filtered"
-    """Dropped by dynamic sampling (zero reward variance)."""
+    """Dropped, never trained, and replaced (``DropReason`` says why)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -404,9 +404,9 @@ class Admission:
 
 @dataclass(kw_only=True, slots=True)
 class Resolution:
-    """What one complete group changed: whether it is trainable, and the groups now placed in their batches."""
+    """What one complete group changed: why it is dropped (None: trainable), and the groups now placed."""
 
-    trainable: bool
+    dropped: DropReason | None
     placed: list[CompleteGroup]
 
 
@@ -417,18 +417,19 @@ class RolloutSchedule:
     the simulator (rolloutpipe/sim) with simulated ones, so both run the same scheduling code.
     ``draw(k)`` returns the next k prompts of the source; ``requests_for(group, prompt)`` makes a
     group's requests. ``start`` admits the step's groups (plus over-sampling when filtering);
-    ``on_group`` resolves a complete group (filter, place, admit a replacement, refill engines);
+    ``on_group`` resolves a complete group (drop or place, admit a replacement, refill engines);
     ``on_slot_freed`` refills engines; once ``full``, ``finish`` aborts what is not needed.
     """
 
     def __init__(self, *, rollout_batch_size: int, groups_per_batch: int, filter_zero_variance: bool,
-                 over_sampling_groups: int, max_groups: int, admission: Admission,
+                 drop_timed_out: bool, over_sampling_groups: int, max_groups: int, admission: Admission,
                  draw: Callable[[int], list[Prompt]], requests_for: Callable[[int, Prompt], Sequence[Request]]) -> None:
         self.slots = StepSlots(rollout_batch_size=rollout_batch_size, groups_per_batch=groups_per_batch)
         self.filter_zero_variance = filter_zero_variance
+        self.drop_timed_out = drop_timed_out  # reward.on_timeout=drop_group
         self.max_groups = max_groups
-        """The most groups the step may admit (dynamic sampling replaces dropped ones: without a bound, prompts
-        that all get equal rewards would be admitted forever)."""
+        """The most groups the step may admit (dropped groups are replaced: without a bound, prompts that all get
+        equal rewards, or a reward that always times out, would admit groups forever)."""
         self.num_initial_groups = rollout_batch_size + (over_sampling_groups if filter_zero_variance else 0)
         self.admission = admission
         self.draw = draw
@@ -436,7 +437,7 @@ class RolloutSchedule:
         self.prompts: list[Prompt] = []
         """The step's admitted prompts, by group."""
         self.complete: dict[int, CompleteGroup] = {}
-        self.num_filtered = 0
+        self.num_filtered = self.num_timeout_dropped = 0  # groups dropped for zero variance, for a reward timeout
 
     def start(self) -> None:
         self._admit(self.num_initial_groups)
@@ -444,15 +445,18 @@ class RolloutSchedule:
 
     def on_group(self, group: CompleteGroup) -> Resolution:
         self.complete[group.group] = group
-        trainable = not (self.filter_zero_variance and len({s.reward for s in group.samples}) == 1)
-        self.num_filtered += not trainable
+        timed_out = self.drop_timed_out and any([s.reward_timed_out for s in group.samples])  # first: its 0s may be
+        flat = self.filter_zero_variance and len({s.reward for s in group.samples}) == 1  # what made the rewards flat
+        dropped = DropReason.reward_timeout if timed_out else DropReason.zero_variance if flat else None
+        self.num_filtered += dropped is DropReason.zero_variance
+        self.num_timeout_dropped += dropped is DropReason.reward_timeout
         placed = []
-        for p in self.slots.resolve(group.group, trainable=trainable):
+        for p in self.slots.resolve(group.group, trainable=dropped is None):
             self.complete[p.group].batch = p.batch
             placed.append(self.complete[p.group])
-        self._admit(self.slots.num_to_admit())
+        self._admit(self.slots.num_to_admit())  # a dropped group's replacement, within max_groups
         self.admission.pump(self.slots.frontier)
-        return Resolution(trainable=trainable, placed=placed)
+        return Resolution(dropped=dropped, placed=placed)
 
     def on_slot_freed(self) -> None:
         self.admission.pump(self.slots.frontier)
@@ -473,16 +477,24 @@ class RolloutSchedule:
 
     def _admit(self, num_groups: int) -> None:
         if len(self.prompts) + num_groups > self.max_groups:
-            num_resolved = len(self.complete)
-            raise RuntimeError(  # a plain one: mypyc compiles no subclass of a builtin exception
-                f"the step needs more than rollout.max_groups_per_step={self.max_groups} groups: "
-                f"{num_resolved - self.num_filtered} of the {num_resolved} complete ones are trainable and "
-                f"{self.num_filtered} ({100 * self.num_filtered // max(num_resolved, 1)}%) had rewards all equal "
-                "(zero variance), which dynamic sampling drops. The prompts are too easy or too hard for the "
-                "policy: use prompts it solves sometimes, raise rollout.max_groups_per_step, or set "
-                "rollout.filter_zero_variance=false."
-            )
+            raise RuntimeError(self._too_many_groups())  # a plain one: mypyc compiles no builtin-exception subclass
         for prompt in self.draw(num_groups) if num_groups else []:
             group = self.slots.admit()
             self.prompts.append(prompt)
             self.admission.add_group(group, self.requests_for(group, prompt))
+
+    def _too_many_groups(self) -> str:  # why the step cannot be filled within max_groups, and what to change
+        resolved, filtered, timed_out = len(self.complete), self.num_filtered, self.num_timeout_dropped
+        said = f"the step needs more than rollout.max_groups_per_step={self.max_groups} groups: "
+        if not timed_out:
+            return said + (f"{resolved - filtered} of the {resolved} complete ones are trainable and {filtered} "
+                           f"({100 * filtered // max(resolved, 1)}%) had rewards all equal (zero variance), which "
+                           "dynamic sampling drops. The prompts are too easy or too hard for the policy: use "
+                           "prompts it solves sometimes, raise rollout.max_groups_per_step, or set "
+                           "rollout.filter_zero_variance=false.")
+        also = f" ({filtered} more had rewards all equal, which dynamic sampling drops)" if filtered else ""
+        return said + (f"{resolved - filtered - timed_out} of the {resolved} complete ones are trainable and "
+                       f"{timed_out} ({100 * timed_out // resolved}%) had a reward call that ran past "
+                       f"reward.timeout_s, which reward.on_timeout=drop_group drops{also}. The reward function is "
+                       "too slow for its timeout: make it faster, raise reward.timeout_s or "
+                       "rollout.max_groups_per_step, or set reward.on_timeout=zero.")

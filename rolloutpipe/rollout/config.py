@@ -28,10 +28,11 @@ class RolloutConfig:
     filter_zero_variance: bool = False
     """Dynamic sampling (DAPO): drop groups whose rewards are all equal and admit replacements."""
     over_sampling_groups: int = 0
-    """Extra groups admitted at the start of each step when filtering, so replacements are already running."""
+    """Extra groups admitted at the start of each step when filtering, so replacements are already running (not for
+    reward timeouts: they are rare, and their replacement is admitted when one happens)."""
     max_groups_per_step: int | None = None
-    """The most groups a step may admit, replacements of dropped ones included; past it the run stops with the
-    share of zero-variance groups. Null: 10 x rollout_batch_size."""
+    """The most groups a step may admit, replacements of dropped ones included (zero variance, or a reward timeout
+    under reward.on_timeout=drop_group); past it the run stops with the share of each. Null: 10 x rollout_batch_size."""
     engine_urls: list[str] = field(default_factory=list)
     """With ``engine: sglang`` or ``embedded_http``: attach to these running servers (one per engine, started with
     ``--weight-version 0`` and model.path's weights) instead of starting them. Empty: start them."""

@@ -16,13 +16,17 @@ Rewards run in ``reward.num_workers`` persistent processes started with "spawn" 
 process with threads). A worker imports this module and the listed modules, then answers one call
 at a time over a Pipe with JSON bytes; callables never cross the pipe. A call that raises, runs
 past ``reward.timeout_s``, returns a non-number or kills its worker scores 0 with the reason in
-``RewardOutcome.error``; a worker that timed out or died is replaced before its next call.
+``RewardOutcome.error``; a worker that timed out or died is replaced before its next call. A timeout
+is marked as such (``RewardOutcome.timed_out``): it may come from the response or from the machine's
+load, which cannot be told apart, so ``reward.on_timeout`` decides whether its group is trained
+(``OnTimeout``). An exception, a non-number and a dead worker always score 0.
 
 Worker imports stay light: math-verify (sympy) is imported on the first ``math`` call only.
 """
 
 from __future__ import annotations
 
+import enum
 import importlib
 import json
 import math
@@ -189,12 +193,37 @@ def gpqa_reward(response: str, label: Any, metadata: dict[str, Any]) -> float:
 # ---- the pool ---------------------------------------------------------------------------------
 
 
+class OnTimeout(enum.Enum):
+    """What a reward call that runs past ``reward.timeout_s`` does to its sample's group."""
+
+    zero = "zero"
+    """The sample scores 0 and its group is trained with it (veRL's prime reward manager does this): no
+    rollout work is lost, but the reward then depends on the machine's load, and a right answer scored 0
+    gets a negative advantage against its group."""
+    drop_group = "drop_group"
+    """The group is not trained: it is dropped and replaced as dynamic sampling drops a zero-variance
+    group (rollout/admission.py, within ``rollout.max_groups_per_step``), so every reward the trainer sees
+    is one the reward function returned. Costs the group's generation and one more group's."""
+
+
 @dataclass(kw_only=True, slots=True)
 class RewardConfig:
     name: str = "synthetic"
     """A registered reward: synthetic, math, gpqa, or one registered by ``import_modules``."""
     timeout_s: float = 10.0
-    """A call running longer scores 0 and its worker is replaced."""
+    """A call running longer is stopped (its worker is replaced) and ``on_timeout`` decides what follows."""
+    on_timeout: OnTimeout = OnTimeout.drop_group
+    """``drop_group`` (default): the sample's group is not trained, and another group takes its place;
+    ``zero``: the sample scores 0 and is trained. The default keeps every trained reward one the reward
+    function returned: a timeout says how busy the reward worker was, not how good the response is, and
+    training it as 0 (a wrong label, a negative advantage for a right answer) lets the machine's load change
+    the rewards a run trains on, so the same seed on a busier machine trains other rewards for the same
+    samples. Under ``drop_group`` load can change which prompts a step trains (the replacement), never a
+    reward value, and no short batch is trained. The price is the group's generation and a replacement's,
+    small while timeouts are rare; timed-out samples still count toward ``max_failure_fraction``, so a
+    reward that mostly times out stops the run rather than replacing group after group, and a step that
+    cannot be refilled within ``rollout.max_groups_per_step`` stops with the count of groups dropped.
+    ``zero`` is what veRL does (its prime reward manager scores a timed-out row 0.0 and trains it)."""
     num_workers: int = 1
     import_modules: list[str] = field(default_factory=list)
     """Modules each worker imports before serving, so that their @register_reward rewards exist."""
@@ -216,6 +245,8 @@ class RewardOutcome:
     reward: float
     error: str | None
     """Why the reward is 0 when the call failed: exception, timeout, non-number or worker death."""
+    timed_out: bool = False
+    """The call ran past ``reward.timeout_s`` (``error`` says so too); ``reward.on_timeout`` decides."""
     elapsed_s: float
     """From sending the call to its answer (worker start-up excluded)."""
 
@@ -310,7 +341,7 @@ class _Worker:
         self._ready = True
 
     def call(self, request: bytes, timeout_s: float) -> RewardOutcome:
-        start = time.monotonic()
+        start, timed_out = time.monotonic(), False
         try:
             if not self._process.is_alive():
                 self.kill()
@@ -321,14 +352,14 @@ class _Worker:
             if self._conn.poll(timeout_s):
                 reply = json.loads(self._conn.recv_bytes())
                 return RewardOutcome(reward=reply["reward"], error=reply["error"], elapsed_s=time.monotonic() - start)
-            error = f"timeout after {timeout_s:g} s"
+            error, timed_out = f"timeout after {timeout_s:g} s", True
         except (EOFError, OSError):
             self._process.join(1.0)
             error = f"the reward worker died (exit code {self._process.exitcode})"
         except Exception as err:  # score never raises: a broken worker costs one sample, not the run
             error = f"the reward worker failed: {type(err).__name__}: {err}"
         self.kill()
-        return RewardOutcome(reward=0.0, error=error, elapsed_s=time.monotonic() - start)
+        return RewardOutcome(reward=0.0, error=error, timed_out=timed_out, elapsed_s=time.monotonic() - start)
 
     def kill(self) -> None:
         """Stop the process now; the next ``call`` starts a new one."""

@@ -8,7 +8,8 @@ Reward threads (``reward.num_workers`` of them)
     produce   rewarded Samples into the GroupAssembler; a group's last sample turns it into a
               CompleteGroup (advantages from its own rewards) handed to the dispatcher
     wait for  the next result; the reward itself runs in a RewardPool worker process with a timeout,
-              so a reward function that hangs or raises costs one sample its reward, never the thread
+              so a reward function that hangs or raises costs one sample its reward (a timeout, under
+              reward.on_timeout=drop_group, its group: rollout/admission.py), never the thread
     shut down on a sentinel per thread (``close``); an unexpected exception is kept in ``error`` and the
               rollout loop stops the run with it.
 """
@@ -132,6 +133,7 @@ class RewardThreads:
             reward=outcome.reward,
             policy_version=result.policy_version,
             reward_error=outcome.error,
+            reward_timed_out=outcome.timed_out,
         )
         group = self._assembler.add(sample)
         if group is not None:

@@ -91,6 +91,7 @@ class SimRequest(Sample):
         self.reward = reward
         self.policy_version = policy_version
         self.reward_error = None
+        self.reward_timed_out = False
 
 
 _NO_LOGPROBS: list[float] = []

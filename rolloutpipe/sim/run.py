@@ -33,6 +33,7 @@ from rolloutpipe.observe.metrics import RolloutStats, TrainStats, reduce_step
 from rolloutpipe.rollout.admission import Admission, GroupAssembler, RolloutSchedule
 from rolloutpipe.rollout.data import PromptSource
 from rolloutpipe.rollout.dispatcher import Release
+from rolloutpipe.rollout.rewards import OnTimeout
 from rolloutpipe.sim.engine import EventLoop, SimEngine, SimRequest
 from rolloutpipe.sim.models import LengthModel, SimConfig
 from rolloutpipe.trainer.batching import BatchConsumer, MicroBatch
@@ -131,6 +132,7 @@ class Simulation:
         self.schedule = schedule = RolloutSchedule(
             rollout_batch_size=job.rollout_batch_size, groups_per_batch=job.groups_per_batch,
             filter_zero_variance=job.rollout.filter_zero_variance,
+            drop_timed_out=job.reward.on_timeout is OnTimeout.drop_group,  # (simulated rewards never time out)
             over_sampling_groups=job.rollout.over_sampling_groups, max_groups=job.max_groups_per_step,
             admission=admission,
             draw=self.source.next_batch, requests_for=draws.requests,
@@ -154,7 +156,8 @@ class Simulation:
         stats = RolloutStats.of(step=step, policy_version=version, start_s=start_s, last_group_s=last_group_s,
                                 weight_load_s=0.0, selected=schedule.selected(),
                                 complete=list(schedule.complete.values()), num_filtered=schedule.num_filtered,
-                                num_returned=len(unused), num_aborted=num_aborted)
+                                num_timeout_dropped=schedule.num_timeout_dropped, num_returned=len(unused),
+                                num_aborted=num_aborted)
         return stats, self.arrivals
 
     def _on_result(self, engine: str, requests: list[SimRequest], aborted: bool, finished_s: float) -> None:
@@ -188,9 +191,9 @@ class Simulation:
         if self.record:
             self._span("rollout/group_complete", "rollout", self.step, self.loop.now, self.loop.now, group=group.group)
         resolution = self.schedule.on_group(group)
-        if not resolution.trainable and self.record:
+        if resolution.dropped is not None and self.record:
             self._span("rollout/group_dropped", "rollout", self.step, self.loop.now, self.loop.now,
-                       group=group.group, reason="zero_variance")
+                       group=group.group, reason=resolution.dropped.value)
         for placed in resolution.placed:
             for released in self.release.add(placed, self.job.rollout_batch_size):
                 self._publish(released)
