@@ -2,26 +2,74 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
 from rolloutpipe.observe.metrics import read_spans
+from rolloutpipe.trainer.config import TrainerConfig
 
 from .conftest import DENSE_REWARD, SMALL, read_metrics, read_samples, run_job
 
 pytestmark = pytest.mark.multiprocess
 
-# float64 on both node groups: the only difference between schedules is the order of floating-point
-# additions (micro-batch composition, rank split, all-reduce), ~1e-16 relative per operation. The per-step loss
-# and gradient norm (before the optimizer, clipping off) then agree to ~1e-13, while a real difference in the
-# update (another sample, another normaliser, stale log-probs) moves them by far more than 1e-9; so do the
-# weights after Adam (~lr = 1e-3 for a real difference).
+# Sync and cgp train the same samples in the same batches with the same normaliser; only the order of
+# floating-point accumulation differs (micro-batch composition, rank split, all-reduce). How far that may move
+# the results depends on the dtype.
+# float64: ~1e-16 relative per operation. The per-step loss and gradient norm (before the optimizer, clipping
+# off) then agree to ~1e-13, while a real difference in the update (another sample, another normaliser, stale
+# log-probs) moves them by far more than 1e-9; so do the weights after Adam (~lr = 1e-3 for a real difference).
+# float32 and bfloat16: see low_precision_bounds.
 PARITY = [*SMALL, "reward.name=letter_fraction_jittered", "reward.import_modules=[tests.fixtures.dense_rewards]",
-          "model.dtype=float64", "micro_batch_size=3", "run.save_samples=true", "rollout.concurrency=6",
-          "rollout.num_engines=2", "reward.num_workers=8", "trainer.max_grad_norm=1e9", "rollout_max_response_len=12"]
+          "micro_batch_size=3", "run.save_samples=true", "rollout.concurrency=6", "rollout.num_engines=2",
+          "reward.num_workers=8", "trainer.max_grad_norm=1e9", "rollout_max_response_len=12"]
 """Two engines, eight reward workers and seeded reward delays: each mode's groups complete in another order;
 responses of up to 12 tokens, so some end early and micro-batches differ in their token counts."""
+
+ONE_STEP = ["num_rollout=1"]
+"""float32 and bfloat16 compare one RL step of one optimizer step (16 samples, 6 micro-batches on one rank). The
+step's sync and cgp weights differ by roundings (bfloat16: a sign flip or an ulp in ~0.2% of them), and step 1's engines
+sample other tokens from other weights (measured in bfloat16): only policy 0's samples are common to both modes."""
+UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8}
+
+
+def low_precision_bounds(dtype: str, *, longest_row: int, lr: float) -> dict[str, float]:
+    """What the order of accumulation can change in one float32/bfloat16 optimizer step from common weights.
+
+    u: unit roundoff of the parameter and gradient dtype (2^-24, 2^-8); log-probs and the loss are float32 in both
+    (u32 = 2^-24). K = 6 micro-batches of 3 (1 rank; 2 ranks have 3 each), rows of at most ``longest_row`` tokens.
+    - loss: the old log-probs are the current ones detached, so every ratio is exp(0) = 1 exactly and the loss is
+      -sum_i A_i len_i / N (seq_mean: -sum_i A_i / M) whatever the weights. A micro-batch sums n = 3 x longest_row
+      float32 terms (fewer for seq_mean), each |A| <= 1.5 (groups of 4, std-normalised: (4 - 1) / sqrt(4)); the
+      micro-batch sums add in float64. Worst-case recursive summation, both orders: |difference| <= 2 n u32 1.5.
+    - grad_norm: an element's gradient sums the batch's n_tok <= 16 x longest_row token positions (float32 inside
+      the kernels: n_tok u32) as K micro-batch gradients, each rounded to the gradient dtype once when computed and
+      once when added to p.grad (2K u): relative difference <= 2K u + n_tok u32, if the micro-batch gradients do
+      not cancel much (bfloat16 5e-2, float32 2e-5). The norm averages the elements' independent errors, so it
+      moves far less (measured 3e-4 and 0).
+    - weights: AdamW's first step is lr g / (|g| + eps) per element (bias-corrected, no weight decay), below lr
+      whatever the gradient's scale. Two orders disagree by < 2 lr where the rounding noise flips g's sign (|g|
+      under the noise) and by < lr dg / (4|g|) elsewhere; bfloat16 stores the float32 masters rounded, one ulp
+      (<= 2^-7 |w|) more: elementwise |dw| < 2 lr + 2^-7 |w| (float32: 2 lr). In aggregate: with |g| / (its noise
+      scale) spread evenly near 0, a fraction f <= 2K u of the elements flips, so ||dw_sync - dw_cgp|| <= 2 sqrt(f)
+      ||dw_sync||, times 1.25 in bfloat16 for the rounding of flipped weights (ulp <= 5e-4 next to a 2 lr flip:
+      |w| < 0.1, except the norm weights, which lr does not move in bfloat16): 0.54 and 1.7e-3 (measured 0.06 and
+      1e-4); a step more or less makes it ~1. A per-micro-batch normaliser moves the loss by ~50% in both dtypes;
+      in float32 also the gradient norm (10%) and that ratio (0.5); in bfloat16 the gradient norm by 0.8% (bound
+      5%) and that ratio to 0.57 (bound 0.54): there the loss, exact in structure, is the check that tells.
+    """
+    u, u32, num_micro_batches = UNIT_ROUNDOFF[dtype], 2.0**-24, 6
+    rounding = 1.25 if dtype == "bfloat16" else 1.0
+    return {
+        "loss_abs": 2 * (3 * longest_row) * u32 * 1.5,
+        "grad_norm_rel": 2 * num_micro_batches * u + 16 * longest_row * u32,
+        "weight_abs": 2 * lr,
+        "weight_ulp": 2.0**-7 if dtype == "bfloat16" else 0.0,
+        "update_rel": 2 * math.sqrt(2 * num_micro_batches * u) * rounding,
+    }
 
 
 def final_weights(run_dir):
@@ -39,41 +87,70 @@ MULTI_STEP_FILTERED = ["global_batch_size=8", "reward.name=sometimes_flat", "rol
                        "rollout.over_sampling_groups=1", "rollout.admission=fgd"]
 
 
-@pytest.mark.parametrize("num_ranks,extra", [(1, []), (2, []), (2, ["grpo.loss_agg=seq_mean_token_mean"]),
-                                             (1, MULTI_STEP_FILTERED)],
-                         ids=["1-rank", "2-ranks", "2-ranks-seq-mean", "2-optimizer-steps-per-rollout-filtered"])
-def test_pipelined_update_equals_synchronous_update(job_dir, num_ranks, extra):
+@pytest.mark.parametrize("dtype,num_ranks,extra", [
+    ("float64", 1, []), ("float64", 2, []), ("float64", 2, ["grpo.loss_agg=seq_mean_token_mean"]),
+    ("float64", 1, MULTI_STEP_FILTERED),
+    ("float32", 1, ONE_STEP), ("bfloat16", 1, ONE_STEP),
+    ("bfloat16", 2, [*ONE_STEP, "grpo.loss_agg=seq_mean_token_mean"]),
+], ids=["float64-1-rank", "float64-2-ranks", "float64-2-ranks-seq-mean",
+        "float64-2-optimizer-steps-per-rollout-filtered", "float32-1-rank", "bfloat16-1-rank",
+        "bfloat16-2-ranks-seq-mean"])
+def test_pipelined_update_equals_synchronous_update(job_dir, dtype, num_ranks, extra):
     runs = {}
     for mode, jitter in (("sync", "1"), ("cgp", "2")):
         run_dir = job_dir(f"{mode}-{num_ranks}")
-        result = run_job(run_dir, *PARITY, f"pipeline.mode={mode}", f"trainer.num_ranks={num_ranks}", *extra,
-                         environ={"RP_TEST_REWARD_JITTER": jitter})
+        result = run_job(run_dir, *PARITY, f"model.dtype={dtype}", f"pipeline.mode={mode}",
+                         f"trainer.num_ranks={num_ranks}", *extra, environ={"RP_TEST_REWARD_JITTER": jitter})
         assert result.returncode == 0, result.stderr[-3000:]
         runs[mode] = run_dir
+    num_steps = 1 if dtype != "float64" else 2
 
     sync_samples, cgp_samples = read_samples(runs["sync"]), read_samples(runs["cgp"])
-    assert len(sync_samples) == 2 * 4 * 4
+    assert len(sync_samples) == num_steps * 4 * 4
     assert [(s["id"], s["batch"], s["response_ids"], s["reward"]) for s in sync_samples] == [
         (s["id"], s["batch"], s["response_ids"], s["reward"]) for s in cgp_samples
     ], "same seed must give the same samples in the same batches in both modes"
-    if not extra:  # (FGD and filtering fix much of the order; the plain runs must show a different one)
-        assert publish_order(runs["sync"]) != publish_order(runs["cgp"]), "the groups must arrive in other orders"
-    if MULTI_STEP_FILTERED == extra:
+    if MULTI_STEP_FILTERED == extra:  # (FGD and filtering fix much of the order)
         metrics = read_metrics(runs["cgp"])
         assert sum(m["rollout/num_filtered_groups"] for m in metrics) > 0, "the workload must exercise filtering"
         assert {s["batch"] for s in cgp_samples} == {0, 1}
+    else:
+        assert publish_order(runs["sync"]) != publish_order(runs["cgp"]), "the groups must arrive in other orders"
 
     sync_m, cgp_m = read_metrics(runs["sync"]), read_metrics(runs["cgp"])
-    assert [m["train/num_tokens"] for m in sync_m] == [m["train/num_tokens"] for m in cgp_m]
-    for key in ("train/loss", "train/grad_norm"):
-        assert [m[key] for m in cgp_m] == pytest.approx([m[key] for m in sync_m], rel=1e-9, abs=1e-12), key
+    assert [m["train/num_tokens"] for m in sync_m] == [m["train/num_tokens"] for m in cgp_m]  # every dtype
     sync_w, cgp_w = final_weights(runs["sync"]), final_weights(runs["cgp"])
-    difference = max((sync_w[k] - cgp_w[k]).abs().max().item() for k in sync_w)
-    assert difference < 1e-9, f"sync and cgp parameters differ by {difference}"
-    init = load_model(ModelConfig(dtype=DType.float64), len(build_tiny_tokenizer())).state_dict()
+    init = load_model(ModelConfig(dtype=DType(dtype)), len(build_tiny_tokenizer())).state_dict()
+    if dtype == "float64":
+        for key in ("train/loss", "train/grad_norm"):
+            assert [m[key] for m in cgp_m] == pytest.approx([m[key] for m in sync_m], rel=1e-9, abs=1e-12), key
+        difference = max((sync_w[k] - cgp_w[k]).abs().max().item() for k in sync_w)
+        assert difference < 1e-9, f"sync and cgp parameters differ by {difference}"
+    else:
+        bound = low_precision_bounds(dtype, lr=TrainerConfig().lr, longest_row=max(
+            len(s["prompt"]) + len(s["response_ids"]) for s in sync_samples))  # (one token a character)
+        for step, (s, c) in enumerate(zip(sync_m, cgp_m)):
+            loss_difference = abs(s["train/loss"] - c["train/loss"])
+            assert loss_difference <= bound["loss_abs"], (
+                f"step {step}: train/loss {s['train/loss']} (sync), {c['train/loss']} (cgp): {loss_difference:.3g} "
+                f"apart, more than {bound['loss_abs']:.3g}")
+            norm_difference = abs(s["train/grad_norm"] - c["train/grad_norm"]) / s["train/grad_norm"]
+            assert norm_difference <= bound["grad_norm_rel"], (
+                f"step {step}: train/grad_norm {s['train/grad_norm']} (sync), {c['train/grad_norm']} (cgp): "
+                f"{norm_difference:.3g} relative, more than {bound['grad_norm_rel']:.3g}")
+        sync_w, cgp_w, init = ({k: v.double() for k, v in w.items()} for w in (sync_w, cgp_w, init))
+        for k in sync_w:  # elementwise: < 2 lr where the sign flipped, plus bfloat16's rounding
+            excess = (sync_w[k] - cgp_w[k]).abs() - bound["weight_abs"] \
+                - bound["weight_ulp"] * torch.maximum(sync_w[k].abs(), cgp_w[k].abs())
+            assert excess.max() < 0, f"{k}: sync and cgp differ by {excess.max().item()} more than the bound"
+        update_difference = math.sqrt(sum((sync_w[k] - cgp_w[k]).square().sum().item() for k in sync_w))
+        update = math.sqrt(sum((sync_w[k] - init[k]).square().sum().item() for k in sync_w))
+        assert update_difference <= bound["update_rel"] * update, (
+            f"||w_sync - w_cgp|| is {update_difference / update:.3g} of the update ||w_sync - w_0||, more than "
+            f"{bound['update_rel']:.3g}")
     moved = max((sync_w[k] - init[k]).abs().max().item() for k in sync_w)
     assert moved > 1e-5, "training must have changed the weights"
-    assert [m["step"] for m in cgp_m] == [0, 1]
+    assert [m["step"] for m in cgp_m] == list(range(num_steps))
 
 
 @pytest.mark.parametrize("mode", ["sync", "cgp"])
