@@ -190,7 +190,9 @@ def sync_weights(node: TrainerNode, version: int) -> float:
                                        what=f"the engines to serve policy_version {version}")
     # sync/cgp: the engines serve ``version`` now. async_one_step does not wait: the rollout may still be
     # about to load version - 1 (the next step's policy), so only version - 2 is surely done with.
-    node.weights.retire(version - (2 if cfg.pipeline.mode is PipelineMode.async_one_step else 1))
+    retired = version - (2 if cfg.pipeline.mode is PipelineMode.async_one_step else 1)
+    node.weights.retire(retired)
+    node.transport.forget_policy(retired)
     return time.time() - start
 
 

@@ -215,3 +215,20 @@ def test_forged_or_replayed_heart_beats_do_not_keep_a_dead_peer_alive(transport)
             forger.put_record(key, {"count": 10**9})
             waiter.liveness.check(waiting_for="nothing")
             time.sleep(0.05)
+
+
+def test_a_consumed_step_is_forgotten_keys_and_payload_files(transport):
+    for seq in range(3):
+        transport.publish(make_group(step=4, group=seq), seq=seq, inline_max_bytes=16 if seq == 2 else 1 << 20)
+    transport.put_record(transport.key("step=4", "rollout_stats"), {"step": 4})
+    transport.put_record(transport.key("step=4", "source_state"), {"epoch": 0})
+    transport.publish(make_group(step=5), seq=0, inline_max_bytes=16)
+    keys_before = transport.store.num_keys()
+    assert (transport.run_dir / "payloads" / "step=4" / "seq=2.safetensors").exists()
+    transport.forget_step(4, num_groups=3)
+    for name in ("handle/seq=0", "payload/seq=0", "handle/seq=2", "rollout_stats", "source_state"):
+        assert not transport.has(transport.key("step=4", *name.split("/"))), name
+    assert transport.store.num_keys() == keys_before - 7  # 3 handles, 2 inline payloads, 2 records
+    assert not (transport.run_dir / "payloads" / "step=4").exists()
+    assert transport.has(transport.key("step=5", "handle", "seq=0"))  # the next step is untouched
+    assert (transport.run_dir / "payloads" / "step=5" / "seq=0.safetensors").exists()

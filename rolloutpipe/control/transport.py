@@ -39,6 +39,7 @@ import hashlib
 import hmac
 import json
 import logging
+import shutil
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -206,6 +207,29 @@ class Transport:
                 self.store.set(key, self.seal(key, {"reason": reason}))
         except RuntimeError:
             pass
+
+    def delete(self, key: str) -> None:
+        try:
+            self.store.delete_key(key)
+        except RuntimeError as err:
+            raise self._lost(err) from err
+
+    def forget_step(self, step: int, num_groups: int) -> None:
+        """Delete step ``step``'s handles, payloads (inline and files) and records once every trainer rank has
+        consumed them, so the store host's memory and the run directory stay flat over a long run. Resume never
+        reads them: it redoes the step after the last checkpoint from scratch, on a fresh store."""
+        prefix = f"step={step}"
+        for seq in range(num_groups):
+            self.delete(self.key(prefix, "handle", f"seq={seq}"))
+            self.delete(self.key(prefix, "payload", f"seq={seq}"))
+        self.delete(self.key(prefix, "rollout_stats"))
+        self.delete(self.key(prefix, "source_state"))
+        shutil.rmtree(self.run_dir / "payloads" / prefix, ignore_errors=True)
+
+    def forget_policy(self, version: int) -> None:
+        """Delete policy ``version``'s weights record and serving acknowledgement once no engine can need them."""
+        self.delete(self.key("weights", f"policy_version={version}"))
+        self.delete(self.key("serving", f"policy_version={version}"))
 
     # -- sealed records ----------------------------------------------------------------------------
     def _mac(self, key: str, body: bytes) -> str:

@@ -9,7 +9,8 @@ Trainer main loop (pipeline.run_trainer, on each rank's main thread)
     consumes   the step's group handles in publish order (every rank reads every handle and trains its
                share: batching.BatchConsumer), then, on rank 0, the rollout's stats of the step
     produces   optimizer steps; on rank 0 policy k+1 for the engines, a metrics record per step,
-               checkpoints, and at the end the final policy and the merged trace
+               checkpoints, and at the end the final policy and the merged trace; once every rank has
+               consumed a step, rank 0 deletes its handles, payloads and records (Transport.forget_step)
     waits for  the next handle (store.wait in slices with liveness checks), the all-reduces of its batch,
                and on rank 0 the engines serving the new policy (sync and cgp)
     shuts down healthy: rank 0 sets ``trainer/done`` after the final checkpoint and the trace, so the
@@ -112,6 +113,8 @@ class TrainerNode:
             self.tracker.log_step(record)
             if self.checkpoint_due(step):  # after the record: a checkpoint of step k implies its metrics
                 self.save_checkpoint(step)
+            # every rank is past the step's all-reduces in reduce(), so all of them have read its groups
+            self.transport.forget_step(step, self.cfg.rollout_batch_size)
         self.spans.flush()
 
     def reduce(self, step: int, stats: TrainStats) -> dict:
