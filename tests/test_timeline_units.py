@@ -98,10 +98,10 @@ class SkewedHost:
 
     def set(self, key, value):
         time.sleep(self.delay_s)
-        self.pongs[key.replace("ping", "pong")] = repr(time.time() + self.skew_s).encode()
+        self.pongs[key.replace("ping", "pong")] = {"time_s": time.time() + self.skew_s}
         time.sleep(self.delay_s)
 
-    def wait_get(self, key, *, what):
+    def wait_record(self, key, *, what):
         return self.pongs[key]
 
 
