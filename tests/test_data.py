@@ -1,3 +1,5 @@
+import datetime
+import decimal
 import json
 import sys
 from pathlib import Path
@@ -199,6 +201,44 @@ def test_parquet_rows_load_like_jsonl_rows(tmp_path, tokenizer):
     pq.write_table(pa.Table.from_pylist(bad_rows), tmp_path / "bad.parquet")
     with pytest.raises(DatasetError, match=r"bad\.parquet:2: empty 'prompt'"):
         load_prompts(DataConfig(), tokenizer, tmp_path / "bad.parquet")
+
+
+def test_a_byte_order_mark_opening_a_jsonl_file_is_accepted(tmp_path, tokenizer):
+    rows = [GOOD_ROW, json.dumps({"prompt": "cd=", "label": "dc"})]
+    plain = write_lines(tmp_path / "plain.jsonl", rows)
+    with_bom = tmp_path / "bom.jsonl"
+    with_bom.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    assert load_prompts(DataConfig(), tokenizer, with_bom) == load_prompts(DataConfig(), tokenizer, plain)
+
+
+def test_a_byte_order_mark_inside_a_jsonl_file_is_refused_saying_so(tmp_path, tokenizer):
+    path = tmp_path / "joined.jsonl"
+    path.write_bytes(GOOD_ROW.encode() + b"\n\xef\xbb\xbf" + GOOD_ROW.encode() + b"\n")
+    with pytest.raises(DatasetError, match=r"joined\.jsonl:2: a UTF-8 byte-order mark inside the file"):
+        load_prompts(DataConfig(), tokenizer, path)
+
+
+@pytest.mark.parametrize(
+    "column, value, reason",
+    [
+        ("metadata", {"created": datetime.datetime(2024, 5, 1, 12, 0)}, "metadata.created is a datetime"),
+        ("label", decimal.Decimal("2.50"), "label is a Decimal ('2.50'), not JSON data"),
+        ("metadata", {"choices": [b"4 m/s", b"8 m/s"]}, "metadata.choices[0] is a bytes"),
+    ],
+    ids=["timestamp-in-metadata", "decimal-label", "binary-in-a-list"],
+)
+def test_parquet_values_that_are_not_json_data_are_refused_at_load_naming_file_and_row(
+    tmp_path, tokenizer, column, value, reason
+):
+    """Refused, not converted: a reward receives JSON data, and a timestamp or a decimal has no one JSON form."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    good = {"prompt": "ab=", "label": "ba", "metadata": {"task": "reversal"}}
+    pq.write_table(pa.Table.from_pylist([{**good, column: value}] * 2), tmp_path / "rows.parquet")
+    with pytest.raises(DatasetError, match=r"rows\.parquet:1: ") as caught:
+        load_prompts(DataConfig(), tokenizer, tmp_path / "rows.parquet")
+    assert reason in str(caught.value) and "Cast the column" in str(caught.value)
 
 
 @pytest.mark.parametrize(

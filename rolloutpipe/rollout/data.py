@@ -85,6 +85,9 @@ def load_prompts(cfg: DataConfig, tokenizer, data_path: Path) -> list[Prompt]:
     """Read, validate and tokenize every row of ``data_path``; raises DatasetError on the first bad row."""
     prompts = []
     for line, row in _read_rows(data_path):
+        if isinstance(row, dict) and data_path.suffix == ".parquet":
+            for key in (cfg.prompt_key, cfg.label_key, cfg.metadata_key):
+                _check_json_data(data_path, line, key, row.get(key))
         prompts.append(_prompt_from_row(cfg, tokenizer, data_path, line, row))
     if not prompts:
         raise DatasetError(data_path, None, "the file has no rows", "Point data.path at a non-empty data set.")
@@ -99,7 +102,8 @@ def _read_rows(path: Path) -> Iterator[tuple[int, Any]]:
     with path.open("rb") as f:
         for line, raw in enumerate(f, start=1):
             try:
-                text = raw.decode("utf-8")
+                # A byte-order mark opens files written by some Windows tools: it is not part of the first row.
+                text = raw.decode("utf-8-sig" if line == 1 else "utf-8")
             except UnicodeDecodeError as err:
                 raise DatasetError(
                     path, line, f"bytes that are not UTF-8 ({err.reason} at byte {err.start})",
@@ -107,6 +111,11 @@ def _read_rows(path: Path) -> Iterator[tuple[int, Any]]:
                 ) from err
             if not text.strip():
                 raise DatasetError(path, line, "empty line", "Remove it: every line must hold one JSON object.")
+            if text.startswith("\ufeff"):
+                raise DatasetError(
+                    path, line, "a UTF-8 byte-order mark inside the file (files joined together?)",
+                    "Remove it: only the file's first line may start with one.",
+                )
             try:
                 yield line, json.loads(text.rstrip("\r\n"))  # (with its newline, an error at the end reads "column 1")
             except json.JSONDecodeError as err:
@@ -129,6 +138,29 @@ def _read_parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
         for row in batch.to_pylist():
             row_number += 1
             yield row_number, row
+
+
+def _check_json_data(path: Path, line: int, where: str, value: Any) -> None:
+    """Refuse a value that is not JSON data (a parquet timestamp, decimal, bytes, map): rewards get JSON.
+
+    Refused rather than converted: a timestamp or a decimal has no JSON form that every reward would read
+    the same way (a string? a float, rounded?), so the data set says which it means.
+    """
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_json_data(path, line, f"{where}[{i}]", item)
+        return
+    if isinstance(value, dict) and all(isinstance(key, str) for key in value):
+        for key, item in value.items():
+            _check_json_data(path, line, f"{where}.{key}", item)
+        return
+    kind = "a map with keys that are not strings" if isinstance(value, dict) else f"a {type(value).__name__}"
+    raise DatasetError(
+        path, line, f"{where} is {kind} ({str(value)[:40]!r}), not JSON data",
+        "Cast the column to a string, a number or a list in the file (a reward receives JSON data only).",
+    )
 
 
 def _prompt_from_row(cfg: DataConfig, tokenizer, path: Path, line: int, row: Any) -> Prompt:

@@ -4,10 +4,12 @@ A reward function is ``fn(response, label, metadata) -> float``: the decoded res
 tokens skipped), the row's label as it appears in the data, and the row's metadata. Built in:
 
 - ``synthetic``: the reversal task's partial credit (rolloutpipe.rollout.tasks.reversal_reward).
-- ``math``: the last ``\\boxed{...}`` (else the text after the last ``Answer:``) checked against
-  the label with math-verify: 1 if equivalent, else 0.
-- ``gpqa``: the multiple-choice letter the response settles on (last ``Answer: X``, ``\\boxed{X}``
-  or ``(X)``) against the label given as a letter, a 0-based index or the answer text.
+- ``math``: the response's final answer (rolloutpipe.rollout.answers.final_math_answer: after the
+  thinking, the last ``Answer:`` line if it follows every ``\\boxed{}``, else all the boxes together)
+  checked against the label with math-verify, with its own timeouts on in a worker: 1 if equivalent, else 0.
+- ``gpqa``: the option the response answers with (answers.chosen_letter: the last explicit ``Answer: X``
+  or boxed letter after the thinking, else the last ``(X)`` mentioned there) against the label given as a
+  letter, a 0-based index or the answer text.
 
 A user adds a reward by decorating it with ``@register_reward("name")`` in a module of their own
 and listing that module in ``reward.import_modules``; no function is ever loaded by dotted name.
@@ -27,18 +29,20 @@ Worker imports stay light: math-verify (sympy) is imported on the first ``math``
 from __future__ import annotations
 
 import enum
+import functools
 import importlib
 import json
 import math
 import multiprocessing
 import numbers
 import queue
-import re
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+from rolloutpipe.rollout.answers import chosen_letter, final_math_answer, label_math_text
 from rolloutpipe.rollout.tasks import reversal_reward
 
 WORKER_START_TIMEOUT_S = 60.0
@@ -82,102 +86,113 @@ register_reward("synthetic")(reversal_reward)
 
 # ---- math -------------------------------------------------------------------------------------
 
-
-def extract_final_answer(response: str) -> str | None:
-    """The last balanced ``\\boxed{...}``'s content, else the rest of the line after the last ``Answer:``."""
-    boxed = _last_boxed(response)
-    if boxed is not None:
-        return boxed
-    _, found, after = response.rpartition("Answer:")
-    if not found:
-        return None
-    line = after.strip().split("\n", 1)[0].strip()
-    return line or None
+_math_call_timeout_s: int | None = None
+"""math-verify's own time limit for each of its parse and compare calls, set by a reward worker
+(``limit_math_verify_time``); None (the default, and off a main thread) leaves math-verify's timeouts off."""
 
 
-def _last_boxed(text: str) -> str | None:
-    start = text.rfind("\\boxed")
-    while start != -1:
-        open_at = start + len("\\boxed")
-        while open_at < len(text) and text[open_at] == " ":
-            open_at += 1
-        if open_at < len(text) and text[open_at] == "{":
-            depth = 0
-            for i in range(open_at, len(text)):
-                depth += {"{": 1, "}": -1}.get(text[i], 0)
-                if depth == 0:
-                    return text[open_at + 1 : i]
-        # Unbalanced (a truncated response) or not followed by a brace: try the one before.
-        start = text.rfind("\\boxed", 0, start)
-    return None
+def limit_math_verify_time(reward_timeout_s: float) -> None:
+    """Turn math-verify's own timeouts on, so that one call stays below ``reward_timeout_s``.
+
+    math-verify times its calls with SIGALRM, which only the main thread may use: a reward worker runs its calls
+    on its main thread, so it calls this once. A call makes at most three slow math-verify calls (parse the
+    label, parse the answer, compare them; the label's parse is cached), so each gets a third of 90% of the
+    reward's timeout, in whole seconds (SIGALRM's unit), at least 1. A parse or compare that runs out is
+    math-verify's "no answer" or "not equal": the sample scores 0 and the worker lives on; only a reward
+    timeout under 3 s can still be reached first (the pool then stops the call as for any slow reward).
+    """
+    global _math_call_timeout_s
+    _math_call_timeout_s = max(1, int(0.9 * reward_timeout_s / 3))
 
 
+def _math_verify_timeout_s() -> int | None:
+    return _math_call_timeout_s if threading.current_thread() is threading.main_thread() else None
+
+
+@functools.cache
 def _math_verify():
     import logging
 
     from math_verify import parse, verify
 
-    # math-verify warns that its own timeout is off; it has to be (it uses signals, main thread
-    # only), and the pool enforces reward.timeout_s instead.
+    # Off the worker's main thread math-verify runs without its timeouts and warns once that it does.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     return parse, verify
 
 
-def _as_math(text: str) -> str:
-    # math-verify's LaTeX extraction wants a math environment; bare "x^2+1" would parse as "1".
-    return text if "$" in text or "\\boxed" in text else f"${text}$"
+@functools.lru_cache(maxsize=256)
+def _parse_label(text: str, timeout_s: int | None) -> list:
+    parse, _ = _math_verify()
+    return parse(text, parsing_timeout=timeout_s)
 
 
 @register_reward("math")
 def math_reward(response: str, label: Any, metadata: dict[str, Any]) -> float:
-    answer = extract_final_answer(response)
+    answer = final_math_answer(response)
     if answer is None:
         return 0.0
     parse, verify = _math_verify()
-    gold = parse(_as_math(str(label)), parsing_timeout=None)
+    timeout_s = _math_verify_timeout_s()
+    gold = _parse_label(label_math_text(label), timeout_s)
     if not gold:
         raise ValueError(f"math-verify cannot parse the label {label!r}; write it as LaTeX or a plain number")
-    predicted = parse(_as_math(answer), parsing_timeout=None)
-    return 1.0 if verify(gold, predicted, timeout_seconds=None) else 0.0
+    predicted = parse(answer, parsing_timeout=timeout_s)
+    return 1.0 if verify(gold, predicted, timeout_seconds=timeout_s) else 0.0
 
 
 # ---- gpqa -------------------------------------------------------------------------------------
 
-_CHOICE_PATTERNS = [
-    re.compile(r"(?i:answer)\s*:\s*[*_]*\s*\(?([A-Z])\b"),
-    re.compile(r"\\boxed\{\s*(?:\\text\{\s*)?\(?([A-Z])\b"),
-    re.compile(r"\(([A-Z])\)"),
-]
+_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def _choices(metadata: dict[str, Any]) -> tuple[str, list[str]]:
+    """(letters, their answer texts) of ``metadata["choices"]``: a list (A, B, ... in order) or a dict keyed
+    by letter (``{"A": ..., "(B)": ...}``; other keys: A, B, ... in the dict's order). At least A-D."""
+    choices = metadata.get("choices") or []
+    if isinstance(choices, dict):
+        keys = [_letter_of(str(key)) for key in choices]
+        texts = [str(text).strip() for text in choices.values()]
+        if all(keys) and len(set(keys)) == len(keys):
+            ordered = sorted(zip(keys, texts))
+            return "".join(k for k, _ in ordered), [t for _, t in ordered]
+    else:
+        texts = [str(text).strip() for text in choices]
+    return _LETTERS[: max(4, len(texts))], texts
+
+
+def _letter_of(text: str) -> str | None:
+    """``C``, ``c``, ``(C)``, ``C.``, ``C)`` -> ``C``; anything else -> None."""
+    text = text.strip().rstrip(".):").lstrip("(").strip()
+    return text.upper() if len(text) == 1 and text.upper() in _LETTERS else None
 
 
 def choice_letters(metadata: dict[str, Any]) -> str:
-    """A..D, or as many letters as ``metadata["choices"]`` has options if that is more."""
-    return "ABCDEFGHIJKLMNOPQRSTUVWXYZ"[: max(4, len(metadata.get("choices") or []))]
-
-
-def chosen_letter(response: str, letters: str) -> str | None:
-    """The letter of the last ``Answer: X``, ``\\boxed{X}`` or ``(X)`` in the response."""
-    found = [
-        (match.start(1), match.group(1))
-        for pattern in _CHOICE_PATTERNS
-        for match in pattern.finditer(response)
-        if match.group(1) in letters
-    ]
-    return max(found)[1] if found else None
+    """A..D, or the letters of ``metadata["choices"]`` if it has more (or is a dict keyed by letter)."""
+    return _choices(metadata)[0]
 
 
 def label_letter(label: Any, metadata: dict[str, Any]) -> str:
-    """The right letter from a letter label, a 0-based index, or the answer text among ``metadata["choices"]``."""
-    letters = choice_letters(metadata)
-    if isinstance(label, int) and not isinstance(label, bool) and 0 <= label < len(letters):
-        return letters[label]
-    if isinstance(label, str):
+    """The right letter from a label: a letter (``C``, ``(C)``), a 0-based index (``2``, ``"2"``, ``2.0``), or
+    the answer text among ``metadata["choices"]`` (checked before a numeric string is taken for an index)."""
+    letters, texts = _choices(metadata)
+    index: Any = None
+    if isinstance(label, bool):
+        pass
+    elif isinstance(label, int):
+        index = label
+    elif isinstance(label, float) and label.is_integer():
+        index = int(label)
+    elif isinstance(label, str):
         text = label.strip()
-        if len(text) == 1 and text.upper() in letters:
-            return text.upper()
-        choices = [str(choice).strip() for choice in metadata.get("choices") or []]
-        if text in choices:
-            return letters[choices.index(text)]
+        letter = _letter_of(text)
+        if letter is not None and letter in letters:
+            return letter
+        if text in texts:
+            return letters[texts.index(text)]
+        if text.isdigit():
+            index = int(text)
+    if index is not None and 0 <= index < len(letters):
+        return letters[index]
     raise ValueError(
         f"label {label!r} is not a letter {letters[0]}-{letters[-1]}, a 0-based index below {len(letters)} "
         "or one of metadata['choices']"
@@ -317,7 +332,7 @@ class _Worker:
         self._conn, child_conn = self._context.Pipe()
         self._process = self._context.Process(
             target=_serve,
-            args=(child_conn, self._cfg.name, list(self._cfg.import_modules)),
+            args=(child_conn, self._cfg.name, list(self._cfg.import_modules), self._cfg.timeout_s),
             name="rolloutpipe-reward",
             daemon=True,
         )
@@ -376,9 +391,13 @@ class _Worker:
             self._process.join()
 
 
-def _serve(conn, name: str, import_modules: list[str]) -> None:
-    """Worker process: import, look the reward up, then answer calls one at a time until the pipe closes."""
+def _serve(conn, name: str, import_modules: list[str], timeout_s: float) -> None:
+    """Worker process: import, look the reward up, then answer calls one at a time until the pipe closes.
+
+    Calls run on this process's main thread, where math-verify's signal-based timeouts work.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the parent decides
+    limit_math_verify_time(timeout_s)
     try:
         for module in import_modules:
             importlib.import_module(module)
