@@ -23,6 +23,8 @@ import math
 import torch
 from torch.overrides import TorchFunctionMode
 
+from rolloutpipe.trainer.torch_backend import sum_of_squares
+
 
 class _CudaFactoriesOnCpu(TorchFunctionMode):
     """Rewrites an explicit ``device="cuda"`` argument of any torch function to the CPU."""
@@ -40,14 +42,13 @@ def _current_device() -> torch.device:
 
 
 def _grad_norm(grads_for_norm, norm_type=2, grad_stats_parallel_group=None) -> float:
-    """Megatron's get_grad_norm_fp32 for the 2-norm: sum of squares over the model-parallel group."""
+    """Megatron's get_grad_norm_fp32 for the 2-norm: sum of squares over the model-parallel group, added in float64."""
     if isinstance(grads_for_norm, torch.Tensor):
         grads_for_norm = [grads_for_norm]
     assert float(norm_type) == 2.0, "the CPU path computes the 2-norm only (Megatron's default)"
-    dtype = grads_for_norm[0].dtype if grads_for_norm else torch.float64
-    total = torch.zeros((), dtype=dtype)
-    for grad in grads_for_norm:
-        total += grad.pow(2).sum()
+    total = torch.zeros((), dtype=torch.float64)  # per-tensor sums in float32, added in float64 (see
+    for grad in grads_for_norm:                  # torch_backend.clip_grad_norm)
+        total += sum_of_squares(grad)
     torch.distributed.all_reduce(total, group=grad_stats_parallel_group)
     return math.sqrt(float(total))
 
