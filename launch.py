@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 from rolloutpipe.config import Config, ConfigError, check_command_line, load_config, register_hydra_schema
 from rolloutpipe.launch.config import LauncherKind
 from rolloutpipe.launch.local import Launcher, LocalLauncher, prepare_run
+from rolloutpipe.launch.preflight import check_model
 
 register_hydra_schema()
 
@@ -48,6 +49,7 @@ def main(raw: DictConfig) -> None:
             from rolloutpipe.launch.slurm import check_launch
 
             check_launch(cfg)
+        check_model(cfg)  # reads config.json and the tokenizer: a model that cannot run right stops here
         cfg = prepare_run(cfg, run_dir)
     except ConfigError as err:
         if sweep:

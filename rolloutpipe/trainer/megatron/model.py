@@ -51,10 +51,24 @@ def destroy_parallel_state(*, created_world: bool) -> None:
 
 
 def check_supported(hf_config, *, tp_size: int) -> None:
-    """Raise with the reason when this backend cannot train the model with this tensor-parallel size."""
+    """Raise with the reason when this backend cannot train the model faithfully with this tensor-parallel size
+    (launch/preflight.py calls it before anything starts; MegatronTrainer again on each rank)."""
     if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"trainer.backend=megatron maps {', '.join(SUPPORTED_MODEL_TYPES)} models only; "
                          f"model.path has model_type={hf_config.model_type!r}. Use trainer.backend=torch.")
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type != "default":
+        raise ValueError(f"model.path's config has rope scaling {rope_type!r}, which the Megatron mapping does not "
+                         "carry (its logits would be wrong); use trainer.backend=torch, or a model without "
+                         "rope_scaling.")
+    if hf_config.model_type == "qwen3" and getattr(hf_config, "attention_bias", False):
+        raise ValueError("model.path's config has attention_bias=true, whose o_proj bias the Megatron mapping does "
+                         "not carry; use trainer.backend=torch.")
+    if getattr(hf_config, "use_sliding_window", False) and getattr(hf_config, "sliding_window", None):
+        raise ValueError(f"model.path's config uses sliding-window attention (sliding_window="
+                         f"{hf_config.sliding_window}), which the Megatron mapping does not carry; use "
+                         "trainer.backend=torch.")
     if hf_config.num_key_value_heads % tp_size:
         raise ValueError(f"trainer.megatron.tensor_parallel_size={tp_size} must divide the model's "
                          f"{hf_config.num_key_value_heads} key/value heads.")

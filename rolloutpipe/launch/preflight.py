@@ -1,0 +1,45 @@
+"""Checks of the model and its tokenizer before anything starts: what would make a run wrong, said at launch.
+
+``check_model`` reads model.path's config.json and tokenizer (no weights), so a model the trainer backend cannot map
+faithfully, or a tokenizer that cannot serve the model, stops ``python launch.py`` with exit code 2 and the key to
+change, instead of after the queue wait and the model load on every rank.
+"""
+
+from __future__ import annotations
+
+from rolloutpipe.config import Config, ConfigError
+from rolloutpipe.model import load_tokenizer
+from rolloutpipe.trainer.config import TrainerBackend
+
+
+def check_model(cfg: Config) -> None:
+    if cfg.model.path is None:
+        return  # the embedded tiny model and its tokenizer are made for each other
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(cfg.model.path)
+        tokenizer = load_tokenizer(cfg.model)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"model.path={cfg.model.path}: {err}") from None
+    check_tokenizer(tokenizer, hf_config, path=cfg.model.path)
+    if cfg.trainer.backend is TrainerBackend.megatron:
+        from rolloutpipe.trainer.megatron.model import check_supported
+
+        try:
+            check_supported(hf_config, tp_size=cfg.trainer.megatron.tensor_parallel_size)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+
+def check_tokenizer(tokenizer, hf_config, *, path: str) -> None:
+    """The tokenizer must stop responses (eos), pad batches (pad) and emit only ids the model embeds."""
+    for name in ("eos", "pad"):
+        if getattr(tokenizer, f"{name}_token_id") is None:
+            raise ConfigError(f"model.path={path}: the tokenizer has no {name} token; responses could not "
+                              f"{'stop' if name == 'eos' else 'be batched'}. Set tokenizer.{name}_token and save it "
+                              "beside the weights (tokenizer.save_pretrained).")
+    if len(tokenizer) > hf_config.vocab_size:
+        raise ConfigError(f"model.path={path}: the tokenizer has {len(tokenizer)} tokens but the model embeds "
+                          f"{hf_config.vocab_size} (config.json vocab_size): it is not this model's tokenizer. Save "
+                          "the model's own tokenizer beside its weights.")
