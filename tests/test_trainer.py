@@ -103,3 +103,32 @@ def test_the_gradient_norm_is_exact_on_large_tensors_and_clips_like_torch():
     assert clip_grad_norm(ours, max_norm=0.5) == pytest.approx(float(torch.nn.utils.clip_grad_norm_(theirs, 0.5)))
     for g, p in zip(ours, theirs):
         torch.testing.assert_close(g, p.grad)
+
+
+def test_chunked_log_probs_give_the_full_logits_values_and_gradients():
+    """trainer.logprob_chunk_tokens: the same losses, gradients and clip-step updates (float64) as the model's own
+    forward over every logit, also for the second batch, whose old log-probs come from the snapshot."""
+    model = load_model(ModelConfig(dtype=DType.float64), len(build_tiny_tokenizer()))
+    samples = generated_samples(model, 8)
+    results, grads = {}, {}
+    for chunk in (0, 5):
+        trainer = PolicyTrainer(model=copy.deepcopy(model), cfg=TrainerConfig(lr=1e-2, logprob_chunk_tokens=chunk),
+                                grpo=GRPOConfig(), temperature=TEMPERATURE, pad_id=0, multi_step=True,
+                                process_group_active=False, old_logprobs=OldLogprobSource.trainer)
+        trainer.begin_step()
+        sums = [trainer.forward_backward(samples[:4], first_batch_of_step=True)]
+        grads[chunk] = [p.grad.clone() for p in trainer.model.parameters()]
+        first = trainer.finish_batch()
+        sums.append(trainer.forward_backward(samples[4:], first_batch_of_step=False))
+        results[chunk] = (sums, first, trainer.finish_batch(), trainer.model.state_dict())
+    (full_sums, full_first, full_second, full_state), (sums, first, second, state) = results[0], results[5]
+    for a, b in zip(full_sums, sums):
+        assert a.num_tokens == b.num_tokens and float(a.loss.detach()) == pytest.approx(float(b.loss.detach()), rel=1e-12)
+        assert a.num_clipped_tokens == b.num_clipped_tokens
+    for a, b in zip(grads[0], grads[5]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13)
+    assert second.num_clipped_tokens == full_second.num_clipped_tokens
+    assert (first.grad_norm, second.grad_norm) == pytest.approx((full_first.grad_norm, full_second.grad_norm),
+                                                                 rel=1e-10)
+    for k in full_state:
+        torch.testing.assert_close(state[k], full_state[k], rtol=0, atol=1e-12)

@@ -40,12 +40,19 @@ class TrainerConfig:
     old_logprobs: OldLogprobSource = OldLogprobSource.trainer
     num_threads: int | None = None
     """torch intra-op threads per rank; null: the CPUs the launcher gave this rank."""
+    logprob_chunk_tokens: int = 1024
+    """Torch backend: the chosen tokens' log-probs come from the final hidden states this many tokens at a time,
+    each chunk's logits recomputed in backward, so no [tokens, vocabulary] logits tensor outlives its chunk (Qwen3's
+    151,936-entry vocabulary: 0.6 MB per token in bf16, and again in float32 for the log-softmax). 0: the whole
+    micro-batch at once (the model's own forward)."""
 
     def __post_init__(self) -> None:
         if self.num_ranks < 1:
             raise ValueError(f"trainer.num_ranks={self.num_ranks} must be >= 1.")
         if self.lr <= 0:
             raise ValueError(f"trainer.lr={self.lr} must be > 0.")
+        if self.logprob_chunk_tokens < 0:
+            raise ValueError(f"trainer.logprob_chunk_tokens={self.logprob_chunk_tokens} must be >= 0 (0: no chunks).")
         tp, pp = self.megatron.tensor_parallel_size, self.megatron.pipeline_parallel_size
         if self.backend is TrainerBackend.torch and (tp, pp) != (1, 1):
             raise ValueError("trainer.megatron.* parallel sizes need trainer.backend=megatron.")

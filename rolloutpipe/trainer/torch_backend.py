@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from safetensors.torch import save_file
 
 from rolloutpipe.trainer.config import OldLogprobSource, TrainerConfig
@@ -98,8 +99,7 @@ class PolicyTrainer:
     def forward_backward(self, samples: list[TrainSample], *, first_batch_of_step: bool) -> LossSums:
         input_ids, targets, mask = pack(samples, pad_id=self.pad_id)  # [B, L], [B, L-1] x 2
         attention = _real_tokens(samples, input_ids.shape[1])  # [B, L]
-        logits = self.model(input_ids=input_ids, attention_mask=attention.long()).logits[:, :-1]
-        logprobs = token_logprobs(logits, targets, self.temperature)  # [B, L-1]
+        logprobs = self._logprobs(self.model, input_ids, attention, targets)  # [B, L-1]
         old = self._old_logprobs(samples, input_ids, attention, targets, logprobs, mask, first_batch_of_step)
         advantages = torch.tensor([s.advantage for s in samples], dtype=logprobs.dtype)
         sums = policy_loss_sums(logprobs, old, advantages, mask, self.grpo)
@@ -169,10 +169,22 @@ class PolicyTrainer:
         if first_batch_of_step or self._snapshot is None:
             return logprobs.detach()
         with torch.no_grad():
-            logits = torch.func.functional_call(
-                self.model, self._snapshot, (), {"input_ids": input_ids, "attention_mask": attention.long()}
-            ).logits[:, :-1]
-            return token_logprobs(logits, targets, self.temperature) * mask
+            return self._logprobs(self.model, input_ids, attention, targets, params=self._snapshot) * mask
+
+    def _logprobs(self, model, input_ids, attention, targets, params=None) -> torch.Tensor:
+        """log p of ``targets`` under ``model`` (or under ``params``, policy_version k's snapshot), by chunks of
+        ``trainer.logprob_chunk_tokens`` from the final hidden states when the model allows it."""
+        kwargs = {"input_ids": input_ids, "attention_mask": attention.long()}
+        chunk = self.cfg.logprob_chunk_tokens
+        if chunk and _chunkable(model):
+            head = _HiddenToLogprobs(model, chunk, self.temperature)
+            args = (input_ids, attention.long(), targets)
+            if params is None:
+                return head(*args)
+            return torch.func.functional_call(head, {f"lm.{k}": v for k, v in params.items()}, args)
+        logits = (model(**kwargs) if params is None
+                  else torch.func.functional_call(model, params, (), kwargs)).logits[:, :-1]
+        return token_logprobs(logits, targets, self.temperature)
 
 
 def pack(samples: list[TrainSample], *, pad_id: int) -> tuple[torch.Tensor, ...]:
@@ -224,6 +236,44 @@ def _real_tokens(samples: list[TrainSample], length: int) -> torch.Tensor:
     """True on every real token (padding is on the right), whatever its id."""
     lens = torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples])
     return torch.arange(length)[None, :] < lens[:, None]
+
+
+def _chunkable(model) -> bool:
+    """An HF causal LM whose logits are just its output embedding of the decoder's last hidden states (Qwen2/3,
+    Llama: no logit soft-capping or scaling after the head)."""
+    config = getattr(model, "config", None)
+    return (hasattr(model, "get_decoder") and model.get_output_embeddings() is not None
+            and not getattr(config, "final_logit_softcapping", None) and not getattr(config, "logit_scale", None))
+
+
+class _HiddenToLogprobs(torch.nn.Module):
+    """The chosen tokens' log-probs from the decoder's hidden states, ``chunk_tokens`` tokens at a time; with
+    gradients, each chunk is checkpointed (its logits are recomputed in backward instead of kept)."""
+
+    def __init__(self, lm: torch.nn.Module, chunk_tokens: int, temperature: float) -> None:
+        super().__init__()
+        self.lm = lm
+        self.chunk_tokens = chunk_tokens
+        self.temperature = temperature
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden = hidden[:, :-1]  # position j predicts token j + 1
+        head = self.lm.get_output_embeddings()
+        rows, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        parts = []
+        for start in range(0, rows.shape[0], self.chunk_tokens):
+            h, t = rows[start:start + self.chunk_tokens], flat_targets[start:start + self.chunk_tokens]
+            if torch.is_grad_enabled():
+                parts.append(torch.utils.checkpoint.checkpoint(self._chunk, h, head.weight, head.bias, t,
+                                                               use_reentrant=False))
+            else:
+                parts.append(self._chunk(h, head.weight, head.bias, t))
+        return torch.cat(parts).view_as(targets)
+
+    def _chunk(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               t: torch.Tensor) -> torch.Tensor:
+        return token_logprobs(torch.nn.functional.linear(h, weight, bias), t, self.temperature)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
