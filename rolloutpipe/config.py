@@ -18,7 +18,7 @@ import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
 
 from rolloutpipe.control.weight_sync import WeightSync
@@ -27,6 +27,7 @@ from rolloutpipe.model import ModelConfig
 from rolloutpipe.observe.tracking import WandbConfig
 from rolloutpipe.rollout.config import EngineKind, RolloutConfig
 from rolloutpipe.rollout.data import DataConfig
+from rolloutpipe.rollout.evaluation import EvalConfig
 from rolloutpipe.rollout.rewards import RewardConfig
 from rolloutpipe.trainer.config import TrainerConfig
 from rolloutpipe.trainer.grpo import GRPOConfig
@@ -128,6 +129,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
         for key in ("num_rollout", "rollout_batch_size", "global_batch_size", "micro_batch_size",
@@ -297,6 +299,12 @@ def config_groups(conf_dir: Path) -> frozenset[str]:
 def _first_unknown(node, parts: list[str]) -> str | None:
     """The shortest prefix of the key ``parts`` that ``node`` does not have (free-form dicts take any key)."""
     for i, part in enumerate(parts):
+        if isinstance(node, ListConfig) and part.isdigit():  # eval.sets.0.path: an element of a list of schemas
+            element = node._metadata.element_type
+            if not dataclasses.is_dataclass(element):
+                return None
+            node = OmegaConf.structured(element)
+            continue
         if not isinstance(node, DictConfig):
             return ".".join(parts[: i + 1])
         if not _is_schema(node):
