@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 
 from rolloutpipe.config import ConfigError, check_overrides, load_config
 from rolloutpipe.model import build_tiny_tokenizer
+from rolloutpipe.observe.report import flatten, setting_labels
 from rolloutpipe.rollout.data import DataConfig
 from rolloutpipe.rollout.evaluation import EVAL_PRIORITY, EvalConfig, EvalSample, EvalSetConfig, Evaluation, set_metrics
 from rolloutpipe.rollout.rewards import RewardConfig
@@ -186,3 +187,10 @@ def test_the_presets_carry_eval_sets():
     for name, reward in (("gpqa", "gpqa"), ("math", "math")):
         preset = OmegaConf.load(REPO / "conf" / "experiment" / f"{name}.yaml")
         assert preset.eval.interval > 0 and [(s.name, s.reward) for s in preset.eval.sets] == [(name, reward)]
+
+
+def test_the_report_tells_settings_apart_by_their_eval_sets():
+    """A list of eval sets flattens to hashable keys (a tuple of dicts would make settings unhashable)."""
+    flat = flatten({"eval": {"interval": 10, "sets": [{"name": "a", "path": None}]}, "rollout": {"engine_urls": []}})
+    assert flat == {"eval.interval": 10, "eval.sets.0.name": "a", "eval.sets.0.path": None, "rollout.engine_urls": ()}
+    assert setting_labels([tuple(sorted(flat.items())), (("eval.sets.0.name", "b"),)])
