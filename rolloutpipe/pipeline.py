@@ -14,7 +14,9 @@
                                                                every handle, trains its share)
                                                                micro-batch forward/backward (sums)
                                                                batch complete -> all-reduce -> optimizer step
-    rollout stats ------------------------------------------> metrics.jsonl (trainer rank 0)
+      eval (every eval.interval steps, rollout/evaluation.py): held-out prompts in the engine slots
+      training leaves free, lowest priority; done on policy k before k+1 loads
+    rollout stats, eval metrics ----------------------------> metrics.jsonl (trainer rank 0)
                                                              sync_weights: rank 0 publishes policy k+1
                                                              (a file, or a broadcast: trainer/weights.py)
 

@@ -7,9 +7,11 @@ the span recorder, and every store record the rollout side reads or writes betwe
 Rollout main loop (pipeline.run_rollout, on the process's main thread)
     consumes   policy versions (``weights/policy_version=<k>`` records), complete groups and freed engine
                slots (``events``: put by the reward threads and the engines' completion callbacks)
-    produces   requests to the engines, placed groups to the dispatcher; after each step the prompt
-               source's state and the step's RolloutStats in the store (for trainer rank 0)
-    waits for  the trainer to be ready (once), each step's weights, then events in POLL_S slices; every
+    produces   requests to the engines (eval requests too, in the slots training leaves free:
+               evaluation.py), placed groups to the dispatcher; after each step the prompt source's state,
+               the step's eval record (on eval steps) and its RolloutStats in the store (for trainer rank 0)
+    waits for  the trainer to be ready (once), each step's weights, then events in POLL_S slices, and on
+               eval steps the step's eval requests before the next weights are loaded; every
                slice it checks the engines (a failed one is replaced and its requests retried:
                supervisor.py), the reward threads, the dispatcher and the trainer's heart-beats
     shuts down healthy: after the last step it waits for ``trainer/done`` before it stops hosting the
