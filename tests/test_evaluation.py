@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from omegaconf import OmegaConf
@@ -194,3 +195,14 @@ def test_the_report_tells_settings_apart_by_their_eval_sets():
     flat = flatten({"eval": {"interval": 10, "sets": [{"name": "a", "path": None}]}, "rollout": {"engine_urls": []}})
     assert flat == {"eval.interval": 10, "eval.sets.0.name": "a", "eval.sets.0.path": None, "rollout.engine_urls": ()}
     assert setting_labels([tuple(sorted(flat.items())), (("eval.sets.0.name", "b"),)])
+
+
+def test_an_engine_hung_on_eval_requests_alone_is_restarted():
+    from .test_engine_failure import Rollout
+
+    rollout = Rollout(num_engines=1, request_timeout_s=0.05)
+    rollout.supervisor.also_held = lambda engine: 2  # eval requests only: Admission holds nothing there
+    rollout.supervisor.check()
+    time.sleep(0.08)
+    rollout.supervisor.check()
+    assert [e.name for e in rollout.restarted] == ["engine0-restart1"]

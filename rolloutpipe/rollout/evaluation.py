@@ -295,6 +295,11 @@ class Evaluation:
         self._results.put((r, result))
         return True
 
+    def num_held(self, engine) -> int:
+        """Eval requests ``engine`` holds (the supervisor's hang check counts them with training's)."""
+        with self._lock:
+            return self._held[engine.name]
+
     def done(self) -> bool:
         with self._lock:
             return not self._pending and not self._assigned and self._outstanding == 0

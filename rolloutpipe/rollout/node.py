@@ -85,6 +85,7 @@ class RolloutNode:
             cfg=cfg.eval, data=cfg.data, reward=cfg.reward, tokenizer=self.tokenizer, engines=self.engines,
             concurrency=cfg.rollout.concurrency, run_seed=cfg.seed, max_response_len=cfg.rollout_max_response_len,
             run_dir=env.run_dir)
+        self.supervisor.also_held = self.evaluation.num_held  # an engine hung on eval requests is failed too
 
     def start(self) -> tuple[int, int]:
         """Resume (if asked), join the weight-update group (distributed sync), wait for the trainer.
@@ -150,6 +151,7 @@ class RolloutNode:
     def on_result(self, result) -> None:
         """Engine completion callback (engine thread): reward it, and wake the loop for a free slot."""
         if self.evaluation.on_result(result):  # an eval request's: scored apart, never trained
+            self.supervisor.on_result(result)
             self.events.put(None)
             return
         if not self.admission.finished(result.request_id, result.engine):
