@@ -18,7 +18,7 @@ import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
 
 from rolloutpipe.control.weight_sync import WeightSync
@@ -27,6 +27,7 @@ from rolloutpipe.model import ModelConfig
 from rolloutpipe.observe.tracking import WandbConfig
 from rolloutpipe.rollout.config import EngineKind, RolloutConfig
 from rolloutpipe.rollout.data import DataConfig
+from rolloutpipe.rollout.evaluation import EvalConfig
 from rolloutpipe.rollout.rewards import RewardConfig
 from rolloutpipe.trainer.config import TrainerConfig
 from rolloutpipe.trainer.grpo import GRPOConfig
@@ -128,6 +129,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
         for key in ("num_rollout", "rollout_batch_size", "global_batch_size", "micro_batch_size",
@@ -249,12 +251,31 @@ def bind(schema: type, raw: DictConfig | dict, *, listed_by: str = LISTED_BY):
     except InterpolationResolutionError as err:
         raise ConfigError(str(err).splitlines()[0].split("resolving interpolation: ", 1)[-1]) from None
     except ConfigKeyError as err:
-        raise ConfigError(unknown_key_message(schema, err.full_key or "", listed_by)) from None
+        full_key = err.full_key or ""
+        if err.parent_node is not None and err.parent_node._get_parent() is None:  # inside a list (eval.sets.0)
+            full_key = _path_in_lists(plain, str(err.key)) or full_key
+        raise ConfigError(unknown_key_message(schema, full_key, listed_by)) from None
     except OmegaConfBaseException as err:
         where = f" at {err.full_key}" if err.full_key else ""
         raise ConfigError(f"bad config value{where}: {str(err.msg).splitlines()[0]}") from None
     except ValueError as err:
         raise ConfigError(str(err)) from None
+
+
+def _path_in_lists(node, key: str, prefix: str = "", in_list: bool = False) -> str | None:
+    """The dotted path of ``key`` in a list element of ``node`` (OmegaConf names only the key itself there)."""
+    if isinstance(node, dict):
+        if in_list and key in node:
+            return prefix + key
+        children = node.items()
+    elif isinstance(node, list):
+        children, in_list = ((str(i), v) for i, v in enumerate(node)), True
+    else:
+        return None
+    for name, child in children:
+        if (found := _path_in_lists(child, key, f"{prefix}{name}.", in_list)) is not None:
+            return found
+    return None
 
 
 def check_overrides(overrides: list[str], schema: type = Config, *, groups: frozenset[str] = frozenset(),
@@ -294,9 +315,27 @@ def config_groups(conf_dir: Path) -> frozenset[str]:
                      if d.is_dir() and any(d.glob("*.yaml")))
 
 
+def _schema_node(node, parts: list[str]):
+    """The node at ``parts``; an index of a list of schemas (``eval.sets.0``) gives that schema's defaults."""
+    for part in parts:
+        if isinstance(node, ListConfig) and part.isdigit() and dataclasses.is_dataclass(node._metadata.element_type):
+            node = OmegaConf.structured(node._metadata.element_type)
+        elif isinstance(node, DictConfig) and part in node:
+            node = node._get_node(part)
+        else:
+            return None
+    return node
+
+
 def _first_unknown(node, parts: list[str]) -> str | None:
     """The shortest prefix of the key ``parts`` that ``node`` does not have (free-form dicts take any key)."""
     for i, part in enumerate(parts):
+        if isinstance(node, ListConfig) and part.isdigit():  # eval.sets.0.path: an element of a list of schemas
+            element = node._metadata.element_type
+            if not dataclasses.is_dataclass(element):
+                return None
+            node = OmegaConf.structured(element)
+            continue
         if not isinstance(node, DictConfig):
             return ".".join(parts[: i + 1])
         if not _is_schema(node):
@@ -314,7 +353,7 @@ def unknown_key_message(schema: type, full_key: str, listed_by: str = LISTED_BY,
     rest = full_key[len(unknown):]
     parent, _, name = unknown.rpartition(".")
     root = OmegaConf.structured(schema)
-    node = OmegaConf.select(root, parent) if parent else root
+    node = _schema_node(root, parent.split(".")) if parent else root
     siblings = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
     close = [f"{parent}.{k}" if parent else k for k in difflib.get_close_matches(name, siblings, n=3, cutoff=0.75)]
     if not close:  # the right name in the wrong place (lr=1 for trainer.lr=1)

@@ -14,7 +14,9 @@
                                                                every handle, trains its share)
                                                                micro-batch forward/backward (sums)
                                                                batch complete -> all-reduce -> optimizer step
-    rollout stats ------------------------------------------> metrics.jsonl (trainer rank 0)
+      eval (every eval.interval steps, rollout/evaluation.py): held-out prompts in the engine slots
+      training leaves free, lowest priority; done on policy k before k+1 loads
+    rollout stats, eval metrics ----------------------------> metrics.jsonl (trainer rank 0)
                                                              sync_weights: rank 0 publishes policy k+1
                                                              (a file, or a broadcast: trainer/weights.py)
 
@@ -41,6 +43,7 @@ from rolloutpipe.control.liveness import Liveness
 from rolloutpipe.control.transport import StoreAddress, Transport
 from rolloutpipe.observe.metrics import RolloutStats, TrainStats
 from rolloutpipe.rollout.admission import GroupAssembler, RolloutSchedule
+from rolloutpipe.rollout.evaluation import EvalMode
 from rolloutpipe.rollout.node import POLL_S, RolloutNode
 from rolloutpipe.rollout.rewards import OnTimeout
 from rolloutpipe.rollout.samples import check_on_policy, check_reward_failures, write_samples
@@ -78,9 +81,14 @@ def rollout_step(node: RolloutNode, step: int, version: int, weight_load_s: floa
     assembler = GroupAssembler(step=step, policy_version=version, prompts=schedule.prompts,
                                n_samples=cfg.n_samples_per_prompt, normalize_std=cfg.grpo.normalize_advantage_std)
     node.rewards.begin_step(assembler, node.in_flight, on_group=node.events.put)
+    evaluating = node.evaluation.due(step)
+    if evaluating and cfg.eval.mode is EvalMode.phase:  # Slime's way: the eval set alone, before the rollout
+        node.evaluate(step, version, rollout_end_s=None)
 
     start_s = time.time()
     schedule.start()  # the first requests go to the engines; their results come back through node.events
+    if evaluating and cfg.eval.mode is EvalMode.tail:  # behind every training request (rollout/evaluation.py)
+        node.evaluation.begin(step, version)
     node.progress.start()
     next_check_s = 0.0
     while not schedule.full():
@@ -89,13 +97,15 @@ def rollout_step(node: RolloutNode, step: int, version: int, weight_load_s: floa
         if time.monotonic() >= next_check_s:  # every poll, also while results stream in
             node.check_health(f"step {step}'s rollout")  # a failed engine's requests go back in line
             schedule.on_slot_freed()
+            node.evaluation.pump(admission.num_held)  # eval gets only the slots training leaves free
             next_check_s = time.monotonic() + POLL_S
         try:
             group = node.next_event()
         except queue.Empty:
             continue
-        if group is None:  # an engine slot freed: admit more requests
+        if group is None:  # an engine slot freed: admit more requests, training first
             schedule.on_slot_freed()
+            node.evaluation.pump(admission.num_held)
             continue
         check_on_policy(step, version, group)  # every sample from the step's weights, as the engine reports
         check_reward_failures(step, [*schedule.complete.values(), group],
@@ -107,6 +117,7 @@ def rollout_step(node: RolloutNode, step: int, version: int, weight_load_s: floa
                            group=group.group, reason=resolution.dropped.value)
         for placed in resolution.placed:
             node.dispatcher.put(placed)  # CGP: published now; sync: held until the batch is complete
+        node.evaluation.pump(admission.num_held)
     last_group_s = time.time()
 
     unused, num_aborted = schedule.finish()  # over-sampled groups past the last selected one
@@ -115,6 +126,8 @@ def rollout_step(node: RolloutNode, step: int, version: int, weight_load_s: floa
                        reason="unused")
     node.source.give_back([schedule.prompts[g] for g in unused])
     node.drain(step)
+    if evaluating and cfg.eval.mode is EvalMode.tail:  # what did not ride finishes on policy k, before k+1 loads
+        node.evaluate(step, version, rollout_end_s=last_group_s)
 
     selected = schedule.selected()
     if cfg.run.save_samples:

@@ -153,6 +153,31 @@ def test_pipelined_update_equals_synchronous_update(job_dir, dtype, num_ranks, e
     assert [m["step"] for m in cgp_m] == list(range(num_steps))
 
 
+def test_evaluation_in_the_tail_changes_neither_the_samples_nor_the_update(job_dir):
+    """Sync without evaluation against cgp evaluating the held-out split in the tail of every step (float64, one
+    rank): eval requests take the engines' free slots and run beside training requests, so if they changed anything
+    trained (a sample, a batch, a reward, the loss) the two runs would differ."""
+    runs = {}
+    for mode, jitter, evaluation in (("sync", "1", ["eval.interval=0"]), ("cgp", "2", ["eval.interval=1"])):
+        run_dir = job_dir(mode)
+        result = run_job(run_dir, *PARITY, "model.dtype=float64", f"pipeline.mode={mode}", *evaluation,
+                         environ={"RP_TEST_REWARD_JITTER": jitter})
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[mode] = run_dir
+    sync_samples, cgp_samples = read_samples(runs["sync"]), read_samples(runs["cgp"])
+    assert len(sync_samples) == 2 * 4 * 4
+    assert [(s["id"], s["batch"], s["response_ids"], s["reward"]) for s in sync_samples] == [
+        (s["id"], s["batch"], s["response_ids"], s["reward"]) for s in cgp_samples]
+    sync_m, cgp_m = read_metrics(runs["sync"]), read_metrics(runs["cgp"])
+    assert not any(k.startswith("eval/") for m in sync_m for k in m)
+    assert [m["eval/reversal_heldout/policy_version"] for m in cgp_m] == [0, 1]
+    assert all(m["eval/reversal_heldout/num_samples"] > 0 for m in cgp_m)
+    for key in ("train/loss", "train/grad_norm", "train/num_tokens", "rollout/reward_mean", "rollout/num_samples"):
+        assert [m[key] for m in cgp_m] == pytest.approx([m[key] for m in sync_m], rel=1e-9, abs=1e-12), key
+    sync_w, cgp_w = final_weights(runs["sync"]), final_weights(runs["cgp"])
+    assert max((sync_w[k] - cgp_w[k]).abs().max().item() for k in sync_w) < 1e-9
+
+
 @pytest.mark.parametrize("mode", ["sync", "cgp"])
 def test_bfloat16_trains_on_exactly_the_response_tokens_of_its_samples(job_dir, mode):
     """Micro-batches of 16 responses of up to 40 tokens: counts above 256, where bfloat16 steps by 2 or 4, so a

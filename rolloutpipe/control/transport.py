@@ -223,6 +223,7 @@ class Transport:
             self.delete(self.key(prefix, "handle", f"seq={seq}"))
             self.delete(self.key(prefix, "payload", f"seq={seq}"))
         self.delete(self.key(prefix, "rollout_stats"))
+        self.delete(self.key(prefix, "eval"))
         self.delete(self.key(prefix, "source_state"))
         shutil.rmtree(self.run_dir / "payloads" / prefix, ignore_errors=True)
 

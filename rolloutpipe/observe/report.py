@@ -66,6 +66,8 @@ def flatten(config: dict, prefix: str = "") -> dict[str, object]:
     for key, value in config.items():
         if isinstance(value, dict):
             flat.update(flatten(value, f"{prefix}{key}."))
+        elif isinstance(value, list) and any(isinstance(v, dict) for v in value):  # eval.sets: eval.sets.0.name
+            flat.update(flatten({str(i): v for i, v in enumerate(value)}, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = tuple(value) if isinstance(value, list) else value
     return flat

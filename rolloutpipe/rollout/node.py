@@ -7,9 +7,11 @@ the span recorder, and every store record the rollout side reads or writes betwe
 Rollout main loop (pipeline.run_rollout, on the process's main thread)
     consumes   policy versions (``weights/policy_version=<k>`` records), complete groups and freed engine
                slots (``events``: put by the reward threads and the engines' completion callbacks)
-    produces   requests to the engines, placed groups to the dispatcher; after each step the prompt
-               source's state and the step's RolloutStats in the store (for trainer rank 0)
-    waits for  the trainer to be ready (once), each step's weights, then events in POLL_S slices; every
+    produces   requests to the engines (eval requests too, in the slots training leaves free:
+               evaluation.py), placed groups to the dispatcher; after each step the prompt source's state,
+               the step's eval record (on eval steps) and its RolloutStats in the store (for trainer rank 0)
+    waits for  the trainer to be ready (once), each step's weights, then events in POLL_S slices, and on
+               eval steps the step's eval requests before the next weights are loaded; every
                slice it checks the engines (a failed one is replaced and its requests retried:
                supervisor.py), the reward threads, the dispatcher and the trainer's heart-beats
     shuts down healthy: after the last step it waits for ``trainer/done`` before it stops hosting the
@@ -37,6 +39,7 @@ from rolloutpipe.rollout.admission import Admission, AdmissionPolicy
 from rolloutpipe.rollout.data import PromptSource, load_prompts, prepare_data_path
 from rolloutpipe.rollout.dispatcher import Dispatcher
 from rolloutpipe.rollout.engines.factory import EngineFactory
+from rolloutpipe.rollout.evaluation import Evaluation
 from rolloutpipe.rollout.rewards import RewardPool
 from rolloutpipe.rollout.samples import InFlight, RewardThreads, make_requests
 from rolloutpipe.rollout.supervisor import EngineSupervisor
@@ -78,6 +81,11 @@ class RolloutNode:
         self.progress = Progress(label="rollout", tty=False)
         self.dispatcher = Dispatcher(transport=transport.connect_another(), mode=cfg.pipeline.mode,
                                      inline_max_bytes=cfg.pipeline.inline_payload_max_bytes, spans=self.spans)
+        self.evaluation = Evaluation(  # eval sets, their reward pools and scoring thread (evaluation.py)
+            cfg=cfg.eval, data=cfg.data, reward=cfg.reward, tokenizer=self.tokenizer, engines=self.engines,
+            concurrency=cfg.rollout.concurrency, run_seed=cfg.seed, max_response_len=cfg.rollout_max_response_len,
+            run_dir=env.run_dir)
+        self.supervisor.also_held = self.evaluation.num_held  # an engine hung on eval requests is failed too
 
     def start(self) -> tuple[int, int]:
         """Resume (if asked), join the weight-update group (distributed sync), wait for the trainer.
@@ -142,6 +150,10 @@ class RolloutNode:
 
     def on_result(self, result) -> None:
         """Engine completion callback (engine thread): reward it, and wake the loop for a free slot."""
+        if self.evaluation.on_result(result):  # an eval request's: scored apart, never trained
+            self.supervisor.on_result(result)
+            self.events.put(None)
+            return
         if not self.admission.finished(result.request_id, result.engine):
             return  # a late result of a failed engine: the request was resubmitted elsewhere
         self.supervisor.on_result(result)
@@ -163,6 +175,16 @@ class RolloutNode:
         while not self.events.empty():
             self.events.get()
 
+    def evaluate(self, step: int, version: int, *, rollout_end_s: float | None) -> None:
+        """Wait for step ``step``'s eval (tail: what did not ride in the rollout; phase: all of it, started now)
+        and put its record for trainer rank 0, before the step's stats and before policy k+1 is loaded."""
+        if rollout_end_s is None:
+            self.evaluation.begin(step, version)
+        with self.spans.span("eval/wait" if rollout_end_s is not None else "eval/phase", step=step):
+            wait_s = self.evaluation.wait(lambda: self.check_health(f"step {step}'s evaluation"))
+        self.transport.put_record(self.transport.key(f"step={step}", "eval"),
+                                  self.evaluation.metrics(rollout_end_s=rollout_end_s, wait_s=wait_s))
+
     def end_step(self, step: int, stats: RolloutStats) -> None:
         self.spans.flush()  # before the stats: trainer rank 0 merges the spans once it has the last stats
         self.transport.put_record(self.transport.key(f"step={step}", "source_state"), self.source.state_dict())
@@ -170,7 +192,7 @@ class RolloutNode:
 
     def check_health(self, waiting_for: str) -> None:
         self.supervisor.check()  # a failed engine is replaced; past rollout.max_engine_failures it raises
-        for component in (self.rewards, self.dispatcher):
+        for component in (self.rewards, self.dispatcher, self.evaluation):
             if component.error is not None:
                 raise RuntimeError(f"{type(component).__name__} failed: {component.error!r}") from component.error
         self.transport.liveness.check(waiting_for=waiting_for)
@@ -184,4 +206,5 @@ class RolloutNode:
         self.dispatcher.close()
         self.rewards.close()
         self.rewards.pool.close()
+        self.evaluation.close()
         self.spans.flush()

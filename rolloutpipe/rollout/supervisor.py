@@ -74,6 +74,8 @@ class EngineSupervisor:
         """Per engine name: when it last handed a result back or was seen holding nothing."""
         self._admission: Admission | None = None
         self._step = 0
+        self.also_held: Callable[[Engine], int] = lambda engine: 0
+        """Requests an engine holds that Admission does not count (evaluation.py's), for the hang check."""
 
     def begin_step(self, step: int, admission: Admission) -> None:
         self._step, self._admission = step, admission
@@ -150,7 +152,7 @@ class EngineSupervisor:
         if self.request_timeout_s is None or self._admission is None:
             return None
         now = time.monotonic()
-        if (num_held := self._admission.num_held(engine)) == 0:
+        if (num_held := self._admission.num_held(engine) + self.also_held(engine)) == 0:
             self._last_progress_s[engine.name] = now
             return None
         idle_s = now - self._last_progress_s.setdefault(engine.name, now)

@@ -126,8 +126,12 @@ class TrainerNode:
             return {}
         rollout = RolloutStats(**self.transport.wait_record(self.transport.key(f"step={step}", "rollout_stats"),
                                                             what=f"step {step}'s rollout stats"))
-        return reduce_step(rollout, stats, mean_compute_s=float(means[0]), mean_tail_compute_s=float(means[1]),
-                           lr=self.cfg.trainer.lr)
+        record = reduce_step(rollout, stats, mean_compute_s=float(means[0]), mean_tail_compute_s=float(means[1]),
+                             lr=self.cfg.trainer.lr)
+        if self.cfg.eval.due(step):  # the rollout put it before its stats: eval/<set>/... of the step's policy
+            record |= self.transport.wait_record(self.transport.key(f"step={step}", "eval"),
+                                                 what=f"step {step}'s evaluation")
+        return record
 
     def checkpoint_due(self, step: int) -> bool:
         every = self.cfg.run.checkpoint_every
