@@ -201,7 +201,7 @@ def test_clip_fraction_counts_the_clipped_tokens_of_every_rank(job_dir):
     for num_ranks in (1, 2):
         run_dir = job_dir(f"{num_ranks}-ranks")
         result = run_job(run_dir, *SMALL, *DENSE_REWARD, "model.dtype=float64", "global_batch_size=8",
-                         "trainer.lr=0.05", f"trainer.num_ranks={num_ranks}")
+                         "trainer.lr=0.1", f"trainer.num_ranks={num_ranks}")
         assert result.returncode == 0, result.stderr[-3000:]
         fractions[num_ranks] = [m["train/clip_fraction"] for m in read_metrics(run_dir)]
     assert min(fractions[1]) > 0.05, "the workload must clip"

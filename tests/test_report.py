@@ -64,3 +64,21 @@ def test_a_one_step_run_keeps_its_only_step(tmp_path):
     summary = summarise_run(run, skip_steps=1)
     assert summary.num_steps == 1 and summary.means["rollout_to_train_end_s"] == 3.0
     assert summarise_run(run, stat="median").means["trainer_wait_ratio"] == 0.7
+
+
+def test_the_report_shows_the_last_evaluation(tmp_path):
+    from rolloutpipe.observe.report import summarise_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("pipeline:\n  mode: cgp\nrollout:\n  admission: fifo\n")
+    records = [{"step": s, "perf/rollout_to_train_end_s": 1.0, "perf/trainer_wait_ratio": 0.5, "perf/rollout_s": 1.0,
+                "perf/train_compute_s": 0.5, "perf/ideal_rollout_to_train_end_s": 0.8} for s in range(3)]
+    records[0] |= {"eval/a/pass@1": 0.1, "eval/b/pass@1": 0.3}
+    records[2] |= {"eval/a/pass@1": 0.5, "eval/b/pass@1": 0.7, "eval/b/pass@4": 0.9}
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = summarise_run(run)
+    assert (summary.eval_pass1, summary.eval_step) == (pytest.approx(0.6), 2)
+    row = build_table([summary])[0]
+    assert row["eval_pass@1"] == pytest.approx(0.6) and "| 0.600 (2) |" in to_markdown([row])
+    assert "eval_pass@1" in to_csv([row]).splitlines()[0]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -49,16 +50,24 @@ def test_records_forged_into_a_running_jobs_store_are_refused_and_the_run_finish
     outsider = subprocess.run([sys.executable, "-m", "tests.fixtures.outsider", str(port), "bytest", mode],
                               cwd=REPO, env=node_environ(), capture_output=True, text=True, timeout=90)
     assert outsider.returncode == 0, outsider.stderr
-    nodes |= start_nodes(run_dir, *overrides, roles=("trainer",), port=port)  # after the forgeries: they came first
-    outputs = {role: proc.communicate(timeout=240) for role, proc in nodes.items()}
-    for role, proc in nodes.items():
-        assert proc.returncode == 0, f"{role}:\n{outputs[role][1][-3000:]}"
-    assert [m["step"] for m in read_metrics(run_dir)] == [0, 1]
-    refusals = outputs["rollout"][1]
-    # read before their genuine versions exist (the rollout waits on them while the trainer starts): refused
-    for key in ("abort", "trainer/ready" if mode == "disk" else "weight_sync/group"):
-        assert f"refused a store record: rp/bytest/{key}: not sealed with this run's secret" in refusals, key
-
+    # The rollout reads these before their genuine versions can exist (the trainer is not started yet), so it must
+    # refuse them: wait for the refusals in its log, then start the trainer, which writes the genuine ones.
+    first_read = ("abort", "trainer/ready" if mode == "disk" else "weight_sync/group")
+    rollout_log: list[str] = []
+    reader = threading.Thread(target=lambda: rollout_log.extend(nodes["rollout"].stderr), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 120
+    while not all(any(f"rp/bytest/{key}: not sealed" in line for line in rollout_log) for key in first_read):
+        assert nodes["rollout"].poll() is None, "".join(rollout_log)[-3000:]
+        assert time.monotonic() < deadline, f"no refusal of {first_read} in the rollout's log:\n{''.join(rollout_log)}"
+        time.sleep(0.1)
+    nodes |= start_nodes(run_dir, *overrides, roles=("trainer",), port=port)
+    trainer_out, trainer_err = nodes["trainer"].communicate(timeout=240)
+    nodes["rollout"].wait(timeout=60)
+    reader.join(timeout=10)
+    assert nodes["trainer"].returncode == 0, trainer_err[-3000:]
+    assert nodes["rollout"].returncode == 0, "".join(rollout_log)[-3000:]
+    assert [m["step"] for m in read_metrics(run_dir)] == [0, 1]  # nothing forged was acted on
 
 def test_a_local_run_listens_on_loopback_only_and_no_child_inherits_the_secret(job_dir):
     run_dir = job_dir("sockets")

@@ -39,7 +39,7 @@ METRICS = {
     "ideal_s": "perf/ideal_rollout_to_train_end_s",
 }
 COLUMNS = ["setting", "mode", "num_runs", "num_steps", *METRICS, "rollout_to_train_end_reduction",
-           "wait_ratio_change_pts", "span_overhead_ratio"]
+           "wait_ratio_change_pts", "span_overhead_ratio", "eval_pass@1", "eval_step"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -51,6 +51,9 @@ class RunSummary:
     num_steps: int
     means: dict[str, float]
     span_overhead_ratio: float | None
+    eval_pass1: float | None = None
+    """The last evaluation's ``eval/<set>/pass@1``, averaged over its sets (None: the run did not evaluate)."""
+    eval_step: int | None = None
 
 
 def find_runs(paths: list[Path]) -> list[Path]:
@@ -84,7 +87,11 @@ def summarise_run(run_dir: Path, *, skip_steps: int = 1, stat: str = "mean") -> 
     setting = tuple(sorted((k, v) for k, v in flatten(config).items()
                            if not k.startswith(IGNORED_PREFIXES)))
     overheads = recording_overhead(read_span_files(run_dir)) if (run_dir / "spans").is_dir() else []
+    evaluated = [r for r in records if any(k.startswith("eval/") and k.endswith("/pass@1") for k in r)]
+    last_eval = evaluated[-1] if evaluated else {}
+    pass1 = [v for k, v in last_eval.items() if k.startswith("eval/") and k.endswith("/pass@1")]
     return RunSummary(
+        eval_pass1=statistics.fmean(pass1) if pass1 else None, eval_step=last_eval.get("step"),
         run_dir=run_dir, setting=setting, mode=run_mode(config), num_steps=len(kept),
         means={name: reduce([r[key] for r in kept]) for name, key in METRICS.items()},
         span_overhead_ratio=max((o.ratio for o in overheads), default=None),
@@ -128,7 +135,9 @@ def build_table(summaries: list[RunSummary]) -> list[dict]:
                "num_steps": sum(r.num_steps for r in runs),
                **{name: statistics.fmean(r.means[name] for r in runs) for name in METRICS},
                "rollout_to_train_end_reduction": None, "wait_ratio_change_pts": None,
-               "span_overhead_ratio": max(overheads) if overheads else None}
+               "span_overhead_ratio": max(overheads) if overheads else None,
+               "eval_pass@1": _mean_or_none([r.eval_pass1 for r in runs]),
+               "eval_step": max((r.eval_step for r in runs if r.eval_step is not None), default=None)}
         rows.append(row)
     for row in rows:
         sync = next((r for r in rows if r["setting"] == row["setting"] and r["mode"] == "sync"), None)
@@ -140,7 +149,8 @@ def build_table(summaries: list[RunSummary]) -> list[dict]:
 
 def to_markdown(rows: list[dict]) -> str:
     header = ["setting", "mode", "runs", "steps", "rollout->train-end (s)", "trainer waiting", "rollout (s)",
-              "train compute (s)", "ideal (s)", "reduction vs sync", "waiting vs sync", "span overhead"]
+              "train compute (s)", "ideal (s)", "reduction vs sync", "waiting vs sync", "span overhead",
+              "eval pass@1 (step)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(header) - 2)) + "|"]
     for r in rows:
         cells = [r["setting"], r["mode"], str(r["num_runs"]), str(r["num_steps"]),
@@ -148,9 +158,15 @@ def to_markdown(rows: list[dict]) -> str:
                  f"{r['rollout_s']:.3f}", f"{r['train_compute_s']:.3f}", f"{r['ideal_s']:.3f}",
                  _percent(r["rollout_to_train_end_reduction"]),
                  "" if r["wait_ratio_change_pts"] is None else f"{r['wait_ratio_change_pts']:+.1f} pts",
-                 "" if r["span_overhead_ratio"] is None else f"{100 * r['span_overhead_ratio']:.2f}%"]
+                 "" if r["span_overhead_ratio"] is None else f"{100 * r['span_overhead_ratio']:.2f}%",
+                 "" if r["eval_pass@1"] is None else f"{r['eval_pass@1']:.3f} ({r['eval_step']})"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _mean_or_none(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.fmean(known) if known else None
 
 
 def _percent(value: float | None) -> str:
