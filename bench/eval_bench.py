@@ -22,15 +22,16 @@ Columns
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+import pipeline_bench  # noqa: E402  (bench/ is on sys.path when this script runs)
+from pipeline_bench import aligned_table  # noqa: E402
 
 from rolloutpipe.observe.metrics import read_spans  # noqa: E402
 
@@ -47,11 +48,8 @@ WORKLOAD = ["rollout_batch_size=8", "n_samples_per_prompt=8", "global_batch_size
 
 
 def run_one(run_dir: Path, overrides: list[str]) -> list[dict]:
-    result = subprocess.run([sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", *overrides],
-                            cwd=REPO, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"run {run_dir} failed:\n{result.stderr[-3000:]}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """bench/pipeline_bench.py's run, and each step's time from its start to the next step's start."""
+    records = pipeline_bench.run_one(run_dir, overrides)
     starts: dict[int, float] = {}  # a step starts at its eval phase, or else at its first training request
     for s in read_spans(run_dir):
         if s.role == "rollout" and s.name in ("eval/phase", "rollout/request") and s.step not in starts:
@@ -79,13 +77,7 @@ def table(results: dict[str, dict[str, float]]) -> str:
         rows.append([mode, f"{m['r2t_s']:.3f}", f"{m['step_s']:.3f}", f"{m['eval_wait_s']:.3f}",
                      f"{m['eval_in_tail']:.0f}", f"{m['eval_n']:.0f}",
                      f"{m['r2t_s'] / base['r2t_s']:.3f}x", f"{m['step_s'] / base['step_s']:.3f}x"])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = []
-    for i, r in enumerate(rows):
-        lines.append("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |")
-        if i == 0:
-            lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)
+    return "\n".join(aligned_table(rows))
 
 
 def main() -> None:

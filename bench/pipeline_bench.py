@@ -79,13 +79,18 @@ def table(workload: str, results: dict[str, dict[str, float]]) -> str:
             f"{100 * (m['perf/rollout_to_train_end_s'] / base['perf/rollout_to_train_end_s'] - 1):+.1f}%",
             f"{100 * (m['perf/trainer_wait_ratio'] / base['perf/trainer_wait_ratio'] - 1):+.1f}%",
         ])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = [f"workload: {workload}"]
+    return "\n".join([f"workload: {workload}", *aligned_table(rows)])
+
+
+def aligned_table(rows: list[list[str]]) -> list[str]:
+    """Markdown lines of ``rows`` (the first is the header), each column right-aligned to its widest cell."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
     for i, r in enumerate(rows):
         lines.append("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |")
         if i == 0:
             lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)
+    return lines
 
 
 def main() -> None:
