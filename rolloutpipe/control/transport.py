@@ -41,9 +41,10 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch.distributed as dist
 
@@ -52,6 +53,8 @@ from rolloutpipe.control.env import listen_socket
 from rolloutpipe.types import CompleteGroup, GroupHandle
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 STORE_MAX_VALUE_BYTES = 8 * 1024 * 1024
 """The libuv TCPStore rejects larger values, so bigger payloads go through the run directory."""
@@ -278,10 +281,15 @@ class Transport:
 
     def wait_record(self, key: str, *, what: str) -> dict:
         """Block until ``key`` holds a genuine record and return it; forged values are refused and waited past."""
+        return self._wait_genuine(key, what=what, read=lambda raw: self.unseal(key, raw))
+
+    def _wait_genuine(self, key: str, *, what: str, read: Callable[[bytes], T]) -> T:
+        """``read`` of ``key``'s value once it exists and ``read`` does not raise Forged; a forged value is refused
+        (logged once) and re-read every ``poll_s``, with the peers checked, until the genuine writer replaces it."""
         raw = self.wait_get(key, what=what)
         while True:
             try:
-                return self.unseal(key, raw)
+                return read(raw)
             except Forged as err:
                 self.refuse(key, raw, str(err))
             time.sleep(self.poll_s)
@@ -332,16 +340,8 @@ class Transport:
         another run, step or version, or a payload outside the run directory, stops the run (HandleRejected).
         """
         key = self.key(f"step={step}", "handle", f"seq={seq}")
-        what = f"group handle step={step}/seq={seq}"
-        raw = self.wait_get(key, what=what)
-        while True:
-            try:
-                return self._verified_handle(raw, key=key, step=step, seq=seq, policy_version=policy_version)
-            except Forged as err:
-                self.refuse(key, raw, str(err))
-            time.sleep(self.poll_s)
-            self.check_peers(what)
-            raw = self.get(key)
+        return self._wait_genuine(key, what=f"group handle step={step}/seq={seq}", read=lambda raw: (
+            self._verified_handle(raw, key=key, step=step, seq=seq, policy_version=policy_version)))
 
     def load_group(self, handle: GroupHandle) -> CompleteGroup:
         """Fetch a verified handle's payload, check its digest and decode it."""
