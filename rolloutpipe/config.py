@@ -112,7 +112,11 @@ class Config:
     global_batch_size: int = 128
     """Samples per optimizer step."""
     micro_batch_size: int = 32
-    """Samples per forward/backward."""
+    """Samples per forward/backward (when max_tokens_per_micro_batch is 0)."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget of one forward/backward (Slime's --use-dynamic-batch-size --max-tokens-per-gpu): a rank packs
+    the samples of the groups that have arrived into micro-batches of at most this many tokens. 0: fixed
+    micro_batch_size samples."""
     num_steps_per_rollout: int | None = None
     """Optimizer steps per RL step. Null: derived from the batch arithmetic."""
     rollout_max_response_len: int = 8

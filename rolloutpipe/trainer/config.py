@@ -45,6 +45,9 @@ class TrainerConfig:
     each chunk's logits recomputed in backward, so no [tokens, vocabulary] logits tensor outlives its chunk (Qwen3's
     151,936-entry vocabulary: 0.6 MB per token in bf16, and again in float32 for the log-softmax). 0: the whole
     micro-batch at once (the model's own forward)."""
+    recompute: bool = False
+    """Activation recomputation: keep only each decoder layer's input and recompute the layer in backward (about a
+    third more compute; the activations of all but one layer are not kept)."""
 
     def __post_init__(self) -> None:
         if self.num_ranks < 1:
