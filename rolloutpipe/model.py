@@ -93,11 +93,14 @@ def load_tokenizer(cfg: ModelConfig):
 
 
 def load_model(cfg: ModelConfig, vocab_size: int) -> torch.nn.Module:
-    """The policy in eval mode on CPU, in ``cfg.dtype``; identical on every process for the same config."""
+    """The policy in eval mode on CPU, in ``cfg.dtype``; identical on every process for the same config.
+
+    Attention is torch's scaled_dot_product_attention (``sdpa``): on a GPU its flash / memory-efficient kernels,
+    which keep no [heads, T, T] scores for backward (the trainer calls it purely causal: torch_backend)."""
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     if cfg.path is not None:
-        model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=cfg.dtype.torch)
+        model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=cfg.dtype.torch, attn_implementation="sdpa")
         return model.eval()
     tiny = cfg.tiny
     hf_config = Qwen3Config(
@@ -113,6 +116,7 @@ def load_model(cfg: ModelConfig, vocab_size: int) -> torch.nn.Module:
         pad_token_id=0,
         eos_token_id=1,
         bos_token_id=None,
+        attn_implementation="sdpa",
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.init_seed)

@@ -184,6 +184,7 @@ def train_step(node: TrainerNode, step: int) -> TrainStats:
             stats.grad_norms.append(result.grad_norm)
             stats.num_tokens += result.num_tokens  # both over every data-parallel rank
             num_clipped += result.num_clipped_tokens
+            stats.entropy_sum += result.entropy_sum
             stats.compute_s += batch_compute_s + optimizer_s
             stats.tail_compute_s = last_micro_batch_s + optimizer_s
             batch_compute_s = 0.0

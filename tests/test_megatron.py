@@ -100,13 +100,18 @@ def samples_with_a_padding_token() -> list[TrainSample]:
     return samples
 
 
-def test_megatron_optimizer_step_equals_torch_optimizer_step(float64_hf_norm):
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recomputed"])
+def test_megatron_optimizer_step_equals_torch_optimizer_step(float64_hf_norm, recompute):
+    """Also with trainer.recompute (Megatron's full recomputation) and log-probs in chunks of 5 tokens."""
     model = tiny_hf(tied=True)
     kwargs = {"grpo": GRPOConfig(), "temperature": 0.8, "pad_id": 0, "multi_step": True,
               "process_group_active": False, "old_logprobs": OldLogprobSource.trainer}
-    reference = PolicyTrainer(model=copy.deepcopy(model), cfg=TrainerConfig(lr=1e-2), **kwargs)
+    reference = PolicyTrainer(model=copy.deepcopy(model), cfg=TrainerConfig(lr=1e-2, logprob_chunk_tokens=0),
+                              **kwargs)
     megatron = trainer_class(TrainerBackend.megatron)(
-        model=copy.deepcopy(model), cfg=TrainerConfig(lr=1e-2, backend=TrainerBackend.megatron), **kwargs)
+        model=copy.deepcopy(model), cfg=TrainerConfig(lr=1e-2, backend=TrainerBackend.megatron, recompute=recompute,
+                                                       logprob_chunk_tokens=5), **kwargs)
+    assert (megatron.gpt.config.recompute_granularity == "full") is recompute
     try:
         samples = samples_with_a_padding_token()
         results = []
@@ -119,6 +124,7 @@ def test_megatron_optimizer_step_equals_torch_optimizer_step(float64_hf_norm):
         torch_results, megatron_results = results[:2], results[2:]
         for a, b in zip(torch_results, megatron_results):
             assert a.num_tokens == b.num_tokens and abs(a.loss - b.loss) < 1e-12
+            assert a.entropy_sum > 0 and abs(a.entropy_sum - b.entropy_sum) < 1e-10 * a.entropy_sum
             assert abs(a.grad_norm - b.grad_norm) < 1e-10 * a.grad_norm
         trained = megatron.hf_state()
         expected = {k: v for k, v in reference.model.state_dict().items() if k != "lm_head.weight"}
@@ -128,6 +134,19 @@ def test_megatron_optimizer_step_equals_torch_optimizer_step(float64_hf_norm):
         assert moved > 1e-3
     finally:
         megatron.close()
+
+
+def test_transformer_engine_names_move_only_the_fused_norms_and_invert():
+    from rolloutpipe.trainer.megatron.convert import local_names, transformer_engine_names
+
+    layout = Layout.from_hf(tiny_hf(tied=False).config, tp_size=1)
+    local = hf_to_megatron(tiny_hf(tied=False).state_dict(), layout, tp_rank=0)
+    te = transformer_engine_names(local)
+    moved = sorted(set(te) - set(local))
+    assert moved == sorted(f"decoder.layers.{i}.{name}" for i in range(layout.num_layers)
+                           for name in ("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"))
+    assert local_names(te).keys() == local.keys()
+    assert all(local_names(te)[k] is v for k, v in local.items())
 
 
 def test_core_trainer_import_does_not_pull_megatron():

@@ -60,10 +60,7 @@ def test_batches_after_the_first_optimizer_step_clip_against_the_rollout_policy(
 
     second = samples[4:]
     input_ids, targets, mask = pack(second, pad_id=trainer.pad_id)
-    attention = torch.ones_like(input_ids, dtype=torch.bool)
-    for b, s in enumerate(second):
-        attention[b, len(s.prompt_ids) + len(s.response_ids):] = False
-    current = trainer._old_logprobs(second, input_ids, attention, targets, None, mask, first_batch_of_step=False)
+    current = trainer._old_logprobs(second, input_ids, targets, None, mask, first_batch_of_step=False)
     for b, s in enumerate(second):
         start = len(s.prompt_ids) - 1
         torch.testing.assert_close(current[b, start:start + len(s.response_ids)],
@@ -132,3 +129,22 @@ def test_chunked_log_probs_give_the_full_logits_values_and_gradients():
                                                                  rel=1e-10)
     for k in full_state:
         torch.testing.assert_close(state[k], full_state[k], rtol=0, atol=1e-12)
+
+
+def test_recomputed_activations_give_the_same_update():
+    """trainer.recompute: the layers run again in backward; losses, entropy and trained weights as without."""
+    model = load_model(ModelConfig(dtype=DType.float64), len(build_tiny_tokenizer()))
+    samples = generated_samples(model, 6)
+    out = {}
+    for recompute in (False, True):
+        trainer = PolicyTrainer(model=copy.deepcopy(model), cfg=TrainerConfig(lr=1e-2, recompute=recompute),
+                                grpo=GRPOConfig(), temperature=TEMPERATURE, pad_id=0, multi_step=False,
+                                process_group_active=False, old_logprobs=OldLogprobSource.trainer)
+        assert trainer.model.is_gradient_checkpointing is recompute
+        sums = trainer.forward_backward(samples, first_batch_of_step=True)
+        out[recompute] = (float(sums.loss.detach()), sums.entropy_sum, trainer.finish_batch().grad_norm,
+                          trainer.model.state_dict())
+    assert out[True][:3] == pytest.approx(out[False][:3], rel=1e-12)
+    assert out[False][1] > 0
+    for k, v in out[False][3].items():
+        torch.testing.assert_close(out[True][3][k], v, rtol=0, atol=1e-13)

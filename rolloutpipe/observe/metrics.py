@@ -241,6 +241,8 @@ class TrainStats:
     grad_norms: list[float] = field(default_factory=list)
     clip_fraction: float = 0.0
     num_tokens: int = 0
+    entropy_sum: float = 0.0
+    """The policy's entropy summed over the step's trained response tokens (all data-parallel ranks)."""
     weight_sync_s: float = 0.0
 
 
@@ -268,6 +270,7 @@ def reduce_step(rollout: RolloutStats, train: TrainStats, *, mean_compute_s: flo
         "train/loss": sum(train.losses) / max(len(train.losses), 1),
         "train/grad_norm": sum(train.grad_norms) / max(len(train.grad_norms), 1),
         "train/clip_fraction": train.clip_fraction,
+        "train/entropy": train.entropy_sum / max(train.num_tokens, 1),
         "train/num_tokens": train.num_tokens,
         "train/lr": lr,
         "perf/rollout_s": rollout_s,

@@ -55,6 +55,8 @@ class LossSums:
     num_samples: int
     num_clipped_tokens: int
     ratio_sum: float
+    entropy_sum: float = 0.0
+    """Sum of the policy's entropy over the response tokens (no gradient; the trainer fills it in)."""
 
 
 class BatchTotals:
@@ -69,22 +71,25 @@ class BatchTotals:
         self.num_tokens = 0
         self.num_samples = 0
         self.num_clipped_tokens = 0
+        self.entropy_sum = 0.0
 
     def add(self, sums: LossSums) -> None:
         self.loss += float(sums.loss.detach())
         self.num_tokens += sums.num_tokens
         self.num_samples += sums.num_samples
         self.num_clipped_tokens += sums.num_clipped_tokens
+        self.entropy_sum += sums.entropy_sum
 
     def reduce(self, all_reduce=None) -> BatchTotals:
         """The batch's totals over the ranks (``all_reduce``: an in-place sum over the group, or None alone)."""
-        values = torch.tensor([self.loss, self.num_tokens, self.num_samples, self.num_clipped_tokens],
-                              dtype=torch.float64)
+        values = torch.tensor([self.loss, self.num_tokens, self.num_samples, self.num_clipped_tokens,
+                               self.entropy_sum], dtype=torch.float64)
         if all_reduce is not None:
             all_reduce(values)
         total = BatchTotals()
         total.loss = float(values[0])
-        total.num_tokens, total.num_samples, total.num_clipped_tokens = (int(v) for v in values[1:].tolist())
+        total.num_tokens, total.num_samples, total.num_clipped_tokens = (int(v) for v in values[1:4].tolist())
+        total.entropy_sum = float(values[4])
         return total
 
 

@@ -32,11 +32,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.utils.checkpoint
 from safetensors.torch import save_file
 
 from rolloutpipe.trainer.config import OldLogprobSource, TrainerConfig
 from rolloutpipe.trainer.grpo import BatchTotals, GRPOConfig, LossSums, normaliser, policy_loss_sums
+from rolloutpipe.trainer.logprobs import chunked_logprobs, token_entropy, token_logprobs
 from rolloutpipe.types import CompleteGroup
 
 
@@ -64,12 +64,16 @@ class BatchResult:
     grad_norm: float
     num_tokens: int
     num_clipped_tokens: int
+    entropy_sum: float = 0.0
+    """Sum over the batch's response tokens of the policy's entropy (train/entropy is its mean)."""
 
 
 class PolicyTrainer:
     def __init__(self, *, model: torch.nn.Module, cfg: TrainerConfig, grpo: GRPOConfig, temperature: float,
                  pad_id: int, multi_step: bool, process_group_active: bool, old_logprobs: OldLogprobSource) -> None:
         self.model = model.train()
+        if cfg.recompute:  # HF's per-layer activation checkpointing; the non-reentrant kind works under no_grad too
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         self.cfg = cfg
         self.grpo = grpo
         self.temperature = temperature
@@ -98,11 +102,11 @@ class PolicyTrainer:
 
     def forward_backward(self, samples: list[TrainSample], *, first_batch_of_step: bool) -> LossSums:
         input_ids, targets, mask = pack(samples, pad_id=self.pad_id)  # [B, L], [B, L-1] x 2
-        attention = _real_tokens(samples, input_ids.shape[1])  # [B, L]
-        logprobs = self._logprobs(self.model, input_ids, attention, targets)  # [B, L-1]
-        old = self._old_logprobs(samples, input_ids, attention, targets, logprobs, mask, first_batch_of_step)
+        logprobs, entropy = self._logprobs(self.model, input_ids, targets, mask)  # [B, L-1] x 2
+        old = self._old_logprobs(samples, input_ids, targets, logprobs, mask, first_batch_of_step)
         advantages = torch.tensor([s.advantage for s in samples], dtype=logprobs.dtype)
         sums = policy_loss_sums(logprobs, old, advantages, mask, self.grpo)
+        sums.entropy_sum = float((entropy * mask).sum())
         sums.loss.backward()
         self._totals.add(sums)
         return sums
@@ -140,7 +144,7 @@ class PolicyTrainer:
                     p.grad = None
         self._totals = BatchTotals()
         return BatchResult(loss=total.loss * scale, grad_norm=grad_norm, num_tokens=total.num_tokens,
-                           num_clipped_tokens=total.num_clipped_tokens)
+                           num_clipped_tokens=total.num_clipped_tokens, entropy_sum=total.entropy_sum)
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """The policy under HF names (tied lm_head left out, as save_pretrained does)."""
@@ -163,28 +167,32 @@ class PolicyTrainer:
         return self.model
 
     # -- helpers ---------------------------------------------------------------------------------
-    def _old_logprobs(self, samples, input_ids, attention, targets, logprobs, mask, first_batch_of_step):
+    def _old_logprobs(self, samples, input_ids, targets, logprobs, mask, first_batch_of_step):
         if self.old_logprobs is OldLogprobSource.engine:
             return engine_logprobs(samples, like=logprobs)
         if first_batch_of_step or self._snapshot is None:
             return logprobs.detach()
         with torch.no_grad():
-            return self._logprobs(self.model, input_ids, attention, targets, params=self._snapshot) * mask
+            return self._logprobs(self.model, input_ids, targets, mask, params=self._snapshot)[0] * mask
 
-    def _logprobs(self, model, input_ids, attention, targets, params=None) -> torch.Tensor:
-        """log p of ``targets`` under ``model`` (or under ``params``, policy_version k's snapshot), by chunks of
-        ``trainer.logprob_chunk_tokens`` from the final hidden states when the model allows it."""
-        kwargs = {"input_ids": input_ids, "attention_mask": attention.long()}
+    def _logprobs(self, model, input_ids, targets, mask, params=None) -> tuple[torch.Tensor, ...]:
+        """log p of ``targets`` and the entropy [B, L-1] under ``model`` (or under ``params``, policy_version k's
+        snapshot): from the final hidden states of the response tokens (``mask``), ``trainer.logprob_chunk_tokens``
+        at a time, when the model allows it (zeros elsewhere); else from the model's full logits.
+
+        No attention mask: padding is on the right, so under the causal mask no real token sees one, and a purely
+        causal SDPA call can take the flash / memory-efficient kernels (no [B, 1, L, L] mask is built)."""
         chunk = self.cfg.logprob_chunk_tokens
         if chunk and _chunkable(model):
             head = _HiddenToLogprobs(model, chunk, self.temperature)
-            args = (input_ids, attention.long(), targets)
+            args = (input_ids, targets, mask)
             if params is None:
                 return head(*args)
             return torch.func.functional_call(head, {f"lm.{k}": v for k, v in params.items()}, args)
+        kwargs = {"input_ids": input_ids}
         logits = (model(**kwargs) if params is None
                   else torch.func.functional_call(model, params, (), kwargs)).logits[:, :-1]
-        return token_logprobs(logits, targets, self.temperature)
+        return token_logprobs(logits, targets, self.temperature), token_entropy(logits, self.temperature)
 
 
 def pack(samples: list[TrainSample], *, pad_id: int) -> tuple[torch.Tensor, ...]:
@@ -232,12 +240,6 @@ def engine_logprobs(samples: list[TrainSample], *, like: torch.Tensor) -> torch.
     return old
 
 
-def _real_tokens(samples: list[TrainSample], length: int) -> torch.Tensor:
-    """True on every real token (padding is on the right), whatever its id."""
-    lens = torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples])
-    return torch.arange(length)[None, :] < lens[:, None]
-
-
 def _chunkable(model) -> bool:
     """An HF causal LM whose logits are just its output embedding of the decoder's last hidden states (Qwen2/3,
     Llama: no logit soft-capping or scaling after the head)."""
@@ -247,8 +249,7 @@ def _chunkable(model) -> bool:
 
 
 class _HiddenToLogprobs(torch.nn.Module):
-    """The chosen tokens' log-probs from the decoder's hidden states, ``chunk_tokens`` tokens at a time; with
-    gradients, each chunk is checkpointed (its logits are recomputed in backward instead of kept)."""
+    """The response tokens' log-probs and entropy from the decoder's hidden states (trainer/logprobs.py)."""
 
     def __init__(self, lm: torch.nn.Module, chunk_tokens: int, temperature: float) -> None:
         super().__init__()
@@ -256,28 +257,12 @@ class _HiddenToLogprobs(torch.nn.Module):
         self.chunk_tokens = chunk_tokens
         self.temperature = temperature
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        hidden = hidden[:, :-1]  # position j predicts token j + 1
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor,
+                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.lm.get_decoder()(input_ids=input_ids).last_hidden_state
+        response = mask > 0  # [B, L-1]; position j predicts token j + 1
         head = self.lm.get_output_embeddings()
-        rows, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-        parts = []
-        for start in range(0, rows.shape[0], self.chunk_tokens):
-            h, t = rows[start:start + self.chunk_tokens], flat_targets[start:start + self.chunk_tokens]
-            if torch.is_grad_enabled():
-                parts.append(torch.utils.checkpoint.checkpoint(self._chunk, h, head.weight, head.bias, t,
-                                                               use_reentrant=False))
-            else:
-                parts.append(self._chunk(h, head.weight, head.bias, t))
-        return torch.cat(parts).view_as(targets)
-
-    def _chunk(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               t: torch.Tensor) -> torch.Tensor:
-        return token_logprobs(torch.nn.functional.linear(h, weight, bias), t, self.temperature)
-
-
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log p of ``targets`` [B, T] from ``logits`` [B, T, V], in float32 at least (a bfloat16 log-softmax over the
-    vocabulary is off by ~1e-2, the scale of a policy ratio's clip range)."""
-    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
-    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        logp, entropy = chunked_logprobs(hidden[:, :-1][response], head.weight, head.bias, targets[response],
+                                         temperature=self.temperature, chunk_tokens=self.chunk_tokens)
+        full = torch.zeros(targets.shape, dtype=logp.dtype, device=logp.device)
+        return full.masked_scatter(response, logp), full.masked_scatter(response, entropy)

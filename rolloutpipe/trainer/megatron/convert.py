@@ -17,6 +17,9 @@ group's query heads, then its key head, then its value head; tensor parallelism 
 groups. The vocabulary is padded with zero rows to a multiple of the tensor-parallel size (Megatron's
 vocab-parallel embedding needs equal shards); the trainer slices the padded logits off, and the HF
 export drops the rows again.
+
+Transformer Engine's layer spec fuses each layer's two norms into the linear layer after them; only the names
+change (``TE_FUSED_NORMS``, applied by ``transformer_engine_names`` / ``local_names``).
 """
 
 from __future__ import annotations
@@ -62,6 +65,30 @@ class Layout:
     @property
     def heads_per_group(self) -> int:
         return self.num_heads // self.num_query_groups
+
+
+TE_FUSED_NORMS = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+"""Per layer: the local spec's name -> Transformer Engine's (TELayerNormColumnParallelLinear holds the norm)."""
+
+
+def transformer_engine_names(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A local-spec state dict under Transformer Engine's layer-spec names."""
+    return {_rename(k, TE_FUSED_NORMS): v for k, v in state.items()}
+
+
+def local_names(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The inverse of ``transformer_engine_names``."""
+    inverse = {te: local for local, te in TE_FUSED_NORMS.items()}
+    return {_rename(k, inverse): v for k, v in state.items()}
+
+
+def _rename(name: str, suffixes: dict[str, str]) -> str:
+    prefix, dot, rest = name.partition(".layers.")
+    number, _, suffix = rest.partition(".")
+    return f"{prefix}{dot}{number}.{suffixes[suffix]}" if dot and suffix in suffixes else name
 
 
 def hf_to_megatron(hf: dict[str, Tensor], layout: Layout, *, tp_rank: int) -> dict[str, Tensor]:

@@ -8,6 +8,8 @@ Megatron's own code, untouched:
     torch.cuda.current_device()          -> the CPU device (buffers, rotary frequencies, grad buffers)
     factories with device="cuda"         -> device="cpu" (optimizer loss scale, causal mask, norm buffers)
     get_cuda_rng_tracker()               -> named streams of the CPU generator (``seed_rng_tracker``)
+    the CUDA RNG state that activation      -> nothing (there is no CUDA generator; the CPU one and the
+    recomputation saves and restores           tracker's streams are still saved and restored)
     gradient norm and clipping           -> plain torch in the gradients' dtype (Megatron's asserts
                                             torch.cuda.FloatTensor and reduces the norm in float32)
 
@@ -80,9 +82,12 @@ def cuda_calls_on_cpu():
         yield
         return
     import megatron.core.optimizer.optimizer as megatron_optimizer
+    import megatron.core.tensor_parallel.random as megatron_random
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(_swapped(torch.cuda, "current_device", _current_device))
+        stack.enter_context(_swapped(megatron_random, "_get_cuda_rng_state", lambda *args, **kwargs: None))
+        stack.enter_context(_swapped(megatron_random, "_set_cuda_rng_state", lambda *args, **kwargs: None))
         stack.enter_context(_swapped(megatron_optimizer, "get_grad_norm_fp32", _grad_norm))
         stack.enter_context(_swapped(megatron_optimizer, "clip_grad_by_total_norm_fp32", _clip_by_total_norm))
         stack.enter_context(_CudaFactoriesOnCpu())

@@ -2,9 +2,13 @@
 
 Ranks: the trainer node group's process group (gloo on CPU; a one-process gloo group when
 ``trainer.num_ranks=1``) is split by Megatron into tensor-parallel groups of ``tensor_parallel_size``
-consecutive ranks and data-parallel groups across them (order tp-cp-ep-dp-pp). The model uses
-Megatron's local layer specs (no Transformer Engine), RMSNorm, SwiGLU, RoPE, no biases except
-Qwen2's q/k/v, Qwen3's per-head q/k RMSNorm, and no dropout.
+consecutive ranks and data-parallel groups across them (order tp-cp-ep-dp-pp). The model: RMSNorm, SwiGLU,
+RoPE, no biases except Qwen2's q/k/v, Qwen3's per-head q/k RMSNorm, no dropout; on a GPU with Transformer
+Engine importable, Transformer Engine's layer spec (fused attention, no [heads, T, T] scores kept; the layer
+norms fused into the following linear layers, so two parameter names differ: convert.TE_FUSED_NORMS), else
+Megatron's local spec (unfused attention; on CPU), given RMSNorm explicitly (left to itself the local spec takes
+Apex's FusedLayerNorm when Apex is installed). ``trainer.recompute``: Megatron's full recomputation of every
+layer (recompute_granularity=full, uniform, one layer per checkpoint).
 """
 
 from __future__ import annotations
@@ -77,7 +81,18 @@ def check_supported(hf_config, *, tp_size: int) -> None:
                          f"intermediate_size={hf_config.intermediate_size}.")
 
 
-def transformer_config(hf_config, *, dtype: torch.dtype, tp_size: int, pp_size: int):
+def uses_transformer_engine() -> bool:
+    """Transformer Engine's layer spec: on CUDA, when ``transformer_engine`` imports."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def transformer_config(hf_config, *, dtype: torch.dtype, tp_size: int, pp_size: int, recompute: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     layout = Layout.from_hf(hf_config, tp_size=tp_size)
@@ -98,16 +113,24 @@ def transformer_config(hf_config, *, dtype: torch.dtype, tp_size: int, pp_size: 
         perform_initialization=True, use_cpu_initialization=on_cpu,
         masked_softmax_fusion=not on_cpu, bias_activation_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+           if recompute else {}),
     )
 
 
-def build_gpt_model(hf_config, *, dtype: torch.dtype, tp_size: int, pp_size: int):
-    """GPTModel with the HF model's shape; its logits are gathered over tensor-parallel ranks."""
+def build_gpt_model(hf_config, *, dtype: torch.dtype, tp_size: int, pp_size: int, recompute: bool = False,
+                    transformer_engine: bool = False):
+    """GPTModel with the HF model's shape (the trainer takes its final hidden states, not its logits)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
 
     layout = Layout.from_hf(hf_config, tp_size=tp_size)
-    config = transformer_config(hf_config, dtype=dtype, tp_size=tp_size, pp_size=pp_size)
+    config = transformer_config(hf_config, dtype=dtype, tp_size=tp_size, pp_size=pp_size, recompute=recompute)
+    spec = (get_gpt_layer_with_transformer_engine_spec(qk_layernorm=layout.qk_norm) if transformer_engine
+            else get_gpt_layer_local_spec(qk_layernorm=layout.qk_norm, normalization="RMSNorm"))
     rope = getattr(hf_config, "rope_parameters", None) or {"rope_theta": hf_config.rope_theta}
     # the local spec's RMSNorm (torch.nn.RMSNorm) takes the default dtype, not params_dtype; a later
     # model.to(dtype) would drop Megatron's tensor-parallel attributes from the parameters
@@ -117,7 +140,7 @@ def build_gpt_model(hf_config, *, dtype: torch.dtype, tp_size: int, pp_size: int
     try:
         with torch.random.fork_rng(devices=[]):  # the initialisation is thrown away: keep the caller's RNG
             return GPTModel(
-                config=config, transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=layout.qk_norm),
+                config=config, transformer_layer_spec=spec,
                 vocab_size=layout.padded_vocab_size, max_sequence_length=hf_config.max_position_embeddings,
                 share_embeddings_and_output_weights=layout.tied_embeddings, position_embedding_type="rope",
                 rotary_base=int(rope["rope_theta"]), parallel_output=False,

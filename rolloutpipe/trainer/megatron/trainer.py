@@ -11,8 +11,9 @@ pipelined update equals the synchronous one here as well.
 
 Parallelism. Trainer ranks form tensor-parallel groups of ``trainer.megatron.tensor_parallel_size``
 consecutive ranks; the consume loop deals groups by data-parallel rank, so the ranks of one
-tensor-parallel group train the same samples. Logits are gathered over tensor-parallel ranks (a
-vocab-parallel log-softmax would save memory on large vocabularies; not done yet). Megatron's
+tensor-parallel group train the same samples. Log-probs come from the final hidden states, by chunks of
+``trainer.logprob_chunk_tokens`` tokens, over each rank's shard of the vocabulary (trainer/logprobs.py: no
+logits are gathered, none outlive their chunk). Megatron's
 forward_backward schedules are not used: they need a batch's micro-batches up front and sync
 gradients at the end of every call, while groups here arrive one by one and ranks may train different
 numbers of micro-batches. That is also why pipeline parallelism is refused (TrainerConfig).
@@ -38,15 +39,23 @@ from safetensors.torch import save_file
 
 from rolloutpipe.trainer.config import OldLogprobSource, TrainerConfig
 from rolloutpipe.trainer.grpo import BatchTotals, GRPOConfig, LossSums, normaliser, policy_loss_sums
+from rolloutpipe.trainer.logprobs import VocabShard, chunked_logprobs
 from rolloutpipe.trainer.megatron import cpu
-from rolloutpipe.trainer.megatron.convert import Layout, hf_to_megatron, megatron_to_hf
+from rolloutpipe.trainer.megatron.convert import (
+    Layout,
+    hf_to_megatron,
+    local_names,
+    megatron_to_hf,
+    transformer_engine_names,
+)
 from rolloutpipe.trainer.megatron.model import (
     build_gpt_model,
     check_supported,
     destroy_parallel_state,
     init_parallel_state,
+    uses_transformer_engine,
 )
-from rolloutpipe.trainer.torch_backend import BatchResult, TrainSample, engine_logprobs, pack, token_logprobs
+from rolloutpipe.trainer.torch_backend import BatchResult, TrainSample, engine_logprobs, pack
 
 
 class MegatronTrainer:
@@ -79,7 +88,9 @@ class MegatronTrainer:
             self.dp_group = parallel_state.get_data_parallel_group()
             self.data_parallel_rank = parallel_state.get_data_parallel_rank()
             self.data_parallel_size = parallel_state.get_data_parallel_world_size()
-            self.gpt = build_gpt_model(model.config, dtype=self.dtype, tp_size=tp, pp_size=pp)
+            self.transformer_engine = uses_transformer_engine()
+            self.gpt = build_gpt_model(model.config, dtype=self.dtype, tp_size=tp, pp_size=pp,
+                                       recompute=cfg.recompute, transformer_engine=self.transformer_engine)
             self._load_hf(model.state_dict())
             if self.device is not None:
                 self.gpt.to(self.device)
@@ -109,18 +120,20 @@ class MegatronTrainer:
         input_ids, targets, mask = (t.to(self.device) if self.device else t
                                     for t in pack(samples, pad_id=self.pad_id))
         with cpu.cuda_calls_on_cpu():
-            logprobs = token_logprobs(self._logits(self.ddp, None, input_ids), targets, self.temperature)
+            logprobs, entropy = self._logprobs(None, input_ids, targets, mask)
             if self.old_logprobs is OldLogprobSource.engine:
                 old = engine_logprobs(samples, like=logprobs)
             elif first_batch_of_step or self._snapshot is None:
                 old = logprobs.detach()
             else:
                 with torch.no_grad():
-                    old = token_logprobs(self._logits(self.gpt, self._snapshot, input_ids), targets,
-                                         self.temperature) * mask
+                    old = self._logprobs(self._snapshot, input_ids, targets, mask)[0] * mask
             advantages = torch.tensor([s.advantage for s in samples], dtype=logprobs.dtype, device=logprobs.device)
             sums = policy_loss_sums(logprobs, old, advantages, mask, self.grpo)
-            sums.loss.backward()  # into DDP's gradient buffers; nothing is communicated until finish_batch
+            sums.entropy_sum = float((entropy * mask).sum())
+            # into DDP's gradient buffers (its hooks are on the parameters); nothing is communicated until
+            # finish_batch
+            sums.loss.backward()
         self._totals.add(sums)
         return sums
 
@@ -139,7 +152,7 @@ class MegatronTrainer:
         self._gather_shards()
         self._totals = BatchTotals()
         return BatchResult(loss=total.loss * scale, grad_norm=float(grad_norm), num_tokens=total.num_tokens,
-                           num_clipped_tokens=total.num_clipped_tokens)
+                           num_clipped_tokens=total.num_clipped_tokens, entropy_sum=total.entropy_sum)
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """The policy under HF names, full tensors (a tensor-parallel group's first rank; tied lm_head left out)."""
@@ -165,22 +178,22 @@ class MegatronTrainer:
         destroy_parallel_state(created_world=self._created_world)
 
     # -- helpers ---------------------------------------------------------------------------------
-    def _logits(self, module: torch.nn.Module, params: dict[str, torch.Tensor] | None,
-                input_ids: torch.Tensor) -> torch.Tensor:
-        """Next-token logits [B, L-1, V] of real vocabulary entries; padding on the right needs no mask."""
-        batch, length = input_ids.shape
-        kwargs = {
-            "input_ids": input_ids,
-            "position_ids": torch.arange(length, device=input_ids.device).expand(batch, length),
-            # True above the diagonal: masked (Megatron's convention)
-            "attention_mask": torch.ones(length, length, dtype=torch.bool, device=input_ids.device).triu(1)[None, None],
-        }
-        logits = module(**kwargs) if params is None else torch.func.functional_call(module, params, (), kwargs)
-        return logits[:, :-1, : self.layout.vocab_size]
+    def _logprobs(self, params: dict[str, torch.Tensor] | None, input_ids: torch.Tensor, targets: torch.Tensor,
+                  mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """log p of ``targets`` and the entropy [B, L-1] at the response tokens (zeros elsewhere), under the
+        current weights or ``params`` (policy_version k's snapshot); vocabulary parallel (trainer/logprobs.py)."""
+        head = _HiddenToLogprobs(self.gpt, self.layout, tp_rank=self.tp_rank, tp_group=self.tp_group,
+                                 chunk_tokens=self.cfg.logprob_chunk_tokens, temperature=self.temperature)
+        if params is None:
+            return head(input_ids, targets, mask)
+        return torch.func.functional_call(head, {f"gpt.{k}": v for k, v in params.items()},
+                                          (input_ids, targets, mask))
 
     def _load_hf(self, hf_state: dict[str, torch.Tensor]) -> None:
         own = dict(self.gpt.named_parameters())
         mapped = hf_to_megatron(hf_state, self.layout, tp_rank=self.tp_rank)
+        if self.transformer_engine:
+            mapped = transformer_engine_names(mapped)
         assert mapped.keys() == own.keys(), sorted(mapped.keys() ^ own.keys())
         with torch.no_grad():
             for name, value in mapped.items():
@@ -189,6 +202,8 @@ class MegatronTrainer:
     def _gather_shards(self) -> None:
         """Collect the tensor-parallel shards on the group's first rank (every rank of the group calls this)."""
         local = {k: v.detach().to("cpu", copy=True) for k, v in self.gpt.named_parameters()}
+        if self.transformer_engine:
+            local = local_names(local)
         if self.layout.tp_size == 1:
             self._tp_shards = [local]
             return
@@ -213,3 +228,41 @@ def _no_gradient_through(padding_idx: int):
         return torch.where(is_padding, output.detach(), output)
 
     return hook
+
+
+class _HiddenToLogprobs(torch.nn.Module):
+    """GPTModel's final hidden states (its post_process switched off for the call: no logits) into the response
+    tokens' log-probs and entropy, by chunks of tokens, over this rank's vocabulary shard."""
+
+    def __init__(self, gpt: torch.nn.Module, layout: Layout, *, tp_rank: int, tp_group, chunk_tokens: int,
+                 temperature: float) -> None:
+        super().__init__()
+        self.gpt = gpt
+        rows = layout.padded_vocab_size // layout.tp_size
+        self.shard = VocabShard(start=tp_rank * rows, num_real=layout.vocab_size - tp_rank * rows,
+                                group=tp_group if layout.tp_size > 1 else None)
+        self.chunk_tokens = chunk_tokens
+        self.temperature = temperature
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor,
+                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gpt, (batch, length) = self.gpt, input_ids.shape
+        gpt.post_process = False
+        try:
+            hidden = gpt(
+                input_ids=input_ids,
+                position_ids=torch.arange(length, device=input_ids.device).expand(batch, length),
+                # True above the diagonal: masked (Megatron's convention); padding is on the right, so needs none
+                attention_mask=torch.ones(length, length, dtype=torch.bool, device=input_ids.device).triu(1)[None, None],
+            )  # [L, B, H], after the final norm
+        finally:
+            gpt.post_process = True
+        response = mask > 0  # [B, L-1]; position j predicts token j + 1
+        rows = hidden.transpose(0, 1)[:, :-1][response]
+        weight = (gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights
+                  else gpt.output_layer.weight)
+        chunk = self.chunk_tokens or max(rows.shape[0], 1)
+        logp, entropy = chunked_logprobs(rows, weight, None, targets[response], temperature=self.temperature,
+                                         chunk_tokens=chunk, shard=self.shard)
+        full = torch.zeros(targets.shape, dtype=logp.dtype, device=logp.device)
+        return full.masked_scatter(response, logp), full.masked_scatter(response, entropy)
