@@ -122,8 +122,9 @@ def test_pipelined_update_equals_synchronous_update(job_dir, dtype, num_ranks, e
     sync_w, cgp_w = final_weights(runs["sync"]), final_weights(runs["cgp"])
     init = load_model(ModelConfig(dtype=DType(dtype)), len(build_tiny_tokenizer())).state_dict()
     if dtype == "float64":
-        for key in ("train/loss", "train/grad_norm"):
+        for key in ("train/loss", "train/grad_norm", "train/entropy"):
             assert [m[key] for m in cgp_m] == pytest.approx([m[key] for m in sync_m], rel=1e-9, abs=1e-12), key
+        assert all(m["train/entropy"] > 0 for m in cgp_m)
         difference = max((sync_w[k] - cgp_w[k]).abs().max().item() for k in sync_w)
         assert difference < 1e-9, f"sync and cgp parameters differ by {difference}"
     else:
