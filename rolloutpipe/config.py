@@ -115,8 +115,9 @@ class Config:
     """Samples per forward/backward (when max_tokens_per_micro_batch is 0)."""
     max_tokens_per_micro_batch: int = 0
     """Token budget of one forward/backward (Slime's --use-dynamic-batch-size --max-tokens-per-gpu): a rank packs
-    the samples of the groups that have arrived into micro-batches of at most this many tokens. 0: fixed
-    micro_batch_size samples."""
+    the samples of the groups that have arrived into micro-batches of at most this many tokens, first fit. A token
+    is a padded slot: rows x the micro-batch's longest prompt + response, what memory scales with. A longer sample
+    trains alone (with a warning). 0: fixed micro_batch_size samples (trainer/batching.py)."""
     num_steps_per_rollout: int | None = None
     """Optimizer steps per RL step. Null: derived from the batch arithmetic."""
     rollout_max_response_len: int = 8
@@ -140,6 +141,12 @@ class Config:
                     "rollout_max_response_len"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1.")
+        if self.max_tokens_per_micro_batch < 0:
+            raise ValueError(
+                f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} must be >= 0: 0 for micro-batches of "
+                "micro_batch_size samples, or a budget of padded tokens (rows x longest prompt + response) per "
+                "forward/backward."
+            )
         if self.n_samples_per_prompt < 2:
             raise ValueError(
                 f"n_samples_per_prompt={self.n_samples_per_prompt}: GRPO needs at least 2 samples per prompt "

@@ -49,7 +49,7 @@ from rolloutpipe.rollout.rewards import OnTimeout
 from rolloutpipe.rollout.samples import check_on_policy, check_reward_failures, write_samples
 from rolloutpipe.trainer.batching import BatchConsumer, MicroBatch
 from rolloutpipe.trainer.node import TrainerNode
-from rolloutpipe.trainer.torch_backend import train_samples
+from rolloutpipe.trainer.torch_backend import sequence_len, train_samples
 
 
 # ================================================================================================
@@ -157,7 +157,8 @@ def train_step(node: TrainerNode, step: int) -> TrainStats:
     version = cfg.pipeline.mode.policy_version_for(step)
     stats = TrainStats(step=step, end_s=0.0, compute_s=0.0, tail_compute_s=0.0, wait_s=0.0, first_forward_s=0.0)
     consumer = BatchConsumer(num_batches=cfg.num_steps_per_rollout, groups_per_batch=cfg.groups_per_batch,
-                             micro_batch_size=cfg.micro_batch_size, rank=rank, world_size=world)
+                             micro_batch_size=cfg.micro_batch_size, length=sequence_len,
+                             max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch, rank=rank, world_size=world)
     batch_compute_s, last_micro_batch_s, num_clipped = 0.0, 0.0, 0
     trainer.begin_step()
     for seq in range(cfg.rollout_batch_size):
@@ -173,8 +174,11 @@ def train_step(node: TrainerNode, step: int) -> TrainStats:
                 sums = trainer.forward_backward(work.samples, first_batch_of_step=work.batch == 0)
                 last_micro_batch_s = time.time() - start
                 spans.add("train/forward_backward", step=step, start_s=start, end_s=start + last_micro_batch_s,
-                          batch=work.batch, num_samples=len(work.samples), num_tokens=sums.num_tokens)
+                          batch=work.batch, num_samples=len(work.samples), num_tokens=sums.num_tokens,
+                          num_padded_tokens=work.num_padded_tokens)
                 batch_compute_s += last_micro_batch_s
+                stats.num_padded_tokens += work.num_padded_tokens
+                stats.num_padding_tokens += work.num_padding_tokens
                 continue
             with spans.span("train/optimizer_step", step=step, batch=work.batch, policy_version=step,
                             groups=work.groups):

@@ -87,20 +87,28 @@ MULTI_STEP_FILTERED = ["global_batch_size=8", "reward.name=sometimes_flat", "rol
                        "rollout.over_sampling_groups=1", "rollout.admission=fgd"]
 
 
-@pytest.mark.parametrize("dtype,num_ranks,extra", [
-    ("float64", 1, []), ("float64", 2, []), ("float64", 2, ["grpo.loss_agg=seq_mean_token_mean"]),
-    ("float64", 1, MULTI_STEP_FILTERED),
-    ("float32", 1, ONE_STEP), ("bfloat16", 1, ONE_STEP),
-    ("bfloat16", 2, [*ONE_STEP, "grpo.loss_agg=seq_mean_token_mean"]),
+# Responses of up to 32 tokens (rows of 5 to 36), and cgp packs them by a budget of 80 padded tokens (1 to 3 rows a
+# micro-batch, first fit, each rank on its own groups) where sync cuts 3 samples a micro-batch.
+TOKEN_BUDGET = 80
+LONG_RESPONSES = ["rollout_max_response_len=32"]
+
+
+@pytest.mark.parametrize("dtype,num_ranks,extra,cgp_extra", [
+    ("float64", 1, [], []), ("float64", 2, [], []), ("float64", 2, ["grpo.loss_agg=seq_mean_token_mean"], []),
+    ("float64", 1, MULTI_STEP_FILTERED, []),
+    ("float64", 2, LONG_RESPONSES, [f"max_tokens_per_micro_batch={TOKEN_BUDGET}"]),
+    ("float32", 1, ONE_STEP, []), ("bfloat16", 1, ONE_STEP, []),
+    ("bfloat16", 2, [*ONE_STEP, "grpo.loss_agg=seq_mean_token_mean"], []),
 ], ids=["float64-1-rank", "float64-2-ranks", "float64-2-ranks-seq-mean",
-        "float64-2-optimizer-steps-per-rollout-filtered", "float32-1-rank", "bfloat16-1-rank",
-        "bfloat16-2-ranks-seq-mean"])
-def test_pipelined_update_equals_synchronous_update(job_dir, dtype, num_ranks, extra):
+        "float64-2-optimizer-steps-per-rollout-filtered", "float64-2-ranks-token-budget-micro-batches",
+        "float32-1-rank", "bfloat16-1-rank", "bfloat16-2-ranks-seq-mean"])
+def test_pipelined_update_equals_synchronous_update(job_dir, dtype, num_ranks, extra, cgp_extra):
+    """``cgp_extra`` applies to the cgp run only (sync keeps micro_batch_size micro-batches)."""
     runs = {}
-    for mode, jitter in (("sync", "1"), ("cgp", "2")):
+    for mode, jitter, only in (("sync", "1", []), ("cgp", "2", cgp_extra)):
         run_dir = job_dir(f"{mode}-{num_ranks}")
         result = run_job(run_dir, *PARITY, f"model.dtype={dtype}", f"pipeline.mode={mode}",
-                         f"trainer.num_ranks={num_ranks}", *extra, environ={"RP_TEST_REWARD_JITTER": jitter})
+                         f"trainer.num_ranks={num_ranks}", *extra, *only, environ={"RP_TEST_REWARD_JITTER": jitter})
         assert result.returncode == 0, result.stderr[-3000:]
         runs[mode] = run_dir
     num_steps = 1 if dtype != "float64" else 2
@@ -116,6 +124,12 @@ def test_pipelined_update_equals_synchronous_update(job_dir, dtype, num_ranks, e
         assert {s["batch"] for s in cgp_samples} == {0, 1}
     else:
         assert publish_order(runs["sync"]) != publish_order(runs["cgp"]), "the groups must arrive in other orders"
+    if cgp_extra:
+        packed = [(s.attrs["num_samples"], s.attrs["num_padded_tokens"]) for s in read_spans(runs["cgp"])
+                  if s.name == "train/forward_backward"]
+        assert all(padded <= TOKEN_BUDGET or rows == 1 for rows, padded in packed), packed
+        assert {rows for rows, _ in packed} - {3}, "the budget must compose other micro-batches than sync's"
+        assert all(0 < m["perf/padding_ratio"] < 1 for m in read_metrics(runs["cgp"]))
 
     sync_m, cgp_m = read_metrics(runs["sync"]), read_metrics(runs["cgp"])
     assert [m["train/num_tokens"] for m in sync_m] == [m["train/num_tokens"] for m in cgp_m]  # every dtype

@@ -100,6 +100,19 @@ def test_sync_trains_after_the_last_group_and_cgp_before():
             assert (first_train < last_group) is overlaps, (mode, step)
 
 
+def test_simulated_trainer_packs_micro_batches_within_the_job_s_token_budget():
+    """A budget of 100 padded tokens: micro-batches of 1 to 4 rows where micro_batch_size cuts 4 each, and the same
+    tokens trained."""
+    fixed = simulate(job(**{"trainer.num_ranks": 2}), SIM)
+    budget = simulate(job(**{"trainer.num_ranks": 2, "max_tokens_per_micro_batch": 100}), SIM)
+    packed = [(s.attrs["num_samples"], s.attrs["num_padded_tokens"]) for s in budget.spans
+              if s.name == "train/forward_backward"]
+    assert all(padded <= 100 or rows == 1 for rows, padded in packed), packed
+    assert {rows for rows, _ in packed} - {4}, "the budget must compose other micro-batches than micro_batch_size"
+    assert [r["train/num_tokens"] for r in budget.records] == [r["train/num_tokens"] for r in fixed.records]
+    assert all(0 < r["perf/padding_ratio"] < 1 for r in [*fixed.records, *budget.records])
+
+
 def test_simulated_fgd_runs_the_real_frontier(monkeypatch):
     calls = []
     real = admission.StepSlots.frontier
@@ -169,11 +182,13 @@ def test_speed_bench_times_the_scale_preset_and_says_whether_the_target_is_met()
 
 def compared_runs() -> list:
     """Records and spans of small runs that take every path of the simulator: each mode, FGD, several ranks and
-    reward workers, dynamic filtering with over-sampling (its aborts), span recording."""
+    reward workers, micro-batches by a token budget, dynamic filtering with over-sampling (its aborts), span
+    recording."""
     flat = SimConfig(lengths=SIM.lengths, engine=MODEL, trainer=SIM.trainer, num_span_steps=2,
                      rewards=RewardModel(pass_alpha=0.3, pass_beta=0.3))
     runs = [(job(**{"pipeline.mode": "sync"}), SIM),
-            (job(**{"rollout.admission": "fgd", "trainer.num_ranks": 2, "reward.num_workers": 3}), SIM),
+            (job(**{"rollout.admission": "fgd", "trainer.num_ranks": 2, "reward.num_workers": 3,
+                    "max_tokens_per_micro_batch": 160}), SIM),
             (job(**{"pipeline.mode": "async_one_step"}), SIM),
             (job(**{"rollout.admission": "fgd", "rollout.filter_zero_variance": True,
                     "rollout.over_sampling_groups": 2}), flat)]

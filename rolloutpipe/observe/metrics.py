@@ -16,6 +16,10 @@ rollout node and t_end the end of its last optimizer step:
     perf/pipeline_efficiency          (T_sync - T) / (T_sync - T_ideal), T = rollout_to_train_end,
                                       T_sync = rollout_s + train_compute_s (what a synchronous schedule would
                                       take), T_ideal as above: 0 for no overlap, 1 for the ideal
+    perf/padding_ratio                padding slots / all token slots of the step's micro-batches (each row
+                                      right-padded to its micro-batch's longest sequence), over every rank
+    train/entropy                     the policy's entropy at the trained response tokens (at the sampling
+                                      temperature), mean over the step's tokens: falling fast means collapse
 """
 
 from __future__ import annotations
@@ -243,6 +247,11 @@ class TrainStats:
     num_tokens: int = 0
     entropy_sum: float = 0.0
     """The policy's entropy summed over the step's trained response tokens (all data-parallel ranks)."""
+    num_padded_tokens: int = 0
+    """Token slots of the step's micro-batches (rows x each one's longest sequence), over every trainer rank once
+    TrainerNode.reduce has summed them."""
+    num_padding_tokens: int = 0
+    """The slots of ``num_padded_tokens`` that hold padding, summed the same way."""
     weight_sync_s: float = 0.0
 
 
@@ -283,6 +292,7 @@ def reduce_step(rollout: RolloutStats, train: TrainStats, *, mean_compute_s: flo
         "perf/weight_sync_s": train.weight_sync_s,
         "perf/weight_load_s": rollout.weight_load_s,
         "perf/tokens_per_s": rollout.num_tokens / rollout_s if rollout_s > 0 else 0.0,
+        "perf/padding_ratio": train.num_padding_tokens / train.num_padded_tokens if train.num_padded_tokens else 0.0,
     }
 
 

@@ -119,9 +119,12 @@ class TrainerNode:
 
     def reduce(self, step: int, stats: TrainStats) -> dict:
         means = torch.tensor([stats.compute_s, stats.tail_compute_s], dtype=torch.float64)
+        padding = torch.tensor([stats.num_padded_tokens, stats.num_padding_tokens], dtype=torch.int64)
         if self.distributed:
             dist.all_reduce(means)
             means /= self.env.world_size
+            dist.all_reduce(padding)  # sums
+        stats.num_padded_tokens, stats.num_padding_tokens = padding.tolist()
         if not self.is_writer:
             return {}
         rollout = RolloutStats(**self.transport.wait_record(self.transport.key(f"step={step}", "rollout_stats"),

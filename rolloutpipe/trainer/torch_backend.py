@@ -50,6 +50,11 @@ class TrainSample:
     advantage: float
 
 
+def sequence_len(sample: TrainSample) -> int:
+    """Its row's length in ``pack`` before padding: prompt + response tokens."""
+    return len(sample.prompt_ids) + len(sample.response_ids)
+
+
 def train_samples(group: CompleteGroup) -> list[TrainSample]:
     return [
         TrainSample(prompt_ids=group.prompt_ids, response_ids=s.response_ids, engine_logprobs=s.logprobs,
