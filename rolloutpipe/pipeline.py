@@ -244,6 +244,7 @@ def run_node(cfg: Config, env: NodeEnv) -> None:
             run_rollout(node)
         else:
             run_trainer(TrainerNode(cfg, env, transport))
+        transport.liveness.finish()
     except BaseException as err:
         transport.abort(f"{env.role.value} rank {env.rank} failed: {type(err).__name__}: {err}")
         if transport.is_host:  # keep the store up until every waiter has had a poll to read the reason

@@ -171,6 +171,28 @@ def test_waiting_on_a_peer_that_stopped_beating_fails_with_its_name(transport):
     assert time.monotonic() - start < 5
 
 
+def test_a_peer_that_finished_healthy_is_not_reported_lost(transport):
+    """A trainer rank done with the run (rank 0 still writing the final checkpoint) stops beating: not a death."""
+    peer = client(transport)
+    beats = Liveness(peer, role="trainer", rank=1, peers=[], heartbeat_s=0.05, peer_timeout_s=0.3,
+                     startup_timeout_s=5).start()
+    waiter = waiting_client(transport)
+    waiter.liveness = Liveness(waiter, role="rollout", rank=0, peers=[("trainer", 1)], heartbeat_s=0.1,
+                               peer_timeout_s=0.3, startup_timeout_s=5)
+    time.sleep(0.15)
+    waiter.liveness.check(waiting_for="nothing")
+    beats.finish()
+    for _ in range(8):  # more than twice the peer timeout without a beat, watched all along
+        waiter.liveness.check(waiting_for="trainer/done")  # no error
+        time.sleep(0.1)
+    forger = client(transport, secret=b"x" * 32)  # and only the run's own "finished" counts
+    forger.put_record(transport.key("alive", "trainer", 2), {"count": 10**9, "finished": True})
+    waiter.liveness.peers.append(("trainer", 2))
+    with pytest.raises(PeerLost, match="trainer rank 2 never showed up"):
+        waiter.liveness.startup_timeout_s = 0
+        waiter.liveness.check(waiting_for="trainer/done")
+
+
 def test_abort_reason_reaches_every_waiter(transport):
     waiter = client(transport)
     waiter.poll_s = 0.1

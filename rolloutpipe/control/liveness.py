@@ -60,6 +60,14 @@ class Liveness:
     def stop(self) -> None:
         self._stop.set()
 
+    def finish(self) -> None:
+        """This process is done with the run, healthy: one last beat that says so, so that peers still finishing
+        (trainer rank 0 writing the final checkpoint and trace, the rollout waiting for it) stop watching it."""
+        self._stop.set()
+        self._thread.join()
+        self._count += 1
+        self._beat_client.put_record(self._key(self.me), {"count": self._count, "finished": True})
+
     def _key(self, who: tuple[str, int]) -> str:
         return self.transport.key("alive", who[0], who[1])
 
@@ -72,11 +80,12 @@ class Liveness:
             except TransportError:
                 return
 
-    def _beats(self, peer: tuple[str, int]) -> int:
-        """The peer's genuine count; 0 before its first beat or while its key holds a forged value."""
-        record = self._check_client.read_record(self._key(peer))
-        count = record.get("count") if record is not None else 0
-        return count if isinstance(count, int) else 0
+    def _beats(self, peer: tuple[str, int]) -> tuple[int, bool]:
+        """The peer's genuine count (0 before its first beat or while its key holds a forged value), and whether it
+        finished healthy (``finish``)."""
+        record = self._check_client.read_record(self._key(peer)) or {}
+        count = record.get("count", 0)
+        return (count, record.get("finished") is True) if isinstance(count, int) else (0, False)
 
     def check(self, *, waiting_for: str) -> None:
         with self._check_lock:
@@ -85,7 +94,9 @@ class Liveness:
                 raise PeerLost(f"run aborted while waiting for {waiting_for}: {aborted.get('reason')}")
             now = time.monotonic()
             for peer in self.peers:
-                count = self._beats(peer)
+                count, finished = self._beats(peer)
+                if finished:
+                    continue
                 last = self._seen.get(peer)
                 if last is None or count > last[0]:
                     if count > 0:
