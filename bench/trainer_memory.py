@@ -22,30 +22,60 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
+PROMPT_TOKENS = 32
+
 CASE = r"""
 import json, resource, sys, time
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
+from bench.trainer_memory import model_config
 from rolloutpipe.trainer.config import OldLogprobSource, TrainerConfig
 from rolloutpipe.trainer.grpo import GRPOConfig
 from rolloutpipe.trainer.torch_backend import PolicyTrainer, TrainSample
-tokens, chunk, hidden = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+tokens, chunk, hidden, layers, steps = (int(a) for a in sys.argv[1:6])
 torch.manual_seed(0)
-config = Qwen3Config(vocab_size=151936, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=2,
-                     num_attention_heads=16, num_key_value_heads=8, head_dim=hidden // 16, tie_word_embeddings=True,
-                     max_position_embeddings=tokens + 64)
-trainer = PolicyTrainer(model=Qwen3ForCausalLM(config), cfg=TrainerConfig(logprob_chunk_tokens=chunk),
-                        grpo=GRPOConfig(), temperature=1.0, pad_id=0, multi_step=False,
-                        process_group_active=False, old_logprobs=OldLogprobSource.trainer)
-sample = TrainSample(prompt_ids=list(range(5, 37)), response_ids=torch.randint(5, 151000, (tokens,)).tolist(),
-                     engine_logprobs=[0.0] * tokens, advantage=1.0)
+trainer = PolicyTrainer(model=Qwen3ForCausalLM(model_config(hidden, layers, tokens)),
+                        cfg=TrainerConfig(logprob_chunk_tokens=chunk), grpo=GRPOConfig(), temperature=1.0, pad_id=0,
+                        multi_step=False, process_group_active=False, old_logprobs=OldLogprobSource.trainer)
+sample = TrainSample(prompt_ids=list(range(5, 5 + PROMPT_TOKENS)),
+                     response_ids=torch.randint(5, 151000, (tokens,)).tolist(), engine_logprobs=[0.0] * tokens,
+                     advantage=1.0)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+with open("/proc/self/statm") as f:  # resident pages now: below ru_maxrss when building the model peaked higher
+    resident = int(f.read().split()[1]) * resource.getpagesize() // 1024
 start = time.perf_counter()
-trainer.begin_step(); trainer.forward_backward([sample], first_batch_of_step=True)
+trainer.begin_step()
+for _ in range(steps):  # micro-batches of one training batch: gradients accumulate, no optimizer step
+    trainer.forward_backward([sample], first_batch_of_step=True)
 elapsed = time.perf_counter() - start
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"peak_mib": (peak - before) / 1024, "tokens_per_s": tokens / elapsed}))
+print(json.dumps({"peak_mib": (peak - before) / 1024, "peak_over_resident_mib": (peak - resident) / 1024,
+                  "tokens_per_s": steps * tokens / elapsed}))
 """
+CASE = CASE.replace("PROMPT_TOKENS", str(PROMPT_TOKENS))
+
+
+def model_config(hidden: int, layers: int, tokens: int):
+    """The measured model: Qwen3's vocabulary, intermediate 3 x hidden, 16 heads, 8 key/value heads, tied."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=151936, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=hidden // 16, tie_word_embeddings=True,
+                       max_position_embeddings=tokens + PROMPT_TOKENS + 64)
+
+
+def measure(tokens: int, chunk: int, hidden: int, layers: int = 2, steps: int = 1) -> dict:
+    """``steps`` forward/backwards (micro-batches of one batch) of ``tokens`` response tokens (after PROMPT_TOKENS
+    prompt tokens) in a fresh process:
+    ``peak_mib`` (peak RSS minus the peak RSS before the step), ``peak_over_resident_mib`` (minus the RSS resident
+    just before the step: what the step itself added, even where building the model peaked higher, as it does when
+    HF allocates an lm_head and then ties it to the embedding) and ``tokens_per_s``. Raises with the child's
+    stderr."""
+    out = subprocess.run([sys.executable, "-c", CASE, str(tokens), str(chunk), str(hidden), str(layers), str(steps)],
+                         cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-2000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
@@ -59,13 +89,11 @@ def main() -> int:
     for _ in range(args.repeats):
         for tokens in args.tokens:
             for chunk in args.chunks:
-                out = subprocess.run([sys.executable, "-c", CASE, str(tokens), str(chunk), str(args.hidden)],
-                                     cwd=REPO, capture_output=True, text=True,
-                                     env={**os.environ, "PYTHONPATH": str(REPO)})
-                if out.returncode != 0:
-                    print(out.stderr[-2000:], file=sys.stderr)
+                try:
+                    runs.setdefault((tokens, chunk), []).append(measure(tokens, chunk, args.hidden))
+                except RuntimeError as err:
+                    print(err, file=sys.stderr)
                     return 1
-                runs.setdefault((tokens, chunk), []).append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"one forward/backward, 2-layer Qwen3, hidden {args.hidden}, vocabulary 151,936, float32 on CPU")
     print("| tokens | logprob_chunk_tokens | peak MiB | MiB/token | tokens/s |")
     print("|--------|----------------------|----------|-----------|----------|")
