@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from rolloutpipe.config import Config, ConfigError, check_command_line, load_config, register_hydra_schema
 from rolloutpipe.launch.config import LauncherKind
 from rolloutpipe.launch.local import Launcher, LocalLauncher, prepare_run
-from rolloutpipe.launch.preflight import check_model
+from rolloutpipe.launch.preflight import check_model, warn_memory
 
 register_hydra_schema()
 
@@ -45,11 +45,14 @@ def main(raw: DictConfig) -> None:
             raise ConfigError("run.dir and run.id name one run, but a sweep makes several: drop them (each point gets "
                               "<hydra.sweep.dir>/<job number> and its own run id), or set hydra.sweep.dir=... instead.")
         run_dir = Path(cfg.run.dir or HydraConfig.get().runtime.output_dir).resolve()
-        if cfg.launcher.kind is not LauncherKind.local:
+        gpu_launcher = cfg.launcher.kind is not LauncherKind.local  # Slurm: GPU nodes (the local run is on CPU)
+        if gpu_launcher:
             from rolloutpipe.launch.slurm import check_launch
 
             check_launch(cfg)
         check_model(cfg)  # reads config.json and the tokenizer: a model that cannot run right stops here
+        if gpu_launcher:
+            warn_memory(cfg)  # log lines naming the term and the knob when an estimate exceeds a GPU's memory
         cfg = prepare_run(cfg, run_dir)
     except ConfigError as err:
         if sweep:

@@ -57,6 +57,10 @@ def grpo(
     from rolloutpipe.control.env import free_port
 
     cfg, run_dir = _prepare(list(overrides))
+    if rollout_gpus or trainer_gpus:
+        from rolloutpipe.launch.preflight import warn_memory
+
+        warn_memory(cfg)  # log lines naming the term and the knob when an estimate exceeds a GPU
     os.environ["RP_RUN_SECRET"] = secrets.token_bytes(32).hex()  # see the module docstring: not in the AppDef
     common = {
         "RP_RUN_ID": str(cfg.run.id),
@@ -83,16 +87,11 @@ def grpo(
 
 def _prepare(overrides: list[str]):
     """Compose conf/ with the overrides (as launch.py does), check it, and write the run's config.yaml."""
-    from hydra import compose, initialize_config_dir
-
-    from rolloutpipe.config import check_overrides, config_groups, load_config, register_hydra_schema
+    from rolloutpipe.config import compose_config
     from rolloutpipe.launch.config import LauncherKind
     from rolloutpipe.launch.local import prepare_run
 
-    check_overrides(overrides, groups=config_groups(CONF_DIR))  # an unknown key: its name, before composing
-    register_hydra_schema()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = load_config(compose("config", overrides=overrides))
+    cfg = compose_config(overrides, CONF_DIR)
     if cfg.launcher.kind is not LauncherKind.local:
         raise ValueError(f"launcher={cfg.launcher.kind.value} does not apply here: TorchX is the launcher.")
     run_dir = Path(cfg.run.dir or f"outputs/torchx/{datetime.now():%Y-%m-%d/%H-%M-%S}").resolve()

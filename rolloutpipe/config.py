@@ -289,6 +289,18 @@ def _path_in_lists(node, key: str, prefix: str = "", in_list: bool = False) -> s
     return None
 
 
+def compose_config(overrides: list[str], conf_dir: Path, *, config_name: str = "config") -> Config:
+    """The job's Config from ``conf_dir``'s Hydra configs and command-line ``overrides``, as ``python launch.py``
+    composes it (for callers outside ``hydra.main``: TorchX's component, tools/memory_plan.py). An unknown key
+    stops first, with its name, before anything is composed."""
+    from hydra import compose, initialize_config_dir
+
+    check_overrides(overrides, groups=config_groups(conf_dir))
+    register_hydra_schema()
+    with initialize_config_dir(config_dir=str(conf_dir), version_base=None):
+        return load_config(compose(config_name, overrides=overrides))
+
+
 def check_overrides(overrides: list[str], schema: type = Config, *, groups: frozenset[str] = frozenset(),
                     listed_by: str = LISTED_BY) -> None:
     """Stop on a command-line override (``key=v``, ``+key=v``, a sweep's ``key=a,b``) whose key ``schema`` does not

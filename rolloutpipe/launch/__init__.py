@@ -5,6 +5,8 @@
     slurm.py         SlurmLauncher (one heterogeneous job through submitit), check_allocation for sbatch
     submitit_het.py  the submitit extension for het jobs;  sacct.py  sacct's rows folded into one state
     node.py          the entry point of every node-group process: ``python -m rolloutpipe.launch.node``
+    preflight.py     checks of the model at launch; memory_plan.py  estimated peak GPU memory per rank and
+                     engine (tools/memory_plan.py prints it, GPU launchers warn from it)
 
 May import anything below it (config, control/, pipeline via node.py). submitit only inside submitit_het.py.
 """

@@ -3,13 +3,21 @@
 ``check_model`` reads model.path's config.json and tokenizer (no weights), so a model the trainer backend cannot map
 faithfully, or a tokenizer that cannot serve the model, stops ``python launch.py`` with exit code 2 and the key to
 change, instead of after the queue wait and the model load on every rank.
+
+``warn_memory`` (GPU launchers only: launch.py's Slurm kinds, TorchX with GPUs) logs the memory plan's warnings
+(launch/memory_plan.py) when an estimate exceeds a GPU's memory: a warning, never a refusal, since an estimate is
+not a measurement. The local CPU run never computes it.
 """
 
 from __future__ import annotations
 
+import logging
+
 from rolloutpipe.config import Config, ConfigError
 from rolloutpipe.model import load_tokenizer
 from rolloutpipe.trainer.config import TrainerBackend
+
+log = logging.getLogger(__name__)
 
 
 def check_model(cfg: Config) -> None:
@@ -43,3 +51,16 @@ def check_tokenizer(tokenizer, hf_config, *, path: str) -> None:
         raise ConfigError(f"model.path={path}: the tokenizer has {len(tokenizer)} tokens but the model embeds "
                           f"{hf_config.vocab_size} (config.json vocab_size): it is not this model's tokenizer. Save "
                           "the model's own tokenizer beside its weights.")
+
+
+def warn_memory(cfg: Config, *, gpu_memory_gib: float | None = None) -> list[str]:
+    """Log (and return) one warning per trainer rank or engine estimate over the GPU's memory (80 GiB unless
+    given), naming the largest terms and the keys that lower them."""
+    from rolloutpipe.launch import memory_plan
+
+    gpu = memory_plan.DEFAULT_GPU_MEMORY_GIB if gpu_memory_gib is None else gpu_memory_gib
+    lines = memory_plan.warnings(memory_plan.plan(cfg, memory_plan.model_shape(cfg), gpu_memory_gib=gpu))
+    for line in lines:
+        log.warning("%s (an estimate for a %.0f GiB GPU: python tools/memory_plan.py <the same overrides> "
+                    "--gpu-memory-gib N shows every term)", line, gpu)
+    return lines

@@ -1,0 +1,457 @@
+"""A memory plan: the estimated peak GPU memory of each trainer rank and each rollout engine, term by term.
+
+    tools/memory_plan.py   prints the plan of a job (the same Hydra config and overrides as launch.py)
+    launch/preflight.py    warns at launch (GPU launchers only) when a term pushes a GPU past its memory
+
+Pure arithmetic over the model's shape and the typed Config; nothing here touches a GPU. What is counted:
+
+Trainer rank (all ranks alike: data-parallel replicas, or tensor-parallel shards of equal size)
+  weights, gradients, optimizer   per parameter of the rank's shard. Torch backend, bf16: bf16 weights and
+                                  gradients, fp32 master weights, fp32 Adam m and v; at the optimizer step a float32
+                                  copy of the gradients too. Megatron: bf16 weights, DDP's fp32 gradient buffer, fp32
+                                  master weights and Adam m, v (no distributed optimizer: each data-parallel rank
+                                  keeps the full state of its tensor-parallel shard).
+  activations                     what a decoder layer keeps for backward, per token (``layer_activation_bytes``: the
+                                  tensors HF's Qwen3 layer saves; Megatron's local layer is counted alike), times
+                                  layers and the micro-batch's padded size rows * (max prompt + max response).
+                                  ``trainer.recompute``: each layer's input, plus one layer recomputed in backward.
+  attention                       ``fused`` (SDPA's flash / memory-efficient kernels, Transformer Engine's fused
+                                  attention): O(T), the output and a log-sum-exp per head, already in the layer count.
+                                  ``materialised`` (Megatron's local spec, DotProductAttention, what
+                                  trainer/megatron/model.py builds): the [heads, T, T] probabilities of every layer,
+                                  in the model's dtype, plus their float32 softmax where Megatron's fused softmax
+                                  kernel does not apply (T > 4096), and one scores buffer. The torch backend runs
+                                  SDPA: fused. A padded micro-batch of several rows adds HF's [rows, T, T] boolean mask.
+  log-prob chunk                  [tokens, vocabulary] float32 buffers at the log-softmax's backward: its output,
+                                  the incoming gradient and its own (12 B; forward holds the logits in the model's
+                                  dtype and two float32 tensors, no more); or, if larger, one float32 gradient and the
+                                  head weight's gradient before autograd sums it. The torch backend has
+                                  ``logprob_chunk_tokens`` tokens of them; Megatron gathers the whole micro-batch's.
+Rollout engine (SGLang)
+  weights + KV cache              ``rollout.concurrency`` responses of max prompt + max response tokens, K and V of
+                                  every layer's key/value heads in the model's dtype, inside SGLang's
+                                  --mem-fraction-static; the rest of the GPU is SGLang's reserve (activations,
+                                  CUDA graphs).
+
+Validated against measured peak RSS of the CPU torch trainer (bench/memory_plan_validation.py, README "Memory plan").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+
+from rolloutpipe.config import Config
+from rolloutpipe.model import TINY_CHARS, TINY_SPECIAL_TOKENS, DType
+from rolloutpipe.trainer.config import OldLogprobSource, TrainerBackend
+
+GiB = 1 << 30
+DEFAULT_GPU_MEMORY_GIB = 80.0
+CUDA_CONTEXT_BYTES = 1 * GiB
+"""Assumed per trainer process: the CUDA context, cuBLAS / NCCL workspaces and allocator slack."""
+SGLANG_MEM_FRACTION_STATIC = 0.88
+"""Assumed share of the GPU SGLang gives weights + KV cache when rollout.sglang_launch_args has no
+--mem-fraction-static (its default on an 80 GB GPU at TP 1 in recent versions; it varies by version and GPU)."""
+MEGATRON_FUSED_SOFTMAX_MAX_LEN = 4096
+"""Megatron's fused scale-mask-softmax kernel takes keys up to this length; longer ones run torch's float32 softmax."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ModelShape:
+    """What memory depends on in a Qwen2/Qwen3-style decoder (HF config.json names in the docstrings)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    """num_hidden_layers"""
+    num_heads: int
+    """num_attention_heads"""
+    num_kv_heads: int
+    """num_key_value_heads"""
+    head_dim: int
+    vocab_size: int
+    tied_embeddings: bool
+    """tie_word_embeddings: the output head is the input embedding."""
+    qk_norm: bool = True
+    """Qwen3's per-head RMSNorm of q and k (Qwen2 has none)."""
+    qkv_bias: bool = False
+    """Qwen2's q/k/v biases."""
+
+    @classmethod
+    def from_hf(cls, hf_config) -> ModelShape:
+        heads = hf_config.num_attention_heads
+        return cls(hidden_size=hf_config.hidden_size, intermediate_size=hf_config.intermediate_size,
+                   num_layers=hf_config.num_hidden_layers, num_heads=heads,
+                   num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+                   vocab_size=hf_config.vocab_size, tied_embeddings=bool(hf_config.tie_word_embeddings),
+                   qk_norm=hf_config.model_type == "qwen3", qkv_bias=hf_config.model_type == "qwen2")
+
+    def num_params(self, *, tp: int = 1) -> int:
+        """Parameters of one tensor-parallel shard (tp=1: the HF model's parameter count, tied weights once).
+        Linear layers and the vocabulary (padded to a multiple of tp) are split; norms are replicated."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        linear = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size + (q + 2 * kv if self.qkv_bias else 0)
+        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        vocab = -(-self.vocab_size // tp) * h
+        heads = vocab if self.tied_embeddings else 2 * vocab
+        return heads + self.num_layers * (linear // tp + norms) + h
+
+
+QWEN3_SHAPES = {
+    "qwen3-0.6b": ModelShape(hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16, num_kv_heads=8,
+                             head_dim=128, vocab_size=151936, tied_embeddings=True),
+    "qwen3-1.7b": ModelShape(hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16, num_kv_heads=8,
+                             head_dim=128, vocab_size=151936, tied_embeddings=True),
+    "qwen3-4b": ModelShape(hidden_size=2560, intermediate_size=9728, num_layers=36, num_heads=32, num_kv_heads=8,
+                           head_dim=128, vocab_size=151936, tied_embeddings=True),
+    "qwen3-8b": ModelShape(hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8,
+                           head_dim=128, vocab_size=151936, tied_embeddings=False),
+}
+"""The Qwen3 family's HF config.json numbers, so a plan needs no model directory (``--model-shape``)."""
+
+
+def model_shape(cfg: Config) -> ModelShape:
+    """model.path's config.json (local files only), or the embedded tiny Qwen3's shape."""
+    if cfg.model.path is not None:
+        from transformers import AutoConfig
+
+        return ModelShape.from_hf(AutoConfig.from_pretrained(cfg.model.path, local_files_only=True))
+    tiny = cfg.model.tiny
+    return ModelShape(hidden_size=tiny.hidden_size, intermediate_size=tiny.intermediate_size,
+                      num_layers=tiny.num_layers, num_heads=tiny.num_attention_heads,
+                      num_kv_heads=tiny.num_key_value_heads, head_dim=tiny.hidden_size // tiny.num_attention_heads,
+                      vocab_size=len(TINY_SPECIAL_TOKENS) + len(TINY_CHARS), tied_embeddings=True)
+
+
+class AttentionKind(enum.Enum):
+    fused = "fused"
+    """O(T) memory: SDPA (flash / memory-efficient) or Transformer Engine's fused attention."""
+    materialised = "materialised"
+    """O(T^2): the softmax probabilities [heads, T, T] are kept for backward (Megatron's local DotProductAttention)."""
+
+
+class Phase(enum.Enum):
+    always = "always"
+    """Held for the whole run (weights, optimizer state)."""
+    forward_backward = "fwd/bwd"
+    """Held at once at the peak of one micro-batch's forward and backward (its activations alive)."""
+    end_of_backward = "bwd end"
+    """Held at the end of backward, the activations freed: the embedding's gradient being summed."""
+    optimizer_step = "step"
+    """Held during the optimizer step only (after the micro-batches' activations are gone)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Term:
+    name: str
+    num_bytes: int
+    phase: Phase
+    how: str
+    """How it was counted, in a few words."""
+    knob: str = ""
+    """What lowers it (config keys), empty where nothing does."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Estimate:
+    """One GPU's worth: a trainer rank or a rollout engine (``count`` of them alike)."""
+
+    who: str
+    count: int
+    terms: list[Term]
+    capacity_bytes: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_bytes(self) -> int:
+        """What is always held, plus the largest of the other phases' transients (they never overlap)."""
+        return self.phase_bytes(Phase.always) + max(self.phase_bytes(p) for p in Phase if p is not Phase.always)
+
+    def phase_bytes(self, phase: Phase) -> int:
+        return sum(t.num_bytes for t in self.terms if t.phase is phase)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.capacity_bytes
+
+
+@dataclass(kw_only=True, slots=True)
+class MemoryPlan:
+    trainer: Estimate
+    engine: Estimate | None
+    """None when the engines do not run on GPUs (rollout.engine=embedded or embedded_http)."""
+    fix: list[str] | None = None
+    """Overrides with which the trainer fits (None: it fits as is, or nothing tried makes it fit)."""
+
+    @property
+    def estimates(self) -> list[Estimate]:
+        return [self.trainer] + ([self.engine] if self.engine else [])
+
+
+def dtype_bytes(dtype: DType) -> int:
+    return {DType.float32: 4, DType.float64: 8, DType.bfloat16: 2}[dtype]
+
+
+def sequence_len(cfg: Config) -> int:
+    """The budget of one sample: the longest prompt plus the longest response."""
+    return cfg.data.max_prompt_len + cfg.rollout_max_response_len
+
+
+def micro_batch_rows(cfg: Config) -> int:
+    """Samples in the largest micro-batch a rank trains: micro_batch_size, or as many budget-length samples as
+    max_tokens_per_micro_batch holds (rows * longest length; at least one); never more than a rank's share."""
+    rows = (max(1, cfg.max_tokens_per_micro_batch // sequence_len(cfg)) if cfg.max_tokens_per_micro_batch
+            else cfg.micro_batch_size)
+    return min(rows, max(1, cfg.global_batch_size // cfg.trainer.data_parallel_size))
+
+
+def layer_activation_bytes(shape: ModelShape, *, dtype_bytes: int, tp: int = 1,
+                           expanded_kv: bool = False) -> dict[str, float]:
+    """Bytes one decoder layer keeps for backward, per token, by tensor (tensor-parallel rank ``tp`` of them): what
+    autograd saves in HF's Qwen3 layer (tests/test_memory_plan.py counts it with saved-tensor hooks).
+
+    RMSNorm keeps its input in float32, the normalised input (in the model's dtype) and its product with the weight
+    (the next linears' input): 4h + 2dh. q and k: the projection's output in float32 for the q/k norm, the
+    normalised one, and the rotated tensor the attention keeps (4 + 2d per element; RoPE's products keep only cos and
+    sin; without q/k norm just the rotated tensor, d). v as projected. The attention's output, which o_proj reads
+    in place (flash kernels write it [tokens, heads, head_dim]), and a float32 log-sum-exp per head. The MLP: gate,
+    silu(gate), up and their product (4d per intermediate element). Residual adds keep nothing. ``expanded_kv``:
+    GQA's keys and values repeated to every query head (HF with a padding mask, where SDPA's enable_gqa is not used;
+    Megatron's DotProductAttention always).
+    """
+    d, h = dtype_bytes, shape.hidden_size
+    q = shape.num_heads * shape.head_dim / tp
+    kv = shape.num_kv_heads * shape.head_dim / tp
+    rotated = 4 + 2 * d if shape.qk_norm else d
+    norm = 4 * h + 2 * d * h
+    return {
+        "input norm": norm,
+        "q": rotated * q,
+        "k": rotated * kv + (d * (q - kv) if expanded_kv else 0),
+        "v": d * kv + (d * (q - kv) if expanded_kv else 0),
+        "attention output": d * q + 4 * shape.num_heads / tp,
+        "post-attention norm": norm,
+        "mlp": 4 * d * shape.intermediate_size / tp,
+    }
+
+
+def trainer_estimate(cfg: Config, shape: ModelShape, *, capacity_bytes: int,
+                     attention: AttentionKind | None = None) -> Estimate:
+    tr = cfg.trainer
+    megatron = tr.backend is TrainerBackend.megatron
+    tp = tr.megatron.tensor_parallel_size
+    d = dtype_bytes(cfg.model.dtype)
+    master = 4 if d < 4 else d
+    params = shape.num_params(tp=tp)
+    attention = attention or (AttentionKind.materialised if megatron else AttentionKind.fused)
+    rows, length = micro_batch_rows(cfg), sequence_len(cfg)
+    tokens = rows * length
+    h, layers = shape.hidden_size, shape.num_layers
+    shard = f"{params / 1e9:.2f}B params" + (f" (1/{tp} tensor-parallel shard)" if tp > 1 else "")
+    more_tp = ("more trainer.megatron.tensor_parallel_size" if megatron
+               else "trainer.backend=megatron with tensor_parallel_size > 1")
+    fewer_tokens = (f"max_tokens_per_micro_batch={length} (one sample per micro-batch)" if rows > 1
+                    else "shorter data.max_prompt_len / rollout_max_response_len")
+
+    terms = [Term(name="weights", num_bytes=params * d, phase=Phase.always, how=f"{shard} x {d} B", knob=more_tp)]
+    if megatron:
+        grad_bytes = 8 if d == 8 else 4
+        terms.append(Term(name="gradients", num_bytes=params * grad_bytes, phase=Phase.always,
+                          how=f"DDP's gradient buffer, {grad_bytes} B/param", knob=more_tp))
+    else:
+        terms.append(Term(name="gradients", num_bytes=params * d, phase=Phase.always,
+                          how=f"{d} B/param, from the first micro-batch to the optimizer step", knob=more_tp))
+    if d < 4:
+        terms.append(Term(name="master weights", num_bytes=params * 4, phase=Phase.always, how="fp32, 4 B/param",
+                          knob=more_tp))
+    terms.append(Term(name="optimizer state", num_bytes=params * 2 * master, phase=Phase.always,
+                      how=f"Adam m, v: 2 x {master} B/param", knob=more_tp))
+    if not megatron and d < 4:
+        terms.append(Term(name="fp32 gradients", num_bytes=params * 4, phase=Phase.optimizer_step,
+                          how="the gradients in float32 for the master weights", knob=more_tp))
+    if cfg.num_steps_per_rollout > 1 and tr.old_logprobs is OldLogprobSource.trainer:
+        terms.append(Term(name="policy snapshot", num_bytes=params * d, phase=Phase.always,
+                          how="version k's weights for old log-probs", knob="trainer.old_logprobs=engine"))
+
+    expanded = megatron or rows > 1
+    per_layer = sum(layer_activation_bytes(shape, dtype_bytes=d, tp=tp, expanded_kv=expanded).values())
+    final_norm = 4 * h + 2 * d * h
+    if tr.recompute:
+        act = tokens * (layers * d * h + per_layer + final_norm)
+        how = (f"{tokens} tokens x ({layers} layer inputs x {d * h} B + one layer {per_layer / 1024:.0f} KiB + "
+               "final norm)")
+        knob = fewer_tokens
+    else:
+        act = tokens * (layers * per_layer + final_norm)
+        how = f"{tokens} tokens ({rows} x {length}) x {layers} layers x {per_layer / 1024:.0f} KiB + final norm"
+        knob = f"trainer.recompute=true, {fewer_tokens}"
+    terms.append(Term(name="activations", num_bytes=int(act), phase=Phase.forward_backward, how=how, knob=knob))
+
+    heads = shape.num_heads // tp
+    if attention is AttentionKind.materialised:
+        scores = rows * heads * length * length
+        fp32_softmax = 4 if d < 4 and length > MEGATRON_FUSED_SOFTMAX_MAX_LEN else 0
+        kept_layers = 1 if tr.recompute else layers
+        attn = scores * ((d + fp32_softmax) * kept_layers + d + fp32_softmax)  # + the buffer, its fp32 copy
+        how = (f"[{rows} x {heads} heads x {length}^2] x {d + fp32_softmax} B kept in {kept_layers} layer(s), "
+               "one scores buffer" + (", fp32 softmax (T > 4096)" if fp32_softmax else ""))
+        knob = f"{'' if tr.recompute else 'trainer.recompute=true, '}{more_tp}, {fewer_tokens}"
+    else:
+        attn, how, knob = 0, "O(T): output and log-sum-exp, counted in activations", ""
+    mask_rows = 1 if megatron else rows if rows > 1 else 0  # HF drops the mask of one unpadded row
+    mask = mask_rows * length * length
+    if mask:
+        how += f"; [{mask_rows} x {length}^2] boolean mask"
+    terms.append(Term(name=f"attention ({attention.value})", num_bytes=int(attn + mask), phase=Phase.forward_backward,
+                      how=how, knob=knob))
+
+    head_grad = shape.vocab_size * h // tp * d  # the head weight's gradient, computed before it is summed
+    if megatron:
+        logit_tokens = tokens - rows
+        how = f"{logit_tokens} tokens (the whole micro-batch, gathered) x {shape.vocab_size}"
+        knob = f"{fewer_tokens} (logprob_chunk_tokens applies to trainer.backend=torch only)"
+    else:
+        chunk = tr.logprob_chunk_tokens
+        logit_tokens = min(chunk, tokens - rows) if chunk else tokens - rows
+        how = f"{logit_tokens} tokens x {shape.vocab_size}"
+        knob = "lower trainer.logprob_chunk_tokens" if chunk else "trainer.logprob_chunk_tokens=1024"
+    logits = logit_tokens * shape.vocab_size
+    # The log-softmax's backward holds its output, the incoming gradient and its own (float32: 12 B per logit).
+    # A weight used more than once (the head by each chunk; a tied head by the embedding too) has its gradient
+    # summed by autograd in a buffer of its own, out of place: buffer + new part + sum, with the activations alive
+    # when chunks are summed, freed when the embedding's part comes last.
+    if not megatron and tr.logprob_chunk_tokens and tokens - rows > logit_tokens:
+        lp_bytes = max(12 * logits + head_grad, 3 * head_grad)
+        how += " x 12 B (fp32 log-softmax, two gradients) + the head gradient's buffer, or 3 head gradients summing"
+    else:
+        lp_bytes = max(12 * logits, 4 * logits + head_grad)
+        how += " x 12 B (fp32 log-softmax and two gradients)"
+    terms.append(Term(name="log-prob chunk", num_bytes=lp_bytes, phase=Phase.forward_backward, how=how, knob=knob))
+    embedding_grads = 3 if shape.tied_embeddings else 1
+    terms.append(Term(name="embedding gradient", num_bytes=embedding_grads * head_grad, phase=Phase.end_of_backward,
+                      how=(f"{embedding_grads} x [{shape.vocab_size // tp}, {h}] x {d} B: "
+                           + ("the tied head's buffer, the embedding's part and their sum" if shape.tied_embeddings
+                              else "the embedding's part before it is added"))))
+    terms.append(Term(name="CUDA context", num_bytes=CUDA_CONTEXT_BYTES, phase=Phase.always,
+                      how="assumed: context, workspaces, allocator slack"))
+    notes = [f"micro-batch: {rows} rows x {length} tokens (max prompt {cfg.data.max_prompt_len} + max response "
+             f"{cfg.rollout_max_response_len}), padded",
+             f"attention assumed {attention.value}: "
+             + ("Megatron's local layer spec (DotProductAttention), which trainer/megatron/model.py builds"
+                if attention is AttentionKind.materialised and megatron else
+                "SDPA's flash / memory-efficient kernels on GPU" if attention is AttentionKind.fused
+                else "eager attention")]
+    return Estimate(who=f"trainer rank ({tr.backend.value}, tp={tp})", count=tr.num_ranks, terms=terms,
+                    capacity_bytes=capacity_bytes, notes=notes)
+
+
+def mem_fraction_static(cfg: Config) -> float:
+    args = cfg.rollout.sglang_launch_args
+    for i, arg in enumerate(args):
+        if arg.startswith("--mem-fraction-static"):
+            return float(arg.split("=", 1)[1] if "=" in arg else args[i + 1])
+    return SGLANG_MEM_FRACTION_STATIC
+
+
+def engine_estimate(cfg: Config, shape: ModelShape, *, capacity_bytes: int) -> Estimate | None:
+    if not cfg.rollout.engines_on_gpus:
+        return None
+    tp = cfg.rollout.sglang_gpus_per_engine
+    d = dtype_bytes(cfg.model.dtype)
+    params = shape.num_params(tp=tp)
+    length = sequence_len(cfg)
+    kv_heads = max(1, shape.num_kv_heads // tp)
+    per_token = 2 * shape.num_layers * kv_heads * shape.head_dim * d
+    fraction = mem_fraction_static(cfg)
+    reserve = int(capacity_bytes * (1 - fraction))
+    room = capacity_bytes * fraction - params * d
+    most = max(0, int(room // (per_token * length)))
+    terms = [
+        Term(name="weights", num_bytes=params * d, phase=Phase.always, how=f"{params / 1e9:.2f}B params x {d} B",
+             knob="more rollout.sglang_gpus_per_engine"),
+        Term(name="KV cache", num_bytes=cfg.rollout.concurrency * length * per_token, phase=Phase.always,
+             how=f"{cfg.rollout.concurrency} requests x {length} tokens x {per_token // 1024} KiB",
+             knob=f"rollout.concurrency={most} (the most that fit), or more rollout.sglang_gpus_per_engine"),
+        Term(name="SGLang reserve", num_bytes=reserve, phase=Phase.always,
+             how=f"(1 - mem_fraction_static {fraction}) x GPU: activations, CUDA graphs",
+             knob="--mem-fraction-static in rollout.sglang_launch_args"),
+    ]
+    notes = ["worst case: every running request at max prompt + max response; past it SGLang queues or retracts "
+             "requests rather than failing"]
+    return Estimate(who=f"rollout engine (SGLang, tp={tp})", count=cfg.rollout.num_engines, terms=terms,
+                    capacity_bytes=capacity_bytes, notes=notes)
+
+
+def fix_candidates(cfg: Config, shape: ModelShape) -> list[tuple[list[str], Config]]:
+    """A ladder of changes, each adding to the one before: one sample per micro-batch, recomputation, then tensor
+    parallelism (Megatron; 2, 4, 8 ranks where they divide the key/value heads and trainer.num_ranks)."""
+    out: list[tuple[list[str], Config]] = []
+    overrides: list[str] = []
+    if micro_batch_rows(cfg) > 1:
+        overrides = [f"max_tokens_per_micro_batch={sequence_len(cfg)}"]
+        cfg = dataclasses.replace(cfg, max_tokens_per_micro_batch=sequence_len(cfg))
+        out.append((overrides, cfg))
+    if not cfg.trainer.recompute:
+        overrides = [*overrides, "trainer.recompute=true"]
+        cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, recompute=True))
+        out.append((overrides, cfg))
+    if cfg.trainer.backend is TrainerBackend.megatron:
+        for tp in (2, 4, 8):
+            if (tp > cfg.trainer.megatron.tensor_parallel_size and shape.num_kv_heads % tp == 0
+                    and cfg.trainer.num_ranks % tp == 0):
+                megatron = dataclasses.replace(cfg.trainer.megatron, tensor_parallel_size=tp)
+                tp_cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, megatron=megatron))
+                out.append(([*overrides, f"trainer.megatron.tensor_parallel_size={tp}"], tp_cfg))
+    return out
+
+
+def plan(cfg: Config, shape: ModelShape, *, gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB,
+         attention: AttentionKind | None = None) -> MemoryPlan:
+    capacity = int(gpu_memory_gib * GiB)
+    trainer = trainer_estimate(cfg, shape, capacity_bytes=capacity, attention=attention)
+    result = MemoryPlan(trainer=trainer, engine=engine_estimate(cfg, shape, capacity_bytes=capacity))
+    if not trainer.fits:
+        for overrides, candidate in fix_candidates(cfg, shape):
+            if trainer_estimate(candidate, shape, capacity_bytes=capacity, attention=attention).fits:
+                result.fix = overrides
+                break
+    return result
+
+
+def warnings(result: MemoryPlan) -> list[str]:
+    """One line per estimate that does not fit, naming its largest terms and their knobs."""
+    lines = []
+    for est in result.estimates:
+        if est.fits:
+            continue
+        over = sorted((t for t in est.terms if t.knob and t.num_bytes >= est.peak_bytes / 20),
+                      key=lambda t: -t.num_bytes)[:3]
+        terms = "; ".join(f"{t.name} {t.num_bytes / GiB:.1f} GiB (lower it: {t.knob})" for t in over)
+        line = (f"memory plan: each {est.who} needs about {est.peak_bytes / GiB:.1f} GiB, over the "
+                f"{est.capacity_bytes / GiB:.0f} GiB of its GPU. Largest: {terms}.")
+        if est is result.trainer:
+            line += (f" Fits with: {' '.join(result.fix)}." if result.fix
+                     else " Nothing the plan tries makes it fit (see tools/memory_plan.py).")
+        lines.append(line)
+    return lines
+
+
+def format_plan(result: MemoryPlan) -> str:
+    out = []
+    for est in result.estimates:
+        out.append(f"each {est.who} ({est.count} alike)")
+        width = max(len(t.name) for t in est.terms)
+        for t in est.terms:
+            out.append(f"  {t.name:<{width}}  {t.num_bytes / GiB:>8.2f} GiB  {t.phase.value:<7}  {t.how}")
+        verdict = "fits" if est.fits else "DOES NOT FIT"
+        out.append(f"  {'peak':<{width}}  {est.peak_bytes / GiB:>8.2f} GiB  of {est.capacity_bytes / GiB:.0f} GiB: "
+                   f"{verdict}")
+        out += [f"  ({note})" for note in est.notes]
+        out.append("")
+    if result.engine is None:
+        out.append("rollout engines: not on GPUs (rollout.engine is embedded), not planned")
+    lines = warnings(result)
+    out += lines or ["every estimate fits"]
+    return "\n".join(out)

@@ -1,0 +1,155 @@
+"""The memory plan (launch/memory_plan.py): its terms on known shapes, the knobs it names, the CLI on a preset,
+and the warning GPU launchers log before submitting."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from rolloutpipe.config import compose_config, load_config
+from rolloutpipe.launch import memory_plan
+from rolloutpipe.launch.memory_plan import AttentionKind, ModelShape, Phase, plan, trainer_estimate
+from rolloutpipe.launch.preflight import warn_memory
+from tests.conftest import REPO, node_environ
+
+QWEN3_1_7B = memory_plan.QWEN3_SHAPES["qwen3-1.7b"]
+GIB = memory_plan.GiB
+
+
+def gpqa(*overrides: str):
+    return compose_config(["+experiment=gpqa", "model.path=null", "data.path=null", *overrides], REPO / "conf")
+
+
+def term(estimate, name: str) -> int:
+    return next(t.num_bytes for t in estimate.terms if t.name.startswith(name))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_weights_are_the_hf_models_parameter_count_times_the_dtypes_bytes(tied):
+    small = dict(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, tie_word_embeddings=tied)
+    for config, model_class in ((Qwen3Config(**small, head_dim=32), Qwen3ForCausalLM),
+                                (Qwen2Config(**small), Qwen2ForCausalLM)):  # Qwen2: q/k/v biases, no q/k norm
+        count = sum(p.numel() for p in model_class(config).parameters())  # tied weights once
+        shape = ModelShape.from_hf(config)
+        assert shape.num_params() == count
+        cfg = load_config({"model": {"dtype": "bfloat16"}})
+        estimate = trainer_estimate(cfg, shape, capacity_bytes=GIB)
+        assert term(estimate, "weights") == 2 * count
+        assert term(estimate, "master weights") == 4 * count
+        assert term(estimate, "optimizer state") == 8 * count
+
+
+def test_qwen3_1_7b_shape_has_its_published_parameter_count():
+    assert round(QWEN3_1_7B.num_params() / 1e9, 2) == 1.72
+    # tensor parallel: linears and the vocabulary split, norms replicated
+    assert QWEN3_1_7B.num_params() / 2 < QWEN3_1_7B.num_params(tp=2) < QWEN3_1_7B.num_params() / 2 + 1e6
+
+
+def test_activations_grow_with_the_micro_batch_and_recompute_lowers_them():
+    base = trainer_estimate(gpqa(), QWEN3_1_7B, capacity_bytes=80 * GIB)
+    one_row = trainer_estimate(gpqa("max_tokens_per_micro_batch=10240"), QWEN3_1_7B, capacity_bytes=80 * GIB)
+    recompute = trainer_estimate(gpqa("trainer.recompute=true"), QWEN3_1_7B, capacity_bytes=80 * GIB)
+    assert term(one_row, "activations") < term(base, "activations") / 3.5  # 4 rows -> 1 (and no expanded kv)
+    assert term(recompute, "activations") < term(base, "activations") / 10
+    assert term(recompute, "attention") < term(base, "attention") / 10  # one layer's T x T probabilities, not 28
+    # SDPA-style attention keeps no T x T term; Megatron's local DotProductAttention keeps one per layer
+    fused = trainer_estimate(gpqa("max_tokens_per_micro_batch=10240"), QWEN3_1_7B, capacity_bytes=80 * GIB,
+                             attention=AttentionKind.fused)
+    assert term(fused, "attention") < term(one_row, "attention") / 1000
+
+
+def test_a_plan_that_does_not_fit_names_the_knob_and_a_change_that_fits():
+    result = plan(gpqa(), QWEN3_1_7B, gpu_memory_gib=80)
+    assert not result.trainer.fits and not result.engine.fits
+    trainer_line, engine_line = memory_plan.warnings(result)
+    # each large term with the keys that lower it
+    assert re.search(r"activations [\d.]+ GiB \(lower it: trainer\.recompute=true, max_tokens_per_micro_batch=10240",
+                     trainer_line), trainer_line
+    assert re.search(r"attention \(materialised\) [\d.]+ GiB \(lower it: trainer\.recompute=true, more "
+                     r"trainer\.megatron\.tensor_parallel_size", trainer_line), trainer_line
+    assert "rollout.concurrency=" in engine_line and "KV cache" in engine_line
+    fixed = plan(gpqa(*result.fix), QWEN3_1_7B, gpu_memory_gib=80)
+    assert fixed.trainer.fits, memory_plan.format_plan(fixed)
+    most = int(engine_line.split("rollout.concurrency=")[1].split()[0])
+    assert plan(gpqa(f"rollout.concurrency={most}"), QWEN3_1_7B).engine.fits
+    assert not plan(gpqa(f"rollout.concurrency={most + 1}"), QWEN3_1_7B).engine.fits
+
+
+def test_the_embedded_tiny_model_fits_and_its_engines_are_not_planned():
+    cfg = load_config({})
+    result = plan(cfg, memory_plan.model_shape(cfg))
+    assert result.engine is None and result.trainer.fits and memory_plan.warnings(result) == []
+
+
+def test_cli_plans_the_gpqa_preset_from_a_built_in_shape():
+    cmd = [sys.executable, str(REPO / "tools" / "memory_plan.py"), "+experiment=gpqa", "--model-shape", "qwen3-1.7b"]
+    over = subprocess.run(cmd, cwd=REPO, env=node_environ(), capture_output=True, text=True, timeout=120)
+    assert over.returncode == 1, over.stderr
+    for word in ("trainer rank (megatron, tp=1)", "rollout engine (SGLang, tp=1)", "optimizer state", "KV cache",
+                 "attention (materialised)", "log-prob chunk", "DOES NOT FIT", "Fits with: "):
+        assert word in over.stdout
+    roomy = subprocess.run([*cmd, "--gpu-memory-gib", "100000"], cwd=REPO, env=node_environ(), capture_output=True,
+                           text=True, timeout=120)
+    assert roomy.returncode == 0 and "every estimate fits" in roomy.stdout, roomy.stdout + roomy.stderr
+
+
+def test_gpu_launchers_warn_naming_the_term_and_the_knob(caplog, tmp_path):
+    cfg = load_config({"rollout": {"engine": "sglang", "concurrency": 10**7}})
+    with caplog.at_level(logging.WARNING, logger="rolloutpipe.launch.preflight"):
+        lines = warn_memory(cfg)
+    assert len(lines) == 1 and "KV cache" in lines[0] and "rollout.concurrency=" in lines[0]
+    assert caplog.records and "KV cache" in caplog.records[0].getMessage()
+    assert warn_memory(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, concurrency=4))) == []
+    # the launcher itself: a Slurm dry run plans and warns, and still writes its batch script (exit 0)
+    run = subprocess.run([sys.executable, str(REPO / "launch.py"), f"run.dir={tmp_path / 'run'}", "launcher=slurm",
+                          "launcher.dry_run=true", "rollout.engine=sglang", "rollout.concurrency=10000000"],
+                         cwd=REPO, env=node_environ(), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    output = run.stdout + run.stderr  # Hydra's log handler writes to stdout
+    assert "WARNING] - memory plan: each rollout engine" in output and "rollout.concurrency=" in output
+
+
+def test_peak_is_what_is_always_held_plus_the_largest_transient_phase():
+    # a short float32 sample: the end of backward (the tied embedding's gradient being summed) is the largest
+    cfg = load_config({"micro_batch_size": 1, "rollout_max_response_len": 8, "data": {"max_prompt_len": 8}})
+    estimate = trainer_estimate(cfg, QWEN3_1_7B, capacity_bytes=80 * GIB)
+    phases = {phase: estimate.phase_bytes(phase) for phase in Phase}
+    assert phases[Phase.end_of_backward] > max(phases[Phase.forward_backward], phases[Phase.optimizer_step])
+    assert estimate.peak_bytes == phases[Phase.always] + phases[Phase.end_of_backward]
+    # bfloat16: the optimizer step's float32 copy of the gradients
+    bf16 = trainer_estimate(load_config({"model": {"dtype": "bfloat16"}, "micro_batch_size": 1}), QWEN3_1_7B,
+                            capacity_bytes=80 * GIB)
+    assert bf16.phase_bytes(Phase.optimizer_step) == 4 * QWEN3_1_7B.num_params()
+    assert bf16.peak_bytes == bf16.phase_bytes(Phase.always) + bf16.phase_bytes(Phase.optimizer_step)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_layer_activation_count_is_what_autograd_saves_for_backward(dtype):
+    config = Qwen3Config(vocab_size=100, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=32, tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(config).to(dtype)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    tokens = 512
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.get_decoder()(input_ids=torch.randint(0, 100, (1, tokens)))
+    d = torch.finfo(dtype).bits // 8
+    shape = ModelShape.from_hf(config)
+    per_layer = sum(memory_plan.layer_activation_bytes(shape, dtype_bytes=d).values())
+    predicted = tokens * (config.num_hidden_layers * per_layer + 4 * 256 + 2 * d * 256)  # + the final norm
+    assert 0.9 < sum(saved.values()) / predicted < 1.1
