@@ -76,7 +76,7 @@ class _Spec:
         rows = self.real_rows(weight)
         logits = torch.nn.functional.linear(h, weight[:rows], None if bias is None else bias[:rows])
         wide = torch.promote_types(logits.dtype, torch.float32)
-        return logits.to(wide) / self.temperature
+        return logits.to(wide).div_(self.temperature)  # in place: no third [c, rows] tensor at once
 
     def all_reduce(self, values: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
         if self.shard.group is not None:
