@@ -27,6 +27,10 @@ def gpqa(*overrides: str):
     return compose_config(["+experiment=gpqa", "model.path=null", "data.path=null", *overrides], REPO / "conf")
 
 
+UNPLANNED = ["max_tokens_per_micro_batch=0", "micro_batch_size=4", "rollout.concurrency=64"]
+"""The gpqa preset as it was before the plan: 4 full-length samples per micro-batch, 64 requests per engine."""
+
+
 def term(estimate, name: str) -> int:
     return next(t.num_bytes for t in estimate.terms if t.name.startswith(name))
 
@@ -54,33 +58,40 @@ def test_qwen3_1_7b_shape_has_its_published_parameter_count():
 
 
 def test_activations_grow_with_the_micro_batch_and_recompute_lowers_them():
-    base = trainer_estimate(gpqa(), QWEN3_1_7B, capacity_bytes=80 * GIB)
-    one_row = trainer_estimate(gpqa("max_tokens_per_micro_batch=10240"), QWEN3_1_7B, capacity_bytes=80 * GIB)
-    recompute = trainer_estimate(gpqa("trainer.recompute=true"), QWEN3_1_7B, capacity_bytes=80 * GIB)
-    assert term(one_row, "activations") < term(base, "activations") / 3.5  # 4 rows -> 1 (and no expanded kv)
+    local = AttentionKind.materialised  # Megatron's local spec: [heads, T, T] kept per layer
+
+    def estimate(*overrides, attention=None):
+        return trainer_estimate(gpqa(*overrides), QWEN3_1_7B, capacity_bytes=80 * GIB, attention=attention)
+
+    base, recompute = estimate(*UNPLANNED), estimate(*UNPLANNED, "trainer.recompute=true")
+    one_row = estimate(*UNPLANNED, "max_tokens_per_micro_batch=10240")
+    assert term(one_row, "activations") < term(base, "activations") / 3.5  # 4 rows -> 1
     assert term(recompute, "activations") < term(base, "activations") / 10
-    assert term(recompute, "attention") < term(base, "attention") / 10  # one layer's T x T probabilities, not 28
-    # SDPA-style attention keeps no T x T term; Megatron's local DotProductAttention keeps one per layer
-    fused = trainer_estimate(gpqa("max_tokens_per_micro_batch=10240"), QWEN3_1_7B, capacity_bytes=80 * GIB,
-                             attention=AttentionKind.fused)
-    assert term(fused, "attention") < term(one_row, "attention") / 1000
+    base_local = estimate(*UNPLANNED, attention=local)
+    recompute_local = estimate(*UNPLANNED, "trainer.recompute=true", attention=local)
+    assert term(recompute_local, "attention") < term(base_local, "attention") / 10  # one layer's T x T, not 28
+    # fused attention (Transformer Engine, SDPA: the default) keeps no T x T term, only Megatron's [T, T] bool mask
+    assert term(base, "attention") == 10240 * 10240 < term(base_local, "attention") / 1000
 
 
 def test_a_plan_that_does_not_fit_names_the_knob_and_a_change_that_fits():
-    result = plan(gpqa(), QWEN3_1_7B, gpu_memory_gib=80)
+    result = plan(gpqa(*UNPLANNED), QWEN3_1_7B, gpu_memory_gib=80)
+    assert plan(gpqa(), QWEN3_1_7B, gpu_memory_gib=80).trainer.fits  # the preset as shipped
     assert not result.trainer.fits and not result.engine.fits
     trainer_line, engine_line = memory_plan.warnings(result)
     # each large term with the keys that lower it
     assert re.search(r"activations [\d.]+ GiB \(lower it: trainer\.recompute=true, max_tokens_per_micro_batch=10240",
                      trainer_line), trainer_line
+    local_line = memory_plan.warnings(plan(gpqa(*UNPLANNED), QWEN3_1_7B, gpu_memory_gib=80,
+                                           attention=AttentionKind.materialised))[0]
     assert re.search(r"attention \(materialised\) [\d.]+ GiB \(lower it: trainer\.recompute=true, more "
-                     r"trainer\.megatron\.tensor_parallel_size", trainer_line), trainer_line
+                     r"trainer\.megatron\.tensor_parallel_size", local_line), local_line
     assert "rollout.concurrency=" in engine_line and "KV cache" in engine_line
-    fixed = plan(gpqa(*result.fix), QWEN3_1_7B, gpu_memory_gib=80)
+    fixed = plan(gpqa(*UNPLANNED, *result.fix), QWEN3_1_7B, gpu_memory_gib=80)
     assert fixed.trainer.fits, memory_plan.format_plan(fixed)
     most = int(engine_line.split("rollout.concurrency=")[1].split()[0])
-    assert plan(gpqa(f"rollout.concurrency={most}"), QWEN3_1_7B).engine.fits
-    assert not plan(gpqa(f"rollout.concurrency={most + 1}"), QWEN3_1_7B).engine.fits
+    assert plan(gpqa(*UNPLANNED, f"rollout.concurrency={most}"), QWEN3_1_7B).engine.fits
+    assert not plan(gpqa(*UNPLANNED, f"rollout.concurrency={most + 1}"), QWEN3_1_7B).engine.fits
 
 
 def test_the_embedded_tiny_model_fits_and_its_engines_are_not_planned():
@@ -91,12 +102,15 @@ def test_the_embedded_tiny_model_fits_and_its_engines_are_not_planned():
 
 def test_cli_plans_the_gpqa_preset_from_a_built_in_shape():
     cmd = [sys.executable, str(REPO / "tools" / "memory_plan.py"), "+experiment=gpqa", "--model-shape", "qwen3-1.7b"]
-    over = subprocess.run(cmd, cwd=REPO, env=node_environ(), capture_output=True, text=True, timeout=120)
+    shipped = subprocess.run(cmd, cwd=REPO, env=node_environ(), capture_output=True, text=True, timeout=120)
+    assert shipped.returncode == 0 and "every estimate fits" in shipped.stdout, shipped.stdout + shipped.stderr
+    over = subprocess.run([*cmd, *UNPLANNED], cwd=REPO, env=node_environ(), capture_output=True, text=True,
+                          timeout=120)
     assert over.returncode == 1, over.stderr
     for word in ("trainer rank (megatron, tp=1)", "rollout engine (SGLang, tp=1)", "optimizer state", "KV cache",
-                 "attention (materialised)", "log-prob chunk", "DOES NOT FIT", "Fits with: "):
+                 "attention (fused)", "log-prob chunk", "DOES NOT FIT", "Fits with: "):
         assert word in over.stdout
-    roomy = subprocess.run([*cmd, "--gpu-memory-gib", "100000"], cwd=REPO, env=node_environ(), capture_output=True,
+    roomy = subprocess.run([*cmd, *UNPLANNED, "--gpu-memory-gib", "100000"], cwd=REPO, env=node_environ(), capture_output=True,
                            text=True, timeout=120)
     assert roomy.returncode == 0 and "every estimate fits" in roomy.stdout, roomy.stdout + roomy.stderr
 

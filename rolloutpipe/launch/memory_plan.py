@@ -17,16 +17,17 @@ Trainer rank (all ranks alike: data-parallel replicas, or tensor-parallel shards
                                   ``trainer.recompute``: each layer's input, plus one layer recomputed in backward.
   attention                       ``fused`` (SDPA's flash / memory-efficient kernels, Transformer Engine's fused
                                   attention): O(T), the output and a log-sum-exp per head, already in the layer count.
-                                  ``materialised`` (Megatron's local spec, DotProductAttention, what
-                                  trainer/megatron/model.py builds): the [heads, T, T] probabilities of every layer,
-                                  in the model's dtype, plus their float32 softmax where Megatron's fused softmax
-                                  kernel does not apply (T > 4096), and one scores buffer. The torch backend runs
-                                  SDPA: fused. A padded micro-batch of several rows adds HF's [rows, T, T] boolean mask.
-  log-prob chunk                  [tokens, vocabulary] float32 buffers at the log-softmax's backward: its output,
-                                  the incoming gradient and its own (12 B; forward holds the logits in the model's
-                                  dtype and two float32 tensors, no more); or, if larger, one float32 gradient and the
-                                  head weight's gradient before autograd sums it. The torch backend has
-                                  ``logprob_chunk_tokens`` tokens of them; Megatron gathers the whole micro-batch's.
+                                  The torch backend calls SDPA purely causal (no padding mask): fused. Megatron takes
+                                  Transformer Engine's layer spec when it imports on the GPU nodes (assumed: fused);
+                                  ``materialised`` is its local spec (DotProductAttention, on CPU or without
+                                  Transformer Engine): the [heads, T, T] probabilities of every layer, in the model's
+                                  dtype, plus their float32 softmax where Megatron's fused softmax kernel does not
+                                  apply (T > 4096), and one scores buffer; Megatron also builds a [T, T] bool mask.
+  log-prob chunk                  trainer/logprobs.py: ``logprob_chunk_tokens`` response tokens at a time (0: the
+                                  micro-batch at once), [tokens, vocabulary / tp] logits: 8 B per logit at the peak
+                                  (the float32 logits and their exponentials, or in backward the recomputed float32
+                                  softmax and its gradient in the model's dtype, <= 8 B), plus the head gradient
+                                  summed over chunks in float32 (and one chunk's part in a 16-bit dtype).
 Rollout engine (SGLang)
   weights + KV cache              ``rollout.concurrency`` responses of max prompt + max response tokens, K and V of
                                   every layer's key/value heads in the model's dtype, inside SGLang's
@@ -245,7 +246,7 @@ def trainer_estimate(cfg: Config, shape: ModelShape, *, capacity_bytes: int,
     d = dtype_bytes(cfg.model.dtype)
     master = 4 if d < 4 else d
     params = shape.num_params(tp=tp)
-    attention = attention or (AttentionKind.materialised if megatron else AttentionKind.fused)
+    attention = attention or AttentionKind.fused
     rows, length = micro_batch_rows(cfg), sequence_len(cfg)
     tokens = rows * length
     h, layers = shape.hidden_size, shape.num_layers
@@ -275,7 +276,9 @@ def trainer_estimate(cfg: Config, shape: ModelShape, *, capacity_bytes: int,
         terms.append(Term(name="policy snapshot", num_bytes=params * d, phase=Phase.always,
                           how="version k's weights for old log-probs", knob="trainer.old_logprobs=engine"))
 
-    expanded = megatron or rows > 1
+    # GQA's keys and values repeated to every query head: Megatron's local DotProductAttention only (HF's SDPA call
+    # without a mask uses enable_gqa; Transformer Engine takes grouped heads)
+    expanded = megatron and attention is AttentionKind.materialised
     per_layer = sum(layer_activation_bytes(shape, dtype_bytes=d, tp=tp, expanded_kv=expanded).values())
     final_norm = 4 * h + 2 * d * h
     if tr.recompute:
@@ -300,35 +303,22 @@ def trainer_estimate(cfg: Config, shape: ModelShape, *, capacity_bytes: int,
         knob = f"{'' if tr.recompute else 'trainer.recompute=true, '}{more_tp}, {fewer_tokens}"
     else:
         attn, how, knob = 0, "O(T): output and log-sum-exp, counted in activations", ""
-    mask_rows = 1 if megatron else rows if rows > 1 else 0  # HF drops the mask of one unpadded row
-    mask = mask_rows * length * length
+    mask = length * length if megatron else 0  # the torch backend passes no mask (padding is on the right)
     if mask:
-        how += f"; [{mask_rows} x {length}^2] boolean mask"
+        how += f"; [{length}^2] boolean mask"
     terms.append(Term(name=f"attention ({attention.value})", num_bytes=int(attn + mask), phase=Phase.forward_backward,
                       how=how, knob=knob))
 
-    head_grad = shape.vocab_size * h // tp * d  # the head weight's gradient, computed before it is summed
-    if megatron:
-        logit_tokens = tokens - rows
-        how = f"{logit_tokens} tokens (the whole micro-batch, gathered) x {shape.vocab_size}"
-        knob = f"{fewer_tokens} (logprob_chunk_tokens applies to trainer.backend=torch only)"
-    else:
-        chunk = tr.logprob_chunk_tokens
-        logit_tokens = min(chunk, tokens - rows) if chunk else tokens - rows
-        how = f"{logit_tokens} tokens x {shape.vocab_size}"
-        knob = "lower trainer.logprob_chunk_tokens" if chunk else "trainer.logprob_chunk_tokens=1024"
-    logits = logit_tokens * shape.vocab_size
-    # The log-softmax's backward holds its output, the incoming gradient and its own (float32: 12 B per logit).
-    # A weight used more than once (the head by each chunk; a tied head by the embedding too) has its gradient
-    # summed by autograd in a buffer of its own, out of place: buffer + new part + sum, with the activations alive
-    # when chunks are summed, freed when the embedding's part comes last.
-    if not megatron and tr.logprob_chunk_tokens and tokens - rows > logit_tokens:
-        lp_bytes = max(12 * logits + head_grad, 3 * head_grad)
-        how += " x 12 B (fp32 log-softmax, two gradients) + the head gradient's buffer, or 3 head gradients summing"
-    else:
-        lp_bytes = max(12 * logits, 4 * logits + head_grad)
-        how += " x 12 B (fp32 log-softmax and two gradients)"
-    terms.append(Term(name="log-prob chunk", num_bytes=lp_bytes, phase=Phase.forward_backward, how=how, knob=knob))
+    head_grad = shape.vocab_size * h // tp * d  # the head weight's gradient in the model's dtype
+    chunk = tr.logprob_chunk_tokens
+    logit_tokens = min(chunk, tokens) if chunk else tokens
+    vocab = shape.vocab_size // tp
+    summed = shape.vocab_size * h // tp * (max(4, d) + (d if d < 4 else 0))  # float32 sum, one 16-bit part
+    how = (f"{logit_tokens} tokens x {vocab} vocabulary{' (this rank' + chr(39) + 's shard)' if tp > 1 else ''}"
+           f" x 8 B + the head gradient summed over chunks ({max(4, d)} B/param)")
+    knob = "lower trainer.logprob_chunk_tokens" if chunk else "trainer.logprob_chunk_tokens=1024"
+    terms.append(Term(name="log-prob chunk", num_bytes=8 * logit_tokens * vocab + summed,
+                      phase=Phase.forward_backward, how=how, knob=knob))
     embedding_grads = 3 if shape.tied_embeddings else 1
     terms.append(Term(name="embedding gradient", num_bytes=embedding_grads * head_grad, phase=Phase.end_of_backward,
                       how=(f"{embedding_grads} x [{shape.vocab_size // tp}, {h}] x {d} B: "
@@ -339,10 +329,11 @@ def trainer_estimate(cfg: Config, shape: ModelShape, *, capacity_bytes: int,
     notes = [f"micro-batch: {rows} rows x {length} tokens (max prompt {cfg.data.max_prompt_len} + max response "
              f"{cfg.rollout_max_response_len}), padded",
              f"attention assumed {attention.value}: "
-             + ("Megatron's local layer spec (DotProductAttention), which trainer/megatron/model.py builds"
-                if attention is AttentionKind.materialised and megatron else
-                "SDPA's flash / memory-efficient kernels on GPU" if attention is AttentionKind.fused
-                else "eager attention")]
+             + ("Megatron's local layer spec (DotProductAttention: CPU, or no Transformer Engine)"
+                if attention is AttentionKind.materialised else
+                "Transformer Engine's fused attention (trainer/megatron/model.py uses its layer spec when "
+                "transformer_engine imports on the GPU nodes; --attention materialised: without it)" if megatron
+                else "SDPA's flash / memory-efficient kernels, purely causal")]
     return Estimate(who=f"trainer rank ({tr.backend.value}, tp={tp})", count=tr.num_ranks, terms=terms,
                     capacity_bytes=capacity_bytes, notes=notes)
 

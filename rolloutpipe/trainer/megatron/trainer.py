@@ -247,13 +247,14 @@ class _HiddenToLogprobs(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor,
                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         gpt, (batch, length) = self.gpt, input_ids.shape
+        causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).triu(1)[None, None]
         gpt.post_process = False
         try:
             hidden = gpt(
                 input_ids=input_ids,
                 position_ids=torch.arange(length, device=input_ids.device).expand(batch, length),
                 # True above the diagonal: masked (Megatron's convention); padding is on the right, so needs none
-                attention_mask=torch.ones(length, length, dtype=torch.bool, device=input_ids.device).triu(1)[None, None],
+                attention_mask=causal,
             )  # [L, B, H], after the final norm
         finally:
             gpt.post_process = True
