@@ -71,9 +71,16 @@ def main(raw: DictConfig) -> None:
         if not cfg.launcher.dry_run:
             print(f"done: metrics in {run_dir / 'metrics.jsonl'}, final weights in {run_dir / 'checkpoints' / 'final'}")
         return
-    if sweep:
+    print(f"to resume from the last checkpoint: {resume_command(run_dir)}", file=sys.stderr, flush=True)
+    if sweep and code <= 128:  # a signal (128 + its number) stops the sweep too
         raise RuntimeError(f"run {cfg.run.id} failed (exit code {code}); see the messages above and {run_dir}")
     sys.exit(code)
+
+
+def resume_command(run_dir: Path) -> str:
+    """This run's launch command with ``run.dir=<run_dir> run.resume=auto`` (a sweep point's: its own overrides)."""
+    kept = [o for o in HydraConfig.get().overrides.task if not o.lstrip("+~").startswith(("run.dir=", "run.resume="))]
+    return shlex.join(["python", sys.argv[0], *kept, f"run.dir={run_dir}", "run.resume=auto"])
 
 
 if __name__ == "__main__":

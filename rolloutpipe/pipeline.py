@@ -39,6 +39,7 @@ import time
 
 from rolloutpipe.config import Config, PipelineMode
 from rolloutpipe.control.env import NodeEnv, Role
+from rolloutpipe.control.lifetime import Stopped
 from rolloutpipe.control.liveness import Liveness
 from rolloutpipe.control.transport import StoreAddress, Transport
 from rolloutpipe.observe.metrics import RolloutStats, TrainStats
@@ -246,7 +247,9 @@ def run_node(cfg: Config, env: NodeEnv) -> None:
             run_trainer(TrainerNode(cfg, env, transport))
         transport.liveness.finish()
     except BaseException as err:
-        transport.abort(f"{env.role.value} rank {env.rank} failed: {type(err).__name__}: {err}")
+        who = f"{env.role.value} rank {env.rank}"
+        transport.abort(f"{who} was stopped by {err.name}" if isinstance(err, Stopped)
+                        else f"{who} failed: {type(err).__name__}: {err}")
         if transport.is_host:  # keep the store up until every waiter has had a poll to read the reason
             time.sleep(transport.poll_s + 0.5)
         raise

@@ -7,6 +7,7 @@
     clock.py        one clock for every span of the run (the store host's)
     weight_sync.py  how policy k+1 reaches the engines: weight records, buckets, the weight-update group
     checkpoint.py   the step-atomic checkpoint layout (the trainer writes it, both sides resume from it)
+    lifetime.py     stop signals and process groups: every process the run starts stops with it
 
 May import: rolloutpipe.types and rolloutpipe.model. Nothing of rollout/, trainer/, observe/, launch/ or config.
 """

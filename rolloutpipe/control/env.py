@@ -16,6 +16,7 @@ Every launcher (local processes, Slurm, TorchX) starts the same entry point,
                      environment, so no child process (engine servers, reward workers) inherits it
     RP_RUN_DIR       the run directory, shared by both node groups
     RP_CPUS          optional, e.g. "0,1": CPUs this process is pinned to
+    RP_PARENT_PID    optional (the local launcher sets it): the process dies with its parent (control/lifetime.py)
 
 Inside one step of a Slurm heterogeneous job (``srun --het-group=0 ... : --het-group=1 ...``) the
 launcher sets only RP_RUN_ID, RP_RUN_SECRET, RP_RUN_DIR (and optionally RP_STORE_PORT) and the rest

@@ -55,6 +55,9 @@ class LauncherConfig:
     """How often the launcher asks sacct about the job."""
     dry_run: bool = False
     """Print the batch script and stop, submitting nothing."""
+    stop_grace_s: float = 10.0
+    """kind=local, on SIGTERM / SIGINT / SIGHUP (or a failed run): how long each node process gets to stop its
+    engine servers and reward workers and exit after its SIGTERM, before its process group is SIGKILLed."""
 
     def __post_init__(self) -> None:
         if self.rollout.num_tasks != 1:
@@ -68,5 +71,8 @@ class LauncherConfig:
                     raise ValueError(f"launcher.{name}.{key}={getattr(group, key)} must be >= 1.")
         if self.time_min < 1 or self.poll_s <= 0:
             raise ValueError(f"launcher.time_min={self.time_min} must be >= 1 and launcher.poll_s={self.poll_s} > 0.")
+        if self.stop_grace_s <= 0:
+            raise ValueError(f"launcher.stop_grace_s={self.stop_grace_s} must be > 0: the seconds each node process "
+                             "gets to stop its engine servers and exit before it is killed (default 10).")
         if self.store_port is not None and not 1024 <= self.store_port < 65536:
             raise ValueError(f"launcher.store_port={self.store_port} must be in [1024, 65536) or null.")

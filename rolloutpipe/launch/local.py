@@ -11,17 +11,25 @@ LocalLauncher: both node groups as processes on this machine. The rollout proces
 host) and each trainer rank get CPUs of their own where the machine has enough (rollout first half,
 trainer ranks the rest), so generation and training do not fight for a core.
 
+Each node process runs in its own session, so that its process group (it, its reward workers) is one unit to
+signal, and dies with the launcher if the launcher is killed (control/lifetime.py draws the whole tree).
+
 Monitor loop
-    waits for  any child to exit (polls every 0.2 s)
+    waits for  any child to exit, or a stop signal (polls every 0.2 s)
     on success every child exited 0 -> return 0
-    on failure the first child to exit non-zero is the culprit; the others are given
+    on failure the first child to exit non-zero is the culprit (or one a signal ended: the others may have
+               noticed it and exited first); the others are given
                ``peer_timeout_s + grace`` to notice through the store and exit with their own message,
-               then are terminated; the launcher names the culprit and returns non-zero
-    on Ctrl-C  terminates every child
+               then are stopped; the launcher names the culprit and returns 1
+    on a stop  SIGTERM, SIGINT (Ctrl-C) or SIGHUP: every node's process group gets SIGTERM (each node stops its
+               engine servers and reward workers, then exits), the groups still there after
+               ``launcher.stop_grace_s`` get SIGKILL; the launcher says how each ended and returns
+               128 + the signal (launch.py then prints the resume command)
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -35,6 +43,7 @@ from typing import Protocol
 
 from rolloutpipe.config import Config, save_config
 from rolloutpipe.control.env import NodeEnv, Role, free_port, loopback_interface
+from rolloutpipe.control.lifetime import STOP_SIGNALS, child_environ, stop_groups
 
 
 class Launcher(Protocol):
@@ -73,6 +82,11 @@ class Child:
 
 class LocalLauncher:
     grace_s: float = 10.0
+    """After a child fails: how long past ``pipeline.peer_timeout_s`` the others get to notice on their own."""
+
+    def __init__(self) -> None:
+        self._signal: int | None = None
+        """The first stop signal received (the handler only notes it; the monitor loop acts on it)."""
 
     def launch(self, cfg: Config, run_dir: Path) -> int:
         assert cfg.run.id is not None
@@ -84,27 +98,34 @@ class LocalLauncher:
         envs += [NodeEnv(role=Role.trainer, rank=r, world_size=cfg.trainer.num_ranks, store_host="127.0.0.1",
                          store_port=port, run_id=cfg.run.id, secret=secret, run_dir=run_dir, cpus=trainer_cpus[r])
                  for r in range(cfg.trainer.num_ranks)]
-        children = [self._start(env) for env in envs]
+        previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         try:
-            return self._monitor(children, cfg.pipeline.peer_timeout_s)
-        except KeyboardInterrupt:
-            print("interrupted: stopping both node groups", file=sys.stderr)
-            _stop(children)
-            return 130
+            children = [self._start(env) for env in envs]  # a signal meanwhile is acted on by the monitor
+            return self._monitor(children, cfg.pipeline.peer_timeout_s, cfg.launcher.stop_grace_s)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        if self._signal is None:
+            self._signal = signum
 
     def _start(self, env: NodeEnv) -> Child:
-        environ = {**os.environ, **env.to_environ(), "PYTHONUNBUFFERED": "1"}
+        environ = {**child_environ(), **env.to_environ(), "PYTHONUNBUFFERED": "1"}
         if (loopback := loopback_interface()) is not None:  # gloo's peer sockets: loopback too, like the stores
             environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
         root = str(Path(__file__).resolve().parents[2])  # the directory that holds the package
         environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, environ.get("PYTHONPATH")]))
-        process = subprocess.Popen([sys.executable, "-m", "rolloutpipe.launch.node"], env=environ)
+        process = subprocess.Popen([sys.executable, "-m", "rolloutpipe.launch.node"], env=environ,
+                                   start_new_session=True)
         return Child(label=f"{env.role.value} rank {env.rank}", process=process)
 
-    def _monitor(self, children: list[Child], peer_timeout_s: float) -> int:
+    def _monitor(self, children: list[Child], peer_timeout_s: float, stop_grace_s: float) -> int:
         culprit: Child | None = None
         deadline = float("inf")
         while True:
+            if self._signal is not None:
+                return self._stop_on_signal(children, stop_grace_s)
             codes = {c.label: c.process.poll() for c in children}
             if all(code == 0 for code in codes.values()):
                 return 0
@@ -113,26 +134,36 @@ class LocalLauncher:
                 if culprit is not None:
                     deadline = time.monotonic() + peer_timeout_s + self.grace_s
             if culprit is not None and (all(code is not None for code in codes.values()) or time.monotonic() > deadline):
-                _stop(children)
+                # one a signal ended (not ours, below) is the cause, even when a peer noticed and exited 1 first
+                culprit = next((c for c in children if not 0 <= (c.process.poll() or 0) <= 128), culprit)
+                stop_groups([c.process for c in children], stop_grace_s)
                 print(f"run failed: {culprit.label} exited with {_describe(culprit.process.returncode)}; "
                       "the other processes were stopped. See the messages above.", file=sys.stderr)
                 return 1
             time.sleep(0.2)
 
+    def _stop_on_signal(self, children: list[Child], stop_grace_s: float) -> int:
+        name = signal.Signals(self._signal).name
+        _say(f"{name}: stopping the run: SIGTERM to the process groups of "
+             f"{', '.join(f'{c.label} (pid {c.process.pid})' for c in children)}; each stops its children (engine "
+             "servers, reward workers) and exits, or its group is killed after "
+             f"launcher.stop_grace_s={stop_grace_s:g}s")
+        killed = stop_groups([c.process for c in children], stop_grace_s)
+        ended = [f"{c.label} killed (SIGKILL) after {stop_grace_s:g}s" if k
+                 else f"{c.label} exited with {_describe(c.process.returncode)}" for c, k in zip(children, killed)]
+        _say(f"stopped by {name}: {', '.join(ended)}")
+        return 128 + self._signal
 
-def _stop(children: list[Child]) -> None:
-    for c in children:
-        if c.process.poll() is None:
-            c.process.terminate()
-    for c in children:
-        try:
-            c.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            c.process.kill()
-            c.process.wait()
+
+def _say(line: str) -> None:
+    """A line on stderr, if there still is one: after SIGHUP the terminal may be gone, and the stop goes on."""
+    with contextlib.suppress(OSError):
+        print(line, file=sys.stderr, flush=True)
 
 
 def _describe(code: int) -> str:
     if code < 0:
         return f"signal {signal.Signals(-code).name}"
+    if code - 128 in STOP_SIGNALS:  # how launch/node.py exits when a signal stops it
+        return f"exit code {code} (stopped by {signal.Signals(code - 128).name})"
     return f"exit code {code}"

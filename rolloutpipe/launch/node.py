@@ -1,4 +1,9 @@
-"""Entry point of one node-group process: ``python -m rolloutpipe.launch.node`` (control/env.py: its contract)."""
+"""Entry point of one node-group process: ``python -m rolloutpipe.launch.node`` (control/env.py: its contract).
+
+SIGTERM, SIGINT or SIGHUP (a launcher, a scheduler, a terminal) raises ``Stopped`` on the main thread:
+pipeline.run_node writes ``abort`` with that reason and closes the node, which stops its engine servers and
+reward workers, and the process exits 128 + the signal (control/lifetime.py).
+"""
 
 from __future__ import annotations
 
@@ -7,20 +12,37 @@ import os
 # The TCPStore logs a warning with a C++ trace each time a bounded wait times out, which is how we poll.
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
+import signal  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
 
+from rolloutpipe.control.env import NodeEnv, Role  # noqa: E402
+from rolloutpipe.control.lifetime import Stopped, die_with_parent, raise_on_stop_signals  # noqa: E402
+
 
 def main() -> int:
+    raise_on_stop_signals()  # before the slow imports: a stop during start-up ends the process too
+    die_with_parent(signal.SIGTERM)  # started by the local launcher: stop (cleanly) if it dies abruptly
+    env = NodeEnv.take()  # the secret leaves the environment before anything can start a child process
+    who = f"[{env.role.value} rank {env.rank}]"
+    try:
+        return _run(env, who)
+    except Stopped as stop:
+        if env.role is Role.rollout:
+            print(f"{who} stopped by {stop.name}, and so were its engine servers and reward workers; exiting with "
+                  f"{stop.exit_code}", file=sys.stderr)
+        else:
+            print(f"{who} stopped by {stop.name}; exiting with {stop.exit_code}", file=sys.stderr)
+        return stop.exit_code
+
+
+def _run(env: NodeEnv, who: str) -> int:
     import torch
 
     from rolloutpipe.config import ConfigError, read_config
-    from rolloutpipe.control.env import NodeEnv, Role
     from rolloutpipe.control.transport import TransportError
     from rolloutpipe.pipeline import run_node
 
-    env = NodeEnv.take()  # the secret leaves the environment before anything can start a child process
-    who = f"[{env.role.value} rank {env.rank}]"
     if env.cpus:
         os.sched_setaffinity(0, env.cpus)
     try:

@@ -15,8 +15,9 @@ Rollout main loop (pipeline.run_rollout, on the process's main thread)
                slice it checks the engines (a failed one is replaced and its requests retried:
                supervisor.py), the reward threads, the dispatcher and the trainer's heart-beats
     shuts down healthy: after the last step it waits for ``trainer/done`` before it stops hosting the
-               store; on any error pipeline.run_node writes ``abort`` with its reason, ``close`` stops
-               the engines and threads, and the process exits non-zero
+               store; on any error (a stop signal too: launch/node.py) pipeline.run_node writes ``abort``
+               with its reason, ``close`` stops the engines, their servers, the threads and the reward
+               workers, and the process exits non-zero
 """
 
 from __future__ import annotations

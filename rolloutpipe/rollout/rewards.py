@@ -35,6 +35,7 @@ import json
 import math
 import multiprocessing
 import numbers
+import os
 import queue
 import signal
 import threading
@@ -42,6 +43,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+from rolloutpipe.control.lifetime import die_with_parent
 from rolloutpipe.rollout.answers import chosen_letter, final_math_answer, label_math_text
 from rolloutpipe.rollout.tasks import reversal_reward
 
@@ -271,7 +273,9 @@ class RewardPool:
 
     Each call takes an idle worker (waiting for one if all are busy), so a worker serves one call
     at a time. ``close`` waits for calls in flight, then stops the workers; call it after the last
-    ``score``.
+    ``score``. A worker dies with this process (control/lifetime.py), or with the thread that started it, which
+    is the one that made the pool or, for a replaced worker, the one whose ``score`` replaced it: call ``score``
+    from threads that live as long as the pool (the reward threads, the eval scoring thread).
     """
 
     def __init__(self, cfg: RewardConfig) -> None:
@@ -332,7 +336,7 @@ class _Worker:
         self._conn, child_conn = self._context.Pipe()
         self._process = self._context.Process(
             target=_serve,
-            args=(child_conn, self._cfg.name, list(self._cfg.import_modules), self._cfg.timeout_s),
+            args=(child_conn, self._cfg.name, list(self._cfg.import_modules), self._cfg.timeout_s, os.getpid()),
             name="rolloutpipe-reward",
             daemon=True,
         )
@@ -391,12 +395,14 @@ class _Worker:
             self._process.join()
 
 
-def _serve(conn, name: str, import_modules: list[str], timeout_s: float) -> None:
+def _serve(conn, name: str, import_modules: list[str], timeout_s: float, parent_pid: int) -> None:
     """Worker process: import, look the reward up, then answer calls one at a time until the pipe closes.
 
     Calls run on this process's main thread, where math-verify's signal-based timeouts work.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the parent decides
+    # the pipe's end tells an idle worker that its parent is gone, but not one stuck in a reward call
+    die_with_parent(signal.SIGKILL, parent_pid)
     limit_math_verify_time(timeout_s)
     try:
         for module in import_modules:

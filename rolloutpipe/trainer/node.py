@@ -14,8 +14,8 @@ Trainer main loop (pipeline.run_trainer, on each rank's main thread)
     waits for  the next handle (store.wait in slices with liveness checks), the all-reduces of its batch,
                and on rank 0 the engines serving the new policy (sync and cgp)
     shuts down healthy: rank 0 sets ``trainer/done`` after the final checkpoint and the trace, so the
-               rollout keeps hosting the store until then; on any error pipeline.run_node writes ``abort``
-               and the process exits non-zero
+               rollout keeps hosting the store until then; on any error (a stop signal too: launch/node.py)
+               pipeline.run_node writes ``abort`` and the process exits non-zero
 """
 
 from __future__ import annotations
@@ -84,10 +84,11 @@ class TrainerNode:
         if self.resumed is not None:
             load_optimizer(self.trainer.optimizer, self.resumed)
             self.first_step = self.resumed.step + 1
-            if self.is_writer and self.metrics_path.exists():  # drop records of steps that will be redone
-                kept = [line for line in self.metrics_path.read_text().splitlines()
-                        if json.loads(line)["step"] <= self.resumed.step]
-                self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        if cfg.run.resume is ResumeMode.auto and self.is_writer and self.metrics_path.exists():
+            # drop records of steps that will be redone: all of them when the run stopped before its first checkpoint
+            kept = [line for line in self.metrics_path.read_text().splitlines()
+                    if json.loads(line)["step"] < self.first_step]
+            self.metrics_path.write_text("".join(line + "\n" for line in kept))
         self.progress = None
 
     def start(self) -> int:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from rolloutpipe.control.weight_sync import Bucket, WeightGroup, join_group, receive_bucket
-from rolloutpipe.rollout.engines import sglang_api
+from rolloutpipe.rollout.engines import server_process, sglang_api
 from rolloutpipe.rollout.engines.embedded import EmbeddedEngine
 from rolloutpipe.types import GenerationResult
 
@@ -297,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weight-version", type=int, default=0, help="the policy_version of the initial weights")
     parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     args = parser.parse_args(argv)
+    server_process.die_with_the_rollout_node()
     api_key = os.environ.pop(sglang_api.API_KEY_ENV, None)
 
     import torch

@@ -1,14 +1,14 @@
 """Engine servers as child processes of the rollout node: the embedded engine's server or ``sglang.launch_server``.
 
 Each server runs in its own session (process group), so ``stop`` reaches whatever it spawned (SGLang starts a
-scheduler and a detokenizer process); its output goes to a log file that errors point to. It listens on loopback
-only and takes calls only with the run's engine API key, which it gets in its environment
-(``sglang_api.API_KEY_ENV``), never on its command line.
+scheduler and a detokenizer process), and dies with the rollout node if that dies abruptly (control/lifetime.py:
+start servers on the node's main thread, which is what that ties them to). Its output goes to a log file that
+errors point to. It listens on loopback only and takes calls only with the run's engine API key, which it gets
+in its environment (``sglang_api.API_KEY_ENV``), never on its command line.
 """
 
 from __future__ import annotations
 
-import os
 import shlex
 import signal
 import subprocess
@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from rolloutpipe.control.env import free_port
+from rolloutpipe.control.lifetime import child_environ, die_with_parent, stop_groups
 from rolloutpipe.rollout.engines import sglang_api
 
 STOP_GRACE_S = 20.0
@@ -34,6 +35,7 @@ class ServerProcess:
         self.api_key = api_key
         self._port_file = port_file
         self._proc: subprocess.Popen | None = None
+        self._stopped = False
 
     def start(self) -> ServerProcess:
         """Start the process; ``wait_ready`` then waits for it (start several, then wait for all)."""
@@ -41,7 +43,7 @@ class ServerProcess:
         with self.log_path.open("ab") as log:
             log.write(f"$ {shlex.join(self.command)}\n".encode())
             log.flush()
-            environ = dict(os.environ)
+            environ = child_environ()
             if self.api_key is not None:
                 environ[sglang_api.API_KEY_ENV] = self.api_key
             self._proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -82,28 +84,25 @@ class ServerProcess:
             raise RuntimeError(f"engine server {self.name} ({shlex.join(self.command[:4])} ...) {reason}")
 
     def stop(self) -> None:
-        """SIGTERM the process group, SIGKILL after a grace period; idempotent."""
-        if self._proc is None or self._proc.poll() is not None:
-            return
-        try:
-            os.killpg(self._proc.pid, signal.SIGTERM)
-            self._proc.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(self._proc.pid, signal.SIGKILL)
-            self._proc.wait()
-        except ProcessLookupError:
-            pass
-
+        """SIGTERM the process group, SIGKILL it after a grace period (what is left of it, even once the server
+        itself has exited: SGLang's scheduler may outlive it); idempotent."""
+        if self._proc is not None and not self._stopped:
+            self._stopped = True
+            stop_groups([self._proc], STOP_GRACE_S)
 
     def kill(self) -> None:
         """SIGKILL the process group at once (a failed server: nothing to shut down cleanly); idempotent."""
-        if self._proc is None or self._proc.poll() is not None:
-            return
-        try:
-            os.killpg(self._proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self._proc.wait()
+        if self._proc is not None and not self._stopped:
+            self._stopped = True
+            stop_groups([self._proc], 0.0)
+
+
+def die_with_the_rollout_node() -> None:
+    """Called first by a server's entry point (http_server, sglang_launch): SIGKILL when the node that started it
+    dies. The node's own stop path is SIGTERM and a grace period; this one is for a node that is gone, with
+    nobody left to hand results to, so nothing in the server is worth a clean exit. (SGLang's own scheduler and
+    detokenizer processes ask for the same when their parent dies: ``kill_itself_when_parent_died``.)"""
+    die_with_parent(signal.SIGKILL)
 
 
 def embedded_server(*, name: str, model_config_yaml: Path, concurrency: int, log_dir: Path, api_key: str | None,

@@ -14,10 +14,12 @@ import os
 import runpy
 import sys
 
+from rolloutpipe.rollout.engines.server_process import die_with_the_rollout_node
 from rolloutpipe.rollout.engines.sglang_api import API_KEY_ENV
 
 
 def main() -> None:
+    die_with_the_rollout_node()
     key = os.environ.pop(API_KEY_ENV, None)
     sys.argv = ["sglang.launch_server", *sys.argv[1:], *(["--api-key", key] if key else [])]
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
