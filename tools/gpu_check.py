@@ -18,6 +18,12 @@ It prints one line per check and a JSON summary, and exits non-zero if a check f
    CUDA receive buffers through /init_weights_update_group and /update_weights_from_distributed; nccl would need
    a GPU of its own for the trainer) must match the same run with disk sync.
 
+3. ``trainer_size`` (run first, before any SGLang server holds GPU memory; tools/gpu_check_trainer.py): both
+   backends at Qwen3-1.7B's width and vocabulary in bfloat16 with float32 master weights, token-budget micro-batches,
+   chunked log-probs, with and without ``trainer.recompute`` (Megatron with Transformer Engine's layer spec when it
+   imports): peak memory beside the memory plan's estimate, and the backends' losses in agreement.
+   ``--only-trainer-size`` runs just this one (no SGLang needed).
+
 Tolerances: log-probs within ``--logprob-atol`` (default 2e-3: float32 on both sides, different kernels);
 parity within 1e-5 on the weights (float32 training, only the order of additions differs) once samples match.
 """
@@ -180,17 +186,23 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("gpu_check_out"))
     parser.add_argument("--logprob-atol", type=float, default=2e-3)
     parser.add_argument("--skip-parity", action="store_true")
+    parser.add_argument("--only-trainer-size", action="store_true")
+    parser.add_argument("--trainer-size-layers", type=int, default=4)
     parser.add_argument("--trainer-backend", choices=["megatron", "torch"], default="megatron")
     parser.add_argument("--sglang-args", nargs=argparse.REMAINDER, default=[],
                         help="extra sglang.launch_server arguments (last on the line)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    import sglang
+    from gpu_check_trainer import check_trainer_size
 
-    summary = {"sglang_version": getattr(sglang, "__version__", "?")}
-    summary |= check_logprobs(args.out, args.sglang_args, args.logprob_atol)
-    if not args.skip_parity:
-        summary |= check_parity(args.out, args.sglang_args, args.trainer_backend)
+    summary = check_trainer_size(args.trainer_size_layers)
+    if not args.only_trainer_size:
+        import sglang
+
+        summary["sglang_version"] = getattr(sglang, "__version__", "?")
+        summary |= check_logprobs(args.out, args.sglang_args, args.logprob_atol)
+        if not args.skip_parity:
+            summary |= check_parity(args.out, args.sglang_args, args.trainer_backend)
     print(json.dumps(summary, indent=2))
     return 0 if all(v for k, v in summary.items() if k.endswith("_ok")) else 1
 

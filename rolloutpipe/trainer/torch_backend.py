@@ -22,6 +22,10 @@ forward and backward in its dtype while AdamW steps float32 master copies of its
 back rounded after each step: AdamW on bfloat16 weights would round most updates of a small learning rate away.
 (A resumed run rebuilds the master copies from the checkpoint's bfloat16 weights, so in bfloat16 a resumed run
 is close to, not bit-equal with, an uninterrupted one.)
+
+Device. On a machine with CUDA the model, its master copies and the optimizer state live on the rank's GPU
+(control/env.py binds each rank to its node-local GPU; gradients all-reduce over NCCL); ``hf_state`` hands out CPU
+copies, which is what the engines' weight files, broadcasts and checkpoints take. Without CUDA, the CPU.
 """
 
 from __future__ import annotations
@@ -76,7 +80,8 @@ class BatchResult:
 class PolicyTrainer:
     def __init__(self, *, model: torch.nn.Module, cfg: TrainerConfig, grpo: GRPOConfig, temperature: float,
                  pad_id: int, multi_step: bool, process_group_active: bool, old_logprobs: OldLogprobSource) -> None:
-        self.model = model.train()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        self.model = (model if self.device is None else model.to(self.device)).train()
         if cfg.recompute:  # HF's per-layer activation checkpointing; the non-reentrant kind works under no_grad too
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         self.cfg = cfg
@@ -106,10 +111,11 @@ class PolicyTrainer:
             self._snapshot = {k: v.detach().clone() for k, v in self.model.named_parameters()}
 
     def forward_backward(self, samples: list[TrainSample], *, first_batch_of_step: bool) -> LossSums:
-        input_ids, targets, mask = pack(samples, pad_id=self.pad_id)  # [B, L], [B, L-1] x 2
+        input_ids, targets, mask = (t if self.device is None else t.to(self.device)
+                                    for t in pack(samples, pad_id=self.pad_id))  # [B, L], [B, L-1] x 2
         logprobs, entropy = self._logprobs(self.model, input_ids, targets, mask)  # [B, L-1] x 2
         old = self._old_logprobs(samples, input_ids, targets, logprobs, mask, first_batch_of_step)
-        advantages = torch.tensor([s.advantage for s in samples], dtype=logprobs.dtype)
+        advantages = torch.tensor([s.advantage for s in samples], dtype=logprobs.dtype, device=logprobs.device)
         sums = policy_loss_sums(logprobs, old, advantages, mask, self.grpo)
         sums.entropy_sum = float((entropy * mask).sum())
         sums.loss.backward()
@@ -152,8 +158,8 @@ class PolicyTrainer:
                            num_clipped_tokens=total.num_clipped_tokens, entropy_sum=total.entropy_sum)
 
     def hf_state(self) -> dict[str, torch.Tensor]:
-        """The policy under HF names (tied lm_head left out, as save_pretrained does)."""
-        state = {k: v.detach() for k, v in self.model.state_dict().items()}
+        """The policy under HF names on the CPU (tied lm_head left out, as save_pretrained does)."""
+        state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
         if getattr(self.model.config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
         return state
