@@ -27,22 +27,24 @@ from bench.trainer_memory import PROMPT_TOKENS, measure, model_config  # noqa: E
 from rolloutpipe.config import load_config  # noqa: E402
 from rolloutpipe.launch.memory_plan import ModelShape, Phase, trainer_estimate  # noqa: E402
 
-CASES = [  # (hidden, layers, response tokens, logprob_chunk_tokens)
-    (512, 2, 64, 1024),     # few tokens: the peak is the end of backward (the tied embedding's gradient summed)
-    (512, 2, 1024, 1024),   # two chunks: the log-prob chunk dominates
-    (512, 2, 1024, 0),      # the model's own forward over every logit
-    (512, 8, 2048, 256),    # activations dominate
-    (1024, 2, 2048, 1024),
-    (1024, 4, 2048, 512),
+CASES = [  # (hidden, layers, response tokens, logprob_chunk_tokens, trainer.recompute)
+    (512, 2, 64, 1024, False),     # few tokens: the peak is the end of backward (the tied embedding's gradient)
+    (512, 2, 1024, 1024, False),   # two chunks: the log-prob chunk dominates
+    (512, 2, 1024, 0, False),      # the whole micro-batch's logits at once
+    (512, 8, 2048, 256, False),    # activations dominate
+    (512, 8, 2048, 256, True),     # ... and recomputed
+    (1024, 2, 2048, 1024, False),
+    (1024, 4, 2048, 512, False),
+    (1024, 4, 2048, 512, True),
 ]
 MiB = 1 << 20
 
 
-def predict(hidden: int, layers: int, tokens: int, chunk: int) -> dict[str, float]:
+def predict(hidden: int, layers: int, tokens: int, chunk: int, recompute: bool) -> dict[str, float]:
     """MiB of each forward/backward term of the plan for this case."""
     cfg = load_config({"micro_batch_size": 1, "rollout_max_response_len": tokens,
                        "data": {"max_prompt_len": PROMPT_TOKENS}, "model": {"dtype": "float32"},
-                       "trainer": {"logprob_chunk_tokens": chunk}})
+                       "trainer": {"logprob_chunk_tokens": chunk, "recompute": recompute}})
     shape = ModelShape.from_hf(model_config(hidden, layers, tokens))
     estimate = trainer_estimate(cfg, shape, capacity_bytes=0)
     terms = {t.name: t.num_bytes / MiB for t in estimate.terms}
@@ -59,13 +61,14 @@ def main() -> int:
     cases = [CASES[i] for i in args.only] if args.only else CASES
     print("two micro-batches of one sample, Qwen3 (16 heads, 8 kv heads, intermediate 3 x hidden), vocabulary "
           "151,936, float32 on CPU; MiB over the RSS before the step")
-    print("| hidden | layers | tokens | chunk | activations | log-prob | embedding grad (bwd end) | gradients | "
+    print("| hidden | layers | tokens | chunk | recompute | activations | log-prob | embedding grad (bwd end) | gradients | "
           "predicted | measured | measured / predicted |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for hidden, layers, tokens, chunk in cases:
-        p = predict(hidden, layers, tokens, chunk)
-        measured = measure(tokens, chunk, hidden, layers, steps=2)["peak_over_resident_mib"]
-        print(f"| {hidden} | {layers} | {PROMPT_TOKENS + tokens} | {chunk or 'off'} | {p['activations']:.0f} | "
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for hidden, layers, tokens, chunk, recompute in cases:
+        p = predict(hidden, layers, tokens, chunk, recompute)
+        measured = measure(tokens, chunk, hidden, layers, steps=2, recompute=recompute)["peak_over_resident_mib"]
+        print(f"| {hidden} | {layers} | {PROMPT_TOKENS + tokens} | {chunk or 'off'} | {'yes' if recompute else 'no'} | "
+              f"{p['activations']:.0f} | "
               f"{p['log-prob']:.0f} | {p['embedding gradient']:.0f} | {p['gradients']:.0f} | {p['predicted']:.0f} | "
               f"{measured:.0f} | {measured / p['predicted']:.2f} |", flush=True)
     return 0
