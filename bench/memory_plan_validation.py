@@ -6,8 +6,9 @@
 Each case is two micro-batches (forward/backward, gradients accumulating, no optimizer step) of one sample
 (32 prompt tokens + N response tokens) through PolicyTrainer on a Qwen3 with the real 151,936-entry vocabulary,
 float32 on CPU, in a fresh process (bench/trainer_memory.py's ``measure``: peak RSS minus the RSS resident just
-before the first). The second is a micro-batch as most of a run's are, with every gradient already allocated; its
-peak is the run's. The prediction is the same quantity from rolloutpipe/launch/memory_plan.py, for the same shape
+before the first; MALLOC_MMAP_THRESHOLD_=1 MiB, see GLIBC_RETURNS_FREED_BLOCKS). The second is a micro-batch as
+most of a run's are, with every gradient already allocated; its peak is the run's. The prediction is the same
+quantity from rolloutpipe/launch/memory_plan.py, for the same shape
 and config: the gradients plus the larger of the forward/backward peak (activations, attention, the log-prob chunk)
 and the end of backward (the embedding's gradient being summed). On CPU the torch backend runs
 HF's SDPA, so the prediction assumes fused (O(T)) attention; a CPU kernel that materialised T x T scores would show
@@ -38,6 +39,9 @@ CASES = [  # (hidden, layers, response tokens, logprob_chunk_tokens, trainer.rec
     (1024, 4, 2048, 512, True),
 ]
 MiB = 1 << 20
+GLIBC_RETURNS_FREED_BLOCKS = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+"""Every allocation over 1 MiB its own mapping, returned when freed: without it glibc's heap keeps the pages of
+freed activations (tens of MiB each) and the RSS counts them, which no GPU allocator would (measured: +10-25%)."""
 
 
 def predict(hidden: int, layers: int, tokens: int, chunk: int, recompute: bool) -> dict[str, float]:
@@ -61,12 +65,13 @@ def main() -> int:
     cases = [CASES[i] for i in args.only] if args.only else CASES
     print("two micro-batches of one sample, Qwen3 (16 heads, 8 kv heads, intermediate 3 x hidden), vocabulary "
           "151,936, float32 on CPU; MiB over the RSS before the step")
-    print("| hidden | layers | tokens | chunk | recompute | activations | log-prob | embedding grad (bwd end) | gradients | "
-          "predicted | measured | measured / predicted |")
+    print("| hidden | layers | tokens | chunk | recompute | activations | log-prob | embedding grad (bwd end) | "
+          "gradients | predicted | measured | measured / predicted |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for hidden, layers, tokens, chunk, recompute in cases:
         p = predict(hidden, layers, tokens, chunk, recompute)
-        measured = measure(tokens, chunk, hidden, layers, steps=2, recompute=recompute)["peak_over_resident_mib"]
+        measured = measure(tokens, chunk, hidden, layers, steps=2, recompute=recompute,
+                           environ=GLIBC_RETURNS_FREED_BLOCKS)["peak_over_resident_mib"]
         print(f"| {hidden} | {layers} | {PROMPT_TOKENS + tokens} | {chunk or 'off'} | {'yes' if recompute else 'no'} | "
               f"{p['activations']:.0f} | "
               f"{p['log-prob']:.0f} | {p['embedding gradient']:.0f} | {p['gradients']:.0f} | {p['predicted']:.0f} | "

@@ -72,16 +72,16 @@ def model_config(hidden: int, layers: int, tokens: int, vocab: int = VOCAB):
 
 
 def measure(tokens: int, chunk: int, hidden: int, layers: int = 2, steps: int = 1, vocab: int = VOCAB,
-            recompute: bool = False) -> dict:
+            recompute: bool = False, environ: dict[str, str] | None = None) -> dict:
     """``steps`` forward/backwards (micro-batches of one batch) of ``tokens`` response tokens (after PROMPT_TOKENS
     prompt tokens) in a fresh process:
     ``peak_mib`` (peak RSS minus the peak RSS before the step), ``peak_over_resident_mib`` (minus the RSS resident
     just before the step: what the step itself added, even where building the model peaked higher, as it does when
-    HF allocates an lm_head and then ties it to the embedding) and ``tokens_per_s``. Raises with the child's
-    stderr."""
+    HF allocates an lm_head and then ties it to the embedding) and ``tokens_per_s``. ``environ``: more environment
+    for the child. Raises with the child's stderr."""
     argv = [str(a) for a in (tokens, chunk, hidden, layers, steps, vocab, int(recompute))]
-    out = subprocess.run([sys.executable, "-c", CASE, *argv],
-                         cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    out = subprocess.run([sys.executable, "-c", CASE, *argv], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, **(environ or {}), "PYTHONPATH": str(REPO)})
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -110,7 +110,8 @@ def test_cli_plans_the_gpqa_preset_from_a_built_in_shape():
     for word in ("trainer rank (megatron, tp=1)", "rollout engine (SGLang, tp=1)", "optimizer state", "KV cache",
                  "attention (fused)", "log-prob chunk", "DOES NOT FIT", "Fits with: "):
         assert word in over.stdout
-    roomy = subprocess.run([*cmd, *UNPLANNED, "--gpu-memory-gib", "100000"], cwd=REPO, env=node_environ(), capture_output=True,
+    roomy = subprocess.run([*cmd, *UNPLANNED, "--gpu-memory-gib", "100000"], cwd=REPO, env=node_environ(),
+                           capture_output=True,
                            text=True, timeout=120)
     assert roomy.returncode == 0 and "every estimate fits" in roomy.stdout, roomy.stdout + roomy.stderr
 

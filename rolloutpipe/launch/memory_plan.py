@@ -23,11 +23,14 @@ Trainer rank (all ranks alike: data-parallel replicas, or tensor-parallel shards
                                   Transformer Engine): the [heads, T, T] probabilities of every layer, in the model's
                                   dtype, plus their float32 softmax where Megatron's fused softmax kernel does not
                                   apply (T > 4096), and one scores buffer; Megatron also builds a [T, T] bool mask.
-  log-prob chunk                  trainer/logprobs.py: ``logprob_chunk_tokens`` response tokens at a time (0: the
-                                  micro-batch at once), [tokens, vocabulary / tp] logits: 8 B per logit at the peak
-                                  (the float32 logits and their exponentials, or in backward the recomputed float32
-                                  softmax and its gradient in the model's dtype, <= 8 B), plus the head gradient
-                                  summed over chunks in float32 (and one chunk's part in a 16-bit dtype).
+  log-prob chunk                  trainer/logprobs.py: ``logprob_chunk_tokens`` response tokens at a time (Megatron
+                                  with 0: the micro-batch at once), [tokens, vocabulary / tp] logits. Forward: the
+                                  float32 logits and their exponentials, 8 B per logit; backward: the recomputed
+                                  float32 softmax and its gradient in a 16-bit model dtype (4 + 2 B) beside the head
+                                  gradient summed over chunks in float32 (and one chunk's part in 16 bits). The torch
+                                  backend with 0 (or a model whose logits are not the plain head): the model's own
+                                  forward over every logit, 20 B per logit (measured: logits, log-softmax, the
+                                  entropy pass, and their gradients).
 Rollout engine (SGLang)
   weights + KV cache              ``rollout.concurrency`` responses of max prompt + max response tokens, K and V of
                                   every layer's key/value heads in the model's dtype, inside SGLang's
@@ -313,17 +316,23 @@ def trainer_estimate(cfg: Config, shape: ModelShape, *, capacity_bytes: int,
     chunk = tr.logprob_chunk_tokens
     logit_tokens = min(chunk, tokens) if chunk else tokens
     vocab = shape.vocab_size // tp
-    summed = shape.vocab_size * h // tp * (max(4, d) + (d if d < 4 else 0))  # float32 sum, one 16-bit part
-    how = (f"{logit_tokens} tokens x {vocab} vocabulary{' (this rank' + chr(39) + 's shard)' if tp > 1 else ''}"
-           f" x 8 B + the head gradient summed over chunks ({max(4, d)} B/param)")
-    knob = "lower trainer.logprob_chunk_tokens" if chunk else "trainer.logprob_chunk_tokens=1024"
-    terms.append(Term(name="log-prob chunk", num_bytes=8 * logit_tokens * vocab + summed,
-                      phase=Phase.forward_backward, how=how, knob=knob))
-    embedding_grads = 3 if shape.tied_embeddings else 1
+    if chunk or megatron:
+        low = d if d < 4 else 0  # a 16-bit model's extra copy
+        summed = vocab * h * (max(4, d) + low)  # float32 sum, one chunk's part in 16 bits
+        lp_bytes = max(8 * logit_tokens * vocab, (4 + low) * logit_tokens * vocab + summed)
+        how = (f"{logit_tokens} tokens x {vocab} vocabulary{' (this rank' + chr(39) + 's shard)' if tp > 1 else ''}"
+               f": 8 B per logit forward, {4 + low} B beside the head gradient summed in float32 backward")
+        knob = "lower trainer.logprob_chunk_tokens" if chunk else "trainer.logprob_chunk_tokens=1024"
+    else:
+        lp_bytes = 20 * logit_tokens * vocab
+        how = f"{logit_tokens} tokens x {vocab} vocabulary x 20 B: the model's own forward over every logit"
+        knob = "trainer.logprob_chunk_tokens=1024"
+    terms.append(Term(name="log-prob chunk", num_bytes=lp_bytes, phase=Phase.forward_backward, how=how, knob=knob))
+    embedding_grads = 2 if shape.tied_embeddings else 1
     terms.append(Term(name="embedding gradient", num_bytes=embedding_grads * head_grad, phase=Phase.end_of_backward,
                       how=(f"{embedding_grads} x [{shape.vocab_size // tp}, {h}] x {d} B: "
-                           + ("the tied head's buffer, the embedding's part and their sum" if shape.tied_embeddings
-                              else "the embedding's part before it is added"))))
+                           + ("the tied weight's gradient from the head and the embedding's, being added"
+                              if shape.tied_embeddings else "the embedding's part before it is added"))))
     terms.append(Term(name="CUDA context", num_bytes=CUDA_CONTEXT_BYTES, phase=Phase.always,
                       how="assumed: context, workspaces, allocator slack"))
     notes = [f"micro-batch: {rows} rows x {length} tokens (max prompt {cfg.data.max_prompt_len} + max response "

@@ -9,9 +9,10 @@ Backward recomputes each chunk's logits and forms the gradient of the log-softma
     d logp_t / d z_j = [j == target_t] - softmax(z_t)_j,        z = logits / temperature,
 
 so peak memory per token does not grow with the vocabulary; the price is one more [chunk, hidden] x [hidden,
-vocabulary] matmul per chunk. The arithmetic is the full log-softmax's (float32 at least, the logits in the model's
-dtype, the gradient cast back to it before the output layer's matmuls, as autograd does there), so values and
-gradients equal ``token_logprobs`` on the full logits up to the order of additions (tests/test_trainer.py).
+vocabulary] matmul per chunk but the last (backward needs its softmax first, right after forward: it is kept). The
+arithmetic is the full log-softmax's (float32 at least, the logits in the model's dtype, the gradient cast back to
+it before the output layer's matmuls, as autograd does there), so values and gradients equal ``token_logprobs`` on
+the full logits up to the order of additions (tests/test_logprobs.py, tests/test_trainer.py).
 
 Vocabulary parallel (Megatron's tensor parallelism): each rank holds rows [vocab_start, vocab_start + V_local) of
 the output layer; max, sum of exponentials, the target's logit and the entropy's sum are all-reduced over the
@@ -95,6 +96,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
         n, wide = hidden.shape[0], torch.promote_types(hidden.dtype, torch.float32)
         logp, entropy, lse = (torch.empty(n, dtype=wide, device=hidden.device) for _ in range(3))
         rows = spec.real_rows(weight)
+        # backward starts with the last chunk, right after forward: its softmax is kept rather than recomputed (its
+        # buffer would be allocated then anyway), which saves a matmul per micro-batch, all of it for one chunk
+        ctx.last_softmax = None
+        keep_last = any(ctx.needs_input_grad[:3])
         for start in range(0, n, spec.chunk_tokens):
             end = min(start + spec.chunk_tokens, n)
             z = spec.scaled_logits(hidden[start:end], weight, bias)  # [c, rows]
@@ -106,13 +111,17 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if rows:
                 picked = torch.where(here, z.gather(-1, local[:, None]).squeeze(-1), picked)
             p = z.exp()
-            sums = torch.stack([picked, p.sum(-1), p.mul_(z).sum(-1)])  # target logit, sum exp, sum exp * z
+            weighted = (p[:, None, :] @ z[:, :, None]).view(-1)  # sum exp * z, row by row, p kept
+            sums = torch.stack([picked, p.sum(-1), weighted])  # target logit, sum exp, sum exp * z
             spec.all_reduce(sums)
             picked, total, weighted = sums
             log_total = total.log()
             logp[start:end] = picked - log_total
             entropy[start:end] = log_total - weighted / total
             lse[start:end] = top + log_total
+            if keep_last and end == n and rows:
+                del z
+                ctx.last_softmax = p.div_(total[:, None])
         ctx.spec = spec
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.mark_non_differentiable(entropy)
@@ -128,13 +137,17 @@ class _ChunkedLogprobs(torch.autograd.Function):
         # summed over chunks in float32 at least: one bfloat16 rounding per chunk, not per running sum
         grad_w = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32)) if need_w else None
         grad_b = torch.zeros_like(bias) if need_b and bias is not None else None
-        for start in range(0, hidden.shape[0], spec.chunk_tokens):
-            end = min(start + spec.chunk_tokens, hidden.shape[0])
+        n, last, ctx.last_softmax = hidden.shape[0], ctx.last_softmax, None
+        for start in range(0, n, spec.chunk_tokens):
+            end = min(start + spec.chunk_tokens, n)
             if not rows:
                 continue
             h, g = hidden[start:end], grad_logp[start:end]
-            z = spec.scaled_logits(h, weight, bias)
-            grad_z = z.sub_(lse[start:end, None]).exp_().mul_(-g[:, None])  # -g * softmax
+            if end == n and last is not None:
+                softmax = last
+            else:
+                softmax = spec.scaled_logits(h, weight, bias).sub_(lse[start:end, None]).exp_()
+            grad_z = softmax.mul_(-g[:, None])  # -g * softmax
             local, here = spec.local_targets(targets[start:end], rows)
             grad_z.scatter_add_(-1, local[:, None], torch.where(here, g, 0.0)[:, None])
             grad_logits = grad_z.div_(spec.temperature).to(hidden.dtype)
