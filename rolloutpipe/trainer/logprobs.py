@@ -120,8 +120,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
             entropy[start:end] = log_total - weighted / total
             lse[start:end] = top + log_total
             if keep_last and end == n and rows:
-                del z
                 ctx.last_softmax = p.div_(total[:, None])
+            del z, p  # before the next chunk's logits exist: one chunk's [c, rows] tensors at a time
         ctx.spec = spec
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.mark_non_differentiable(entropy)
@@ -138,13 +138,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_w = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32)) if need_w else None
         grad_b = torch.zeros_like(bias) if need_b and bias is not None else None
         n, last, ctx.last_softmax = hidden.shape[0], ctx.last_softmax, None
-        for start in range(0, n, spec.chunk_tokens):
+        for start in reversed(range(0, n, spec.chunk_tokens)):  # the last chunk first: its softmax is freed first
             end = min(start + spec.chunk_tokens, n)
             if not rows:
                 continue
             h, g = hidden[start:end], grad_logp[start:end]
             if end == n and last is not None:
-                softmax = last
+                softmax, last = last, None
             else:
                 softmax = spec.scaled_logits(h, weight, bias).sub_(lse[start:end, None]).exp_()
             grad_z = softmax.mul_(-g[:, None])  # -g * softmax
@@ -160,6 +160,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                     grad_w[:rows] += grad_logits.T @ h
             if grad_b is not None:
                 grad_b[:rows] += grad_logits.sum(0)
+            del softmax, grad_z, grad_logits  # as in forward
         if grad_h is not None:
             spec.all_reduce(grad_h)
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), grad_b, None, None
