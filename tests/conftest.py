@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
@@ -85,6 +87,20 @@ def listening_addresses(*pids: int) -> list[str]:
                     host = str(ipaddress.IPv6Address(b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))))
                 found.append(f"{host}:{int(port, 16)}")
     return found
+
+
+def wait_for(condition: Callable[[], object], what: str, *, timeout_s: float = 300.0,
+             running: Iterable[subprocess.Popen] = (), details: Callable[[], object] = lambda: "") -> None:
+    """Poll ``condition`` until it holds. Fails naming ``what`` if a process of ``running`` ends first, or, as a
+    guard against a hang (far above the usual time, not a check of speed), after ``timeout_s``; ``details()`` (the
+    processes' output, a log) goes into the message."""
+    deadline = time.monotonic() + timeout_s
+    running = list(running)
+    while not condition():
+        ended = [p.returncode for p in running if p.poll() is not None]
+        assert not ended, f"the run ended (exit codes {ended}) before {what}\n{details()}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f}s\n{details()}"
+        time.sleep(0.1)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

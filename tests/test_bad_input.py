@@ -8,12 +8,20 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from .conftest import REPO, SMALL, assert_import_pulls_none_of, node_environ, read_metrics, run_job, start_nodes
+from .conftest import (
+    REPO,
+    SMALL,
+    assert_import_pulls_none_of,
+    node_environ,
+    read_metrics,
+    run_job,
+    start_nodes,
+    wait_for,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -169,14 +177,6 @@ def test_mostly_failing_rewards_stop_the_run_before_training_on_them(job_dir, tm
     assert not (run_dir / "metrics.jsonl").exists()
 
 
-def _wait_for_first_step(run_dir: Path, procs, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not (run_dir / "metrics.jsonl").exists():
-        assert time.monotonic() < deadline, "the job never finished a step"
-        assert all(p.poll() is None for p in procs.values()), {k: p.communicate() for k, p in procs.items()}
-        time.sleep(0.2)
-
-
 @pytest.mark.parametrize("victim,survivor,message", [
     ("trainer", "rollout", "trainer rank 0 stopped heart-beating"),
     ("rollout", "trainer", "lost the TCPStore"),
@@ -186,7 +186,8 @@ def test_killed_node_group_makes_the_other_exit_with_a_clear_error(tmp_path, vic
     run_dir.mkdir()
     procs = start_nodes(run_dir, *SMALL, "num_rollout=1000", "pipeline.peer_timeout_s=3")
     try:
-        _wait_for_first_step(run_dir, procs)
+        wait_for((run_dir / "metrics.jsonl").exists, "first step", timeout_s=120, running=procs.values(),
+                 details=lambda: {k: p.communicate() for k, p in procs.items() if p.poll() is not None})
         os.kill(procs[victim].pid, signal.SIGKILL)
         _, stderr = procs[survivor].communicate(timeout=30)
         assert procs[survivor].returncode == 1
@@ -205,10 +206,7 @@ def test_launcher_names_the_process_that_died(job_dir):
                                 cwd=run_dir.parent, env=node_environ(), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while not (run_dir / "metrics.jsonl").exists():
-            assert time.monotonic() < deadline and launcher.poll() is None
-            time.sleep(0.2)
+        wait_for((run_dir / "metrics.jsonl").exists, "first step", timeout_s=120, running=[launcher])
         children = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
         trainer = next(pid for pid in children
                        if b"RP_ROLE=trainer" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))

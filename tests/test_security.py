@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from rolloutpipe.control.env import NodeEnv, Role, free_port
-from tests.conftest import REPO, SMALL, listening_addresses, node_environ, read_metrics, start_nodes
+from tests.conftest import REPO, SMALL, listening_addresses, node_environ, read_metrics, start_nodes, wait_for
 
 DISTRIBUTED = ["rollout.engine=embedded_http", "pipeline.weight_sync=distributed", "rollout.num_engines=2"]
 
@@ -56,11 +56,9 @@ def test_records_forged_into_a_running_jobs_store_are_refused_and_the_run_finish
     rollout_log: list[str] = []
     reader = threading.Thread(target=lambda: rollout_log.extend(nodes["rollout"].stderr), daemon=True)
     reader.start()
-    deadline = time.monotonic() + 120
-    while not all(any(f"rp/bytest/{key}: not sealed" in line for line in rollout_log) for key in first_read):
-        assert nodes["rollout"].poll() is None, "".join(rollout_log)[-3000:]
-        assert time.monotonic() < deadline, f"no refusal of {first_read} in the rollout's log:\n{''.join(rollout_log)}"
-        time.sleep(0.1)
+    wait_for(lambda: all(any(f"rp/bytest/{key}: not sealed" in line for line in rollout_log) for key in first_read),
+             f"refusal of {first_read} in the rollout's log", timeout_s=120, running=[nodes["rollout"]],
+             details=lambda: "".join(rollout_log)[-3000:])
     nodes |= start_nodes(run_dir, *overrides, roles=("trainer",), port=port)
     trainer_out, trainer_err = nodes["trainer"].communicate(timeout=240)
     nodes["rollout"].wait(timeout=60)

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 from rolloutpipe.control.env import expand_hostlist
 
-from .conftest import REPO, SMALL, node_environ, read_metrics
+from .conftest import REPO, SMALL, node_environ, read_metrics, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
 
@@ -73,19 +73,14 @@ def sacct_components(job_id: int) -> list[tuple[str, str, str]]:
 
 
 def job_id_of(run_dir: Path, timeout_s: float = 60) -> int:
-    deadline = time.monotonic() + timeout_s
-    while not (found := list((run_dir / "slurm").glob("*_submission.sh"))):
-        assert time.monotonic() < deadline, "the launcher never submitted the job"
-        time.sleep(0.2)
-    return int(found[0].name.split("_")[0])
+    submissions = lambda: list((run_dir / "slurm").glob("*_submission.sh"))  # noqa: E731
+    wait_for(submissions, "submission of the job by the launcher", timeout_s=timeout_s)
+    return int(submissions()[0].name.split("_")[0])
 
 
 def wait_for_first_step(run_dir: Path, launcher: subprocess.Popen, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not (run_dir / "metrics.jsonl").exists():
-        assert launcher.poll() is None, launcher.communicate()
-        assert time.monotonic() < deadline, "the job never finished a step"
-        time.sleep(0.2)
+    wait_for((run_dir / "metrics.jsonl").exists, "first step", timeout_s=timeout_s, running=[launcher],
+             details=lambda: launcher.communicate() if launcher.poll() is not None else "")
 
 
 def test_submitit_het_job_runs_the_default_with_two_trainer_ranks_on_two_nodes(job_dir):

@@ -11,7 +11,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from omegaconf import OmegaConf
 from rolloutpipe.config import ConfigError, load_config
 from rolloutpipe.control.lifetime import stop_groups
 
-from .conftest import REPO, SMALL, node_environ, read_metrics
+from .conftest import REPO, SMALL, node_environ, read_metrics, wait_for
 
 NUM_STEPS = 5
 GRACE_S = 10
@@ -79,16 +78,6 @@ def leftovers(run: list[Proc], run_dir: Path) -> list[Proc]:
             or p.pgid in groups or str(run_dir) in p.cmdline]
 
 
-def wait_for(condition, what: str, timeout_s: float = 300.0, launcher: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if launcher is not None and launcher.poll() is not None:
-            raise AssertionError(f"the run ended (exit code {launcher.returncode}) before {what}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {timeout_s:.0f}s")
-        time.sleep(0.1)
-
-
 ROLLOUT_STOPPED = "[rollout rank 0] stopped by SIGTERM, and so were its engine servers and reward workers"
 
 # (whom the signal goes to, the signal, the launcher's exit code, what the output says)
@@ -114,7 +103,7 @@ def test_a_stopped_run_leaves_no_process_behind_and_the_printed_command_resumes_
                                     start_new_session=True)
     run: list[Proc] = []
     try:
-        wait_for(lambda: (run_dir / "checkpoints" / "step=0").exists(), "checkpoint of step 0", launcher=launcher)
+        wait_for(lambda: (run_dir / "checkpoints" / "step=0").exists(), "checkpoint of step 0", running=[launcher])
         run = descendants(launcher.pid)  # mid-run: step 0 is trained and saved, step 1 is being generated
         server = [p for p in run if "rolloutpipe.rollout.engines.http_server" in p.cmdline]
         nodes = [p for p in run if "rolloutpipe.launch.node" in p.cmdline]

@@ -154,16 +154,20 @@ def test_replayed_handle_from_another_step_or_run_is_rejected(transport):
         other_run.wait_handle(step=0, seq=0, policy_version=0)
 
 
-def test_waiting_on_a_peer_that_stopped_beating_fails_with_its_name(transport):
-    peer = client(transport)
-    peer_beats = Liveness(peer, role="trainer", rank=1, peers=[], heartbeat_s=0.1, peer_timeout_s=0.5,
-                          startup_timeout_s=5).start()
-    waiter = client(transport)
-    waiter.poll_s = 0.1
+def watched_peer(host: Transport, *, heartbeat_s: float, peer_timeout_s: float) -> tuple[Liveness, Transport]:
+    """Trainer rank 1 heart-beating, and rollout rank 0 watching it (seen alive once, before the test's events)."""
+    beats = Liveness(client(host), role="trainer", rank=1, peers=[], heartbeat_s=heartbeat_s,
+                     peer_timeout_s=peer_timeout_s, startup_timeout_s=5).start()
+    waiter = waiting_client(host)
     waiter.liveness = Liveness(waiter, role="rollout", rank=0, peers=[("trainer", 1)], heartbeat_s=0.1,
-                               peer_timeout_s=0.5, startup_timeout_s=5)
-    time.sleep(0.3)
+                               peer_timeout_s=peer_timeout_s, startup_timeout_s=5)
+    time.sleep(3 * heartbeat_s)
     waiter.liveness.check(waiting_for="nothing")  # alive: no error
+    return beats, waiter
+
+
+def test_waiting_on_a_peer_that_stopped_beating_fails_with_its_name(transport):
+    peer_beats, waiter = watched_peer(transport, heartbeat_s=0.1, peer_timeout_s=0.5)
     peer_beats.stop()
     start = time.monotonic()
     with pytest.raises(PeerLost, match="trainer rank 1 stopped heart-beating"):
@@ -173,14 +177,7 @@ def test_waiting_on_a_peer_that_stopped_beating_fails_with_its_name(transport):
 
 def test_a_peer_that_finished_healthy_is_not_reported_lost(transport):
     """A trainer rank done with the run (rank 0 still writing the final checkpoint) stops beating: not a death."""
-    peer = client(transport)
-    beats = Liveness(peer, role="trainer", rank=1, peers=[], heartbeat_s=0.05, peer_timeout_s=0.3,
-                     startup_timeout_s=5).start()
-    waiter = waiting_client(transport)
-    waiter.liveness = Liveness(waiter, role="rollout", rank=0, peers=[("trainer", 1)], heartbeat_s=0.1,
-                               peer_timeout_s=0.3, startup_timeout_s=5)
-    time.sleep(0.15)
-    waiter.liveness.check(waiting_for="nothing")
+    beats, waiter = watched_peer(transport, heartbeat_s=0.05, peer_timeout_s=0.3)
     beats.finish()
     for _ in range(8):  # more than twice the peer timeout without a beat, watched all along
         waiter.liveness.check(waiting_for="trainer/done")  # no error
@@ -217,14 +214,7 @@ def test_a_forged_abort_is_refused_and_a_genuine_one_still_stops_the_run(transpo
 
 
 def test_forged_or_replayed_heart_beats_do_not_keep_a_dead_peer_alive(transport):
-    peer = client(transport)
-    beats = Liveness(peer, role="trainer", rank=1, peers=[], heartbeat_s=0.05, peer_timeout_s=0.5,
-                     startup_timeout_s=5).start()
-    waiter = waiting_client(transport)
-    waiter.liveness = Liveness(waiter, role="rollout", rank=0, peers=[("trainer", 1)], heartbeat_s=0.1,
-                               peer_timeout_s=0.5, startup_timeout_s=5)
-    time.sleep(0.2)
-    waiter.liveness.check(waiting_for="nothing")
+    beats, waiter = watched_peer(transport, heartbeat_s=0.05, peer_timeout_s=0.5)
     beats.stop()
     time.sleep(0.1)
     key = transport.key("alive", "trainer", 1)
