@@ -87,6 +87,9 @@ class PolicyTrainer:
         self.cfg = cfg
         self.grpo = grpo
         self.temperature = temperature
+        self._head = (_HiddenToLogprobs(self.model, cfg.logprob_chunk_tokens, temperature)
+                      if cfg.logprob_chunk_tokens and _chunkable(self.model) else None)
+        """Log-probs from the hidden states by chunks; None: from the model's full logits."""
         self.pad_id = pad_id
         self.multi_step = multi_step
         self.old_logprobs = old_logprobs
@@ -113,7 +116,7 @@ class PolicyTrainer:
     def forward_backward(self, samples: list[TrainSample], *, first_batch_of_step: bool) -> LossSums:
         input_ids, targets, mask = (t if self.device is None else t.to(self.device)
                                     for t in pack(samples, pad_id=self.pad_id))  # [B, L], [B, L-1] x 2
-        logprobs, entropy = self._logprobs(self.model, input_ids, targets, mask)  # [B, L-1] x 2
+        logprobs, entropy = self._logprobs(input_ids, targets, mask)  # [B, L-1] x 2
         old = self._old_logprobs(samples, input_ids, targets, logprobs, mask, first_batch_of_step)
         advantages = torch.tensor([s.advantage for s in samples], dtype=logprobs.dtype, device=logprobs.device)
         sums = policy_loss_sums(logprobs, old, advantages, mask, self.grpo)
@@ -184,25 +187,23 @@ class PolicyTrainer:
         if first_batch_of_step or self._snapshot is None:
             return logprobs.detach()
         with torch.no_grad():
-            return self._logprobs(self.model, input_ids, targets, mask, params=self._snapshot)[0] * mask
+            return self._logprobs(input_ids, targets, mask, params=self._snapshot)[0] * mask
 
-    def _logprobs(self, model, input_ids, targets, mask, params=None) -> tuple[torch.Tensor, ...]:
-        """log p of ``targets`` and the entropy [B, L-1] under ``model`` (or under ``params``, policy_version k's
+    def _logprobs(self, input_ids, targets, mask, params=None) -> tuple[torch.Tensor, ...]:
+        """log p of ``targets`` and the entropy [B, L-1] under the model (or under ``params``, policy_version k's
         snapshot): from the final hidden states of the response tokens (``mask``), ``trainer.logprob_chunk_tokens``
         at a time, when the model allows it (zeros elsewhere); else from the model's full logits.
 
         No attention mask: padding is on the right, so under the causal mask no real token sees one, and a purely
         causal SDPA call can take the flash / memory-efficient kernels (no [B, 1, L, L] mask is built)."""
-        chunk = self.cfg.logprob_chunk_tokens
-        if chunk and _chunkable(model):
-            head = _HiddenToLogprobs(model, chunk, self.temperature)
+        if self._head is not None:
             args = (input_ids, targets, mask)
             if params is None:
-                return head(*args)
-            return torch.func.functional_call(head, {f"lm.{k}": v for k, v in params.items()}, args)
+                return self._head(*args)
+            return torch.func.functional_call(self._head, {f"lm.{k}": v for k, v in params.items()}, args)
         kwargs = {"input_ids": input_ids}
-        logits = (model(**kwargs) if params is None
-                  else torch.func.functional_call(model, params, (), kwargs)).logits[:, :-1]
+        logits = (self.model(**kwargs) if params is None
+                  else torch.func.functional_call(self.model, params, (), kwargs)).logits[:, :-1]
         return token_logprobs(logits, targets, self.temperature), token_entropy(logits, self.temperature)
 
 

@@ -106,6 +106,8 @@ class MegatronTrainer:
                 adam_beta2=cfg.adam_beta2, adam_eps=1e-8, clip_grad=cfg.max_grad_norm,
                 bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
             ), [self.ddp])
+        self._head = _HiddenToLogprobs(self.gpt, self.layout, tp_rank=self.tp_rank, tp_group=self.tp_group,
+                                       chunk_tokens=cfg.logprob_chunk_tokens, temperature=temperature)
         self._tp_shards: list[dict[str, torch.Tensor]] | None = None
         self._gather_shards()
         self._snapshot: dict[str, torch.Tensor] | None = None
@@ -182,11 +184,9 @@ class MegatronTrainer:
                   mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """log p of ``targets`` and the entropy [B, L-1] at the response tokens (zeros elsewhere), under the
         current weights or ``params`` (policy_version k's snapshot); vocabulary parallel (trainer/logprobs.py)."""
-        head = _HiddenToLogprobs(self.gpt, self.layout, tp_rank=self.tp_rank, tp_group=self.tp_group,
-                                 chunk_tokens=self.cfg.logprob_chunk_tokens, temperature=self.temperature)
         if params is None:
-            return head(input_ids, targets, mask)
-        return torch.func.functional_call(head, {f"gpt.{k}": v for k, v in params.items()},
+            return self._head(input_ids, targets, mask)
+        return torch.func.functional_call(self._head, {f"gpt.{k}": v for k, v in params.items()},
                                           (input_ids, targets, mask))
 
     def _load_hf(self, hf_state: dict[str, torch.Tensor]) -> None:
