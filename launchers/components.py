@@ -6,9 +6,10 @@
 
 The positional arguments are Hydra overrides, as for ``python launch.py``. The component resolves and
 checks the config, creates the run directory and writes ``config.yaml`` before TorchX starts anything
-(run from the repository root; the run directory must be visible to every node). The trainer role has
-``trainer.num_ranks`` replicas. On Slurm, TorchX submits one heterogeneous job with one het group per
-replica: group 0 is ``rollout-0`` (whose node hosts the store), then ``trainer-0``, ``trainer-1``, ...
+(run from the repository root; the run directory must be visible to every node). The rollout role has
+``launcher.rollout.nodes`` replicas (each the engine host of its node; replica 0 also the rollout manager),
+the trainer role ``trainer.num_ranks``. On Slurm, TorchX submits one heterogeneous job with one het group per
+replica: group 0 is ``rollout-0`` (whose node hosts the store), then ``rollout-1``, ..., ``trainer-0``, ...
 
 What each replica gets (rolloutpipe/control/env.py): RP_ROLE and RP_WORLD_SIZE per role, RP_RANK from TorchX's
 ``replica_id``, RP_STORE_HOST_VAR set to TorchX's ``rank0_env`` (the variable naming the first replica's
@@ -47,8 +48,8 @@ def grpo(
 
     Args:
         overrides: Hydra overrides, as for launch.py (e.g. num_rollout=20 trainer.num_ranks=2)
-        rollout_cpus: CPUs of the rollout replica
-        rollout_gpus: GPUs of the rollout replica (its engines)
+        rollout_cpus: CPUs per rollout replica (one per rollout node: launcher.rollout.nodes)
+        rollout_gpus: GPUs per rollout replica (its node's engines)
         trainer_cpus: CPUs per trainer replica (one replica per trainer rank)
         trainer_gpus: GPUs per trainer replica
         mem_mb: memory per replica in MB
@@ -80,7 +81,8 @@ def grpo(
         )
 
     return specs.AppDef(name="rolloutpipe", roles=[
-        role("rollout", 1, rollout_cpus, rollout_gpus),  # first: het group 0 on Slurm, whose host is rank0_env
+        # first: het group 0 on Slurm, whose host is rank0_env; one replica per rollout node (rollout/hosts.py)
+        role("rollout", cfg.launcher.rollout.nodes, rollout_cpus, rollout_gpus),
         role("trainer", cfg.trainer.num_ranks, trainer_cpus, trainer_gpus),
     ])
 

@@ -205,6 +205,15 @@ class Config:
                 f"its start, rollout_batch_size + rollout.over_sampling_groups = {initial}; raise it (or leave it "
                 "null: 10 x rollout_batch_size)."
             )
+        self.rollout.place_engines(self.launcher.rollout.nodes)
+        gpus = self.launcher.rollout.gpus_per_node
+        if self.rollout.engines_on_gpus and gpus and self.rollout.engines_per_node * self.rollout.sglang_gpus_per_engine > gpus:
+            raise ValueError(
+                f"rollout.engines_per_node={self.rollout.engines_per_node} x rollout.sglang_gpus_per_engine="
+                f"{self.rollout.sglang_gpus_per_engine} GPUs do not fit a rollout node's launcher.rollout."
+                f"gpus_per_node={gpus}; use {gpus // self.rollout.sglang_gpus_per_engine or 1} engines per node or "
+                "more launcher.rollout.nodes."
+            )
         if self.rollout.num_engines > self.rollout_batch_size:
             raise ValueError(
                 f"rollout.num_engines={self.rollout.num_engines} exceeds rollout_batch_size={self.rollout_batch_size}; "

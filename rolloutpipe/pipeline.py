@@ -45,6 +45,7 @@ from rolloutpipe.control.transport import StoreAddress, Transport
 from rolloutpipe.observe.metrics import RolloutStats, TrainStats
 from rolloutpipe.rollout.admission import GroupAssembler, RolloutSchedule
 from rolloutpipe.rollout.evaluation import EvalMode
+from rolloutpipe.rollout.hosts import EngineHost
 from rolloutpipe.rollout.node import POLL_S, RolloutNode
 from rolloutpipe.rollout.rewards import OnTimeout
 from rolloutpipe.rollout.samples import check_on_policy, check_reward_failures, write_samples
@@ -227,6 +228,9 @@ def open_transport(cfg: Config, env: NodeEnv) -> Transport:
         connect_timeout_s=cfg.pipeline.connect_timeout_s,
     )
     peers = [("rollout", 0)] + [("trainer", r) for r in range(cfg.trainer.num_ranks)]
+    if env.role is Role.rollout and env.rank > 0:  # an engine host answers to the manager only
+        peers = [("rollout", 0)]
+    # (the manager watches the engine hosts apart: a lost one loses its engines, not the run; rollout/hosts.py)
     transport.liveness = Liveness(
         transport, role=env.role.value, rank=env.rank, peers=[p for p in peers if p != (env.role.value, env.rank)],
         heartbeat_s=cfg.pipeline.heartbeat_s, peer_timeout_s=cfg.pipeline.peer_timeout_s,
@@ -240,7 +244,9 @@ def run_node(cfg: Config, env: NodeEnv) -> None:
     transport = open_transport(cfg, env)
     node = None
     try:
-        if env.role is Role.rollout:
+        if env.role is Role.rollout and env.rank > 0:
+            EngineHost(cfg, env, transport).run()  # its node's engine servers, for the manager (rank 0)
+        elif env.role is Role.rollout:
             node = RolloutNode(cfg, env, transport)
             run_rollout(node)
         else:

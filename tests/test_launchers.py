@@ -139,9 +139,28 @@ def test_trainer_het_group_must_have_one_task_per_trainer_rank():
     check_launch(cfg_of(*slurm, "trainer.num_ranks=4", "launcher.trainer.nodes=2", "launcher.trainer.tasks_per_node=2"))
 
 
-def test_rollout_het_group_is_one_process():
-    with pytest.raises(ConfigError, match="launcher.rollout.*one process"):
-        cfg_of("launcher.rollout.nodes=2")
+def test_rollout_nodes_run_one_engine_host_each_and_the_engines_split_over_them():
+    with pytest.raises(ConfigError, match="launcher.rollout.tasks_per_node=2: a rollout node runs one process"):
+        cfg_of("launcher.rollout.tasks_per_node=2")
+    cfg = cfg_of("launcher.rollout.nodes=2", "rollout.engine=embedded_http", "rollout.engines_per_node=2")
+    assert (cfg.rollout.num_engines, cfg.rollout.engines_per_node) == (4, 2)
+    cfg = cfg_of("launcher.rollout.nodes=2", "rollout.engine=embedded_http", "rollout.num_engines=4")
+    assert (cfg.rollout.num_engines, cfg.rollout.engines_per_node) == (4, 2)
+    with pytest.raises(ConfigError, match="rollout.num_engines=3 does not split evenly over launcher.rollout.nodes=2"):
+        cfg_of("launcher.rollout.nodes=2", "rollout.engine=embedded_http", "rollout.num_engines=3")
+    with pytest.raises(ConfigError, match=r"rollout.num_engines=2 but launcher.rollout.nodes x rollout.engines_per_"
+                                          r"node = 2 x 2; drop num_engines"):
+        cfg_of("launcher.rollout.nodes=2", "rollout.engine=embedded_http", "rollout.engines_per_node=2",
+               "rollout.num_engines=2")
+    with pytest.raises(ConfigError, match="rollout.engine=embedded runs its engines inside rollout rank 0"):
+        cfg_of("launcher.rollout.nodes=2", "rollout.num_engines=2")
+    with pytest.raises(ConfigError, match="rollout.min_engines=5 exceeds the run's 4 engines"):
+        cfg_of("launcher.rollout.nodes=2", "rollout.engine=embedded_http", "rollout.engines_per_node=2",
+               "rollout.min_engines=5")
+    with pytest.raises(ConfigError, match=r"engines_per_node=8 x rollout.sglang_gpus_per_engine=2 GPUs do not fit "
+                                          r"a rollout node's launcher.rollout.gpus_per_node=8; use 4 engines"):
+        cfg_of("rollout.engine=sglang", "rollout.engines_per_node=8", "rollout.sglang_gpus_per_engine=2",
+               "launcher.rollout.gpus_per_node=8", "rollout_batch_size=16")
 
 
 def test_sbatch_mode_checks_the_allocation_against_the_config():
@@ -152,6 +171,15 @@ def test_sbatch_mode_checks_the_allocation_against_the_config():
     with pytest.raises(ConfigError, match=r"\[1, 1\] tasks.*trainer.num_ranks=2"):
         check_allocation(cfg, {"SLURM_HET_SIZE": "2", "SLURM_NTASKS_HET_GROUP_0": "1", "SLURM_NTASKS_HET_GROUP_1": "1"})
     check_allocation(cfg, {"SLURM_HET_SIZE": "2", "SLURM_NTASKS_HET_GROUP_0": "1", "SLURM_NTASKS_HET_GROUP_1": "2"})
+    with pytest.raises(ConfigError, match=r"\[2, 2\] tasks.*1 task per rollout node, launcher.rollout.nodes=1"):
+        check_allocation(cfg, {"SLURM_HET_SIZE": "2", "SLURM_NTASKS_HET_GROUP_0": "2", "SLURM_NTASKS_HET_GROUP_1": "2"})
+    two = cfg_of("launcher.kind=sbatch", "trainer.num_ranks=2", "launcher.rollout.nodes=2",
+                 "rollout.engine=embedded_http")
+    with pytest.raises(ConfigError, match="2 tasks on 1 nodes: one task per rollout node"):
+        check_allocation(two, {"SLURM_HET_SIZE": "2", "SLURM_NTASKS_HET_GROUP_0": "2",
+                               "SLURM_JOB_NUM_NODES_HET_GROUP_0": "1", "SLURM_NTASKS_HET_GROUP_1": "2"})
+    check_allocation(two, {"SLURM_HET_SIZE": "2", "SLURM_NTASKS_HET_GROUP_0": "2",
+                           "SLURM_JOB_NUM_NODES_HET_GROUP_0": "2", "SLURM_NTASKS_HET_GROUP_1": "2"})
 
 
 def test_submission_from_inside_a_job_does_not_leak_that_jobs_slurm_options(monkeypatch):

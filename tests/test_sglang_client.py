@@ -217,7 +217,7 @@ def test_embedded_http_run_trains_through_the_server_and_stops_it(job_dir):
 
 def test_fgd_reaches_sglang_as_group_order_priorities(tmp_path):
     from rolloutpipe.config import load_config
-    from rolloutpipe.rollout.engines.factory import EngineFactory
+    from rolloutpipe.rollout.hosts import NodeServers
     from rolloutpipe.rollout.samples import make_requests
     from rolloutpipe.types import Prompt
 
@@ -225,8 +225,8 @@ def test_fgd_reaches_sglang_as_group_order_priorities(tmp_path):
     for admission, scheduled in (("fifo", False), ("fgd", True)):
         cfg = load_config({"model": {"path": str(tmp_path)}, "run": {"dir": str(tmp_path / admission)},
                            "rollout": {"engine": "sglang", "admission": admission}})
-        factory = EngineFactory(cfg, vocab_size=VOCAB_SIZE, on_result=print, api_key=API_KEY)
-        command = factory._server(0, "engine0").command
+        servers = NodeServers(cfg, rank=0, bind_host="127.0.0.1", api_key=API_KEY, log_dir=tmp_path)
+        command = servers._server(0, "engine0").command
         assert ("--enable-priority-scheduling" in command) is scheduled, admission
         assert ("--schedule-low-priority-values-first" in command) is scheduled, admission
     prompt = Prompt(index=0, text="abc", input_ids=[5, 6], label="cba")

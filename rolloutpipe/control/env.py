@@ -167,6 +167,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def node_address(store_host: str) -> str:
+    """Where the job's other processes reach this one (trainer rank 0's weight-update group, a node's engine
+    servers): loopback when the whole job is on this host (the store is on loopback), else this node's name."""
+    if store_host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    return socket.getfqdn()
+
+
 def listen_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket on the address ``host`` names (loopback for 127.0.0.1 or localhost, the node's own
     address for its host name), never on every interface; port 0 takes a free one. For the stores RolloutPipe

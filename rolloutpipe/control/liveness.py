@@ -92,26 +92,31 @@ class Liveness:
             aborted = self._check_client.read_record(self._check_client.key("abort"))
             if aborted is not None:
                 raise PeerLost(f"run aborted while waiting for {waiting_for}: {aborted.get('reason')}")
-            now = time.monotonic()
             for peer in self.peers:
-                count, finished = self._beats(peer)
-                if finished:
-                    continue
-                last = self._seen.get(peer)
-                if last is None or count > last[0]:
-                    if count > 0:
-                        self._seen[peer] = (count, now)
-                    elif now - self._started_s > self.startup_timeout_s:
-                        raise PeerLost(
-                            f"{peer[0]} rank {peer[1]} never showed up within {self.startup_timeout_s:.0f} s "
-                            f"(waiting for {waiting_for}); check that its component started and see its log. "
-                            "Raise pipeline.connect_timeout_s if it is only slow to start."
-                        )
-                elif now - last[1] > self.peer_timeout_s:
-                    raise PeerLost(
-                        f"{peer[0]} rank {peer[1]} stopped heart-beating {now - last[1]:.0f} s ago (limit "
-                        f"pipeline.peer_timeout_s={self.peer_timeout_s:.0f}) while this process waited for "
-                        f"{waiting_for}: it has probably died; see its log."
-                    )
+                if (reason := self._lost(peer)) is not None:
+                    raise PeerLost(f"{reason} (this process was waiting for {waiting_for})")
 
+    def lost(self, peer: tuple[str, int]) -> str | None:
+        """Why ``peer`` (watched, not one of ``peers``: a rollout engine host) counts as gone, or None while it beats
+        or once it finished healthy. The same rules as ``check``, without raising."""
+        with self._check_lock:
+            return self._lost(peer)
 
+    def _lost(self, peer: tuple[str, int]) -> str | None:
+        count, finished = self._beats(peer)
+        if finished:
+            return None
+        now = time.monotonic()
+        last = self._seen.get(peer)
+        if last is None or count > last[0]:
+            if count > 0:
+                self._seen[peer] = (count, now)
+            elif now - self._started_s > self.startup_timeout_s:
+                return (f"{peer[0]} rank {peer[1]} never showed up within {self.startup_timeout_s:.0f} s (check that "
+                        "its component started and see its log; raise pipeline.connect_timeout_s if it is only slow "
+                        "to start)")
+            return None
+        if now - last[1] > self.peer_timeout_s:
+            return (f"{peer[0]} rank {peer[1]} stopped heart-beating {now - last[1]:.0f} s ago (limit "
+                    f"pipeline.peer_timeout_s={self.peer_timeout_s:.0f}): it has probably died; see its log")
+        return None

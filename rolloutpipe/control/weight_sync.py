@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -114,13 +113,6 @@ def plan_buckets(state: dict[str, torch.Tensor], bucket_bytes: int) -> list[Buck
         buckets[-1].shapes.append(list(tensor.shape))
         size += num_bytes
     return buckets
-
-
-def master_address(store_host: str) -> str:
-    """Where the engines reach trainer rank 0: loopback when the whole job is on this host, else its host name."""
-    if store_host in ("127.0.0.1", "localhost", "::1"):
-        return "127.0.0.1"
-    return socket.getfqdn()
 
 
 def weight_sync_backend(engines_on_gpus: bool, state: dict[str, torch.Tensor]) -> str:

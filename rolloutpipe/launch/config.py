@@ -44,7 +44,9 @@ class LauncherConfig:
     time_min: int = 60
     """Time limit of both het groups, in minutes."""
     rollout: HetGroupConfig = field(default_factory=HetGroupConfig)
-    """Het group 0: the rollout process (its engines: rollout.num_engines) and the store it hosts."""
+    """Het group 0: one process per node, each the engine host of its node (rollout.engines_per_node engine
+    servers); the first also the rollout manager, which hosts the store. kind=local: ``nodes`` rollout processes
+    on this machine, standing in for nodes."""
     trainer: HetGroupConfig = field(default_factory=HetGroupConfig)
     """Het group 1: nodes * tasks_per_node must equal trainer.num_ranks."""
     setup: list[str] = field(default_factory=list)
@@ -60,10 +62,11 @@ class LauncherConfig:
     engine servers and reward workers and exit after its SIGTERM, before its process group is SIGKILLed."""
 
     def __post_init__(self) -> None:
-        if self.rollout.num_tasks != 1:
+        if self.rollout.tasks_per_node != 1:
             raise ValueError(
-                f"launcher.rollout asks for {self.rollout.num_tasks} tasks, but the rollout node group is one process "
-                "(it runs rollout.num_engines engines); keep launcher.rollout.nodes=1 and tasks_per_node=1."
+                f"launcher.rollout.tasks_per_node={self.rollout.tasks_per_node}: a rollout node runs one process (its "
+                "engine host, which starts the node's rollout.engines_per_node engine servers); keep it 1 and set "
+                "launcher.rollout.nodes for more rollout nodes."
             )
         for name, group in (("rollout", self.rollout), ("trainer", self.trainer)):
             for key in ("nodes", "tasks_per_node"):

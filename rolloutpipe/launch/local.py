@@ -78,6 +78,8 @@ def plan_cpus(available: list[int], num_trainer_ranks: int) -> tuple[list[int], 
 class Child:
     label: str
     process: subprocess.Popen
+    essential: bool = True
+    """False for an engine host (rollout rank > 0): the run survives losing one (rollout/hosts.py)."""
 
 
 class LocalLauncher:
@@ -93,8 +95,9 @@ class LocalLauncher:
         secret = secrets.token_bytes(32)
         port = free_port()
         rollout_cpus, trainer_cpus = plan_cpus(sorted(os.sched_getaffinity(0)), cfg.trainer.num_ranks)
-        envs = [NodeEnv(role=Role.rollout, rank=0, world_size=1, store_host="127.0.0.1", store_port=port,
-                        run_id=cfg.run.id, secret=secret, run_dir=run_dir, cpus=rollout_cpus)]
+        num_hosts = cfg.launcher.rollout.nodes  # rollout processes, standing in for nodes (rollout/hosts.py)
+        envs = [NodeEnv(role=Role.rollout, rank=r, world_size=num_hosts, store_host="127.0.0.1", store_port=port,
+                        run_id=cfg.run.id, secret=secret, run_dir=run_dir, cpus=rollout_cpus) for r in range(num_hosts)]
         envs += [NodeEnv(role=Role.trainer, rank=r, world_size=cfg.trainer.num_ranks, store_host="127.0.0.1",
                          store_port=port, run_id=cfg.run.id, secret=secret, run_dir=run_dir, cpus=trainer_cpus[r])
                  for r in range(cfg.trainer.num_ranks)]
@@ -118,7 +121,9 @@ class LocalLauncher:
         environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, environ.get("PYTHONPATH")]))
         process = subprocess.Popen([sys.executable, "-m", "rolloutpipe.launch.node"], env=environ,
                                    start_new_session=True)
-        return Child(label=f"{env.role.value} rank {env.rank}", process=process)
+        host = env.role is Role.rollout and env.rank > 0
+        return Child(label=f"{env.role.value} rank {env.rank}{' (engine host)' if host else ''}", process=process,
+                     essential=not host)
 
     def _monitor(self, children: list[Child], peer_timeout_s: float, stop_grace_s: float) -> int:
         culprit: Child | None = None
@@ -127,7 +132,12 @@ class LocalLauncher:
             if self._signal is not None:
                 return self._stop_on_signal(children, stop_grace_s)
             codes = {c.label: c.process.poll() for c in children}
-            if all(code == 0 for code in codes.values()):
+            for child in [c for c in children if not c.essential and c.process.returncode not in (None, 0)]:
+                children.remove(child)  # the manager retires its engines; the run goes on without it
+                if child.process.returncode < 0:  # (else it stopped on its own, and said why)
+                    _say(f"{child.label} ended by {_describe(child.process.returncode)}; the rollout manager takes "
+                         "its engines out of service and the run goes on while rollout.min_engines remain")
+            if all(c.process.returncode == 0 for c in children):
                 return 0
             if culprit is None:
                 culprit = next((c for c in children if c.process.returncode not in (None, 0)), None)

@@ -279,12 +279,19 @@ def check_allocation(cfg: Config, environ: dict[str, str] | None = None) -> None
         )
     het_size = int(environ["SLURM_HET_SIZE"])
     tasks = [int(environ.get(f"SLURM_NTASKS_HET_GROUP_{k}", "1")) for k in range(het_size)]
-    if het_size != 2 or tasks[0] != 1 or tasks[1] != cfg.trainer.num_ranks:
+    rollout_nodes = cfg.launcher.rollout.nodes
+    if het_size != 2 or tasks[0] != rollout_nodes or tasks[1] != cfg.trainer.num_ranks:
         raise ConfigError(
-            f"this job has {het_size} het groups with {tasks} tasks; the config needs 2: het group 0 with 1 task "
-            f"(the rollout process) and het group 1 with trainer.num_ranks={cfg.trainer.num_ranks} tasks. Edit the "
-            "#SBATCH lines of slurm/rolloutpipe.sbatch (nodes * ntasks-per-node of the second group) or "
-            "trainer.num_ranks."
+            f"this job has {het_size} het groups with {tasks} tasks; the config needs 2: het group 0 with 1 task per "
+            f"rollout node, launcher.rollout.nodes={rollout_nodes}, and het group 1 with trainer.num_ranks="
+            f"{cfg.trainer.num_ranks} tasks. Edit the #SBATCH lines of slurm/rolloutpipe.sbatch (--nodes of the "
+            "first group, nodes * ntasks-per-node of the second) or launcher.rollout.nodes and trainer.num_ranks."
+        )
+    num_nodes = int(environ.get("SLURM_JOB_NUM_NODES_HET_GROUP_0", tasks[0]))
+    if num_nodes != tasks[0]:
+        raise ConfigError(
+            f"het group 0 has {tasks[0]} tasks on {num_nodes} nodes: one task per rollout node (each starts its "
+            "node's engine servers); set --ntasks-per-node=1 in its #SBATCH lines."
         )
 
 

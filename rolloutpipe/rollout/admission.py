@@ -354,8 +354,9 @@ class Admission:
         return len(retry)
 
     def put_back(self, failed: EngineView, replacement: EngineView) -> None:
-        """``replacement`` (already in ``engines``) serves from now on; FIFO hands it the requests that waited."""
-        self._out_of_service.remove(failed)
+        """``replacement`` (in ``engines`` now) serves; FIFO hands it the requests that waited."""
+        if failed in self._out_of_service:  # else it failed in an earlier step, and restarted on another node
+            self._out_of_service.remove(failed)
         self._serving = self._in_service()
         self._capacity = self.concurrency * len(self._serving)
         orphans, self._orphans = self._orphans, []
@@ -413,12 +414,11 @@ class Resolution:
 class RolloutSchedule:
     """One step's rollout bookkeeping: which groups to admit and when, and which complete groups go out.
 
-    Pure (no threads, no clock, no I/O): the rollout node (pipeline.py) drives it with real engines and
-    the simulator (rolloutpipe/sim) with simulated ones, so both run the same scheduling code.
-    ``draw(k)`` returns the next k prompts of the source; ``requests_for(group, prompt)`` makes a
-    group's requests. ``start`` admits the step's groups (plus over-sampling when filtering);
-    ``on_group`` resolves a complete group (drop or place, admit a replacement, refill engines);
-    ``on_slot_freed`` refills engines; once ``full``, ``finish`` aborts what is not needed.
+    Pure (no threads, clock or I/O): the rollout node (pipeline.py) and the simulator (rolloutpipe/sim) run
+    the same scheduling code, with real engines and simulated ones. ``draw(k)`` returns the next k prompts of
+    the source; ``requests_for(group, prompt)`` makes a group's requests. ``start`` admits the step's groups
+    (plus over-sampling when filtering); ``on_group`` resolves a complete group (drop or place, admit a
+    replacement, refill engines); ``on_slot_freed`` refills engines; once ``full``, ``finish`` aborts the rest.
     """
 
     def __init__(self, *, rollout_batch_size: int, groups_per_batch: int, filter_zero_variance: bool,

@@ -21,7 +21,14 @@ class EngineKind(enum.Enum):
 @dataclass(kw_only=True, slots=True)
 class RolloutConfig:
     engine: EngineKind = EngineKind.embedded
-    num_engines: int = 1
+    num_engines: int | None = None
+    """Engines in all. Null: launcher.rollout.nodes x engines_per_node (one per node when that is null too)."""
+    engines_per_node: int | None = None
+    """Engine servers each rollout node starts (rollout/hosts.py): on GPU nodes its GPUs / sglang_gpus_per_engine.
+    Null: num_engines / launcher.rollout.nodes. With rollout.engine=embedded (in-process) the group is one node."""
+    min_engines: int = 1
+    """Engines that must stay in service: a lost engine host takes its engines out (their requests go to the
+    others) and the run goes on while at least this many remain; below it the run stops."""
     concurrency: int = 64
     """Requests one engine runs at once (SGLang's max_running_requests)."""
     admission: AdmissionPolicy = AdmissionPolicy.fifo
@@ -43,7 +50,8 @@ class RolloutConfig:
     sglang_launch_args: list[str] = field(default_factory=list)
     """Extra arguments for every ``sglang.launch_server``, e.g. ``[--mem-fraction-static, "0.8"]``."""
     sglang_gpus_per_engine: int = 1
-    """GPUs each started SGLang server uses (its --tp-size times --dp-size); engine i starts at GPU i * this."""
+    """GPUs each started SGLang server uses (its --tp-size times --dp-size); a node's engine j starts at GPU
+    j * this."""
     server_start_timeout_s: float = 900.0
     """How long to wait for a started engine server to answer /health."""
     max_engine_failures: int = 3
@@ -52,6 +60,32 @@ class RolloutConfig:
     request_timeout_s: float | None = None
     """An engine that holds requests and hands none back for this long is hung and fails like a crashed one.
     None: no timeout. Set it well above the longest single generation (max response length at full batch)."""
+
+    def place_engines(self, num_nodes: int) -> None:
+        """Derive ``num_engines`` and ``engines_per_node`` for ``num_nodes`` rollout nodes (launcher.rollout.nodes),
+        or check the two against each other when both are given. Engine i runs on node i // engines_per_node."""
+        if num_nodes > 1 and (self.engine is EngineKind.embedded or self.engine_urls):
+            raise ValueError(
+                f"launcher.rollout.nodes={num_nodes}, but rollout.engine=embedded runs its engines inside rollout "
+                "rank 0 and rollout.engine_urls attaches servers nobody starts: engines on several rollout nodes "
+                "need rollout.engine=embedded_http or sglang without engine_urls (each node starts its own).")
+        if self.engines_per_node is None:
+            total = self.num_engines or num_nodes
+            if total % num_nodes:
+                raise ValueError(f"rollout.num_engines={total} does not split evenly over launcher.rollout.nodes="
+                                 f"{num_nodes}; set rollout.engines_per_node instead (num_engines is derived).")
+            self.num_engines, self.engines_per_node = total, total // num_nodes
+        elif self.num_engines is None:
+            self.num_engines = num_nodes * self.engines_per_node
+        elif self.num_engines != num_nodes * self.engines_per_node:
+            raise ValueError(f"rollout.num_engines={self.num_engines} but launcher.rollout.nodes x "
+                             f"rollout.engines_per_node = {num_nodes} x {self.engines_per_node}; drop num_engines "
+                             "(it is derived).")
+        if self.engine_urls and len(self.engine_urls) != self.num_engines:
+            raise ValueError(f"rollout.engine_urls has {len(self.engine_urls)} URLs but rollout.num_engines="
+                             f"{self.num_engines}; give one URL per engine.")
+        if self.min_engines > self.num_engines:
+            raise ValueError(f"rollout.min_engines={self.min_engines} exceeds the run's {self.num_engines} engines.")
 
     @property
     def ranks_per_engine(self) -> int:
@@ -64,8 +98,11 @@ class RolloutConfig:
         return self.engine is EngineKind.sglang
 
     def __post_init__(self) -> None:
-        if self.num_engines < 1:
-            raise ValueError(f"rollout.num_engines={self.num_engines} must be >= 1.")
+        for key in ("num_engines", "engines_per_node"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ValueError(f"rollout.{key}={getattr(self, key)} must be >= 1 (or null: derived).")
+        if self.min_engines < 1:
+            raise ValueError(f"rollout.min_engines={self.min_engines} must be >= 1.")
         if self.concurrency < 1:
             raise ValueError(
                 f"rollout.concurrency={self.concurrency} must be >= 1: it is how many requests an engine runs at once."
@@ -78,9 +115,6 @@ class RolloutConfig:
         if self.engine_api_key_file is not None and not self.engine_urls:
             raise ValueError("rollout.engine_api_key_file is set but rollout.engine_urls is empty: the servers "
                              "RolloutPipe starts get the run's own key; the file is for attached servers only.")
-        if self.engine_urls and len(self.engine_urls) != self.num_engines:
-            raise ValueError(f"rollout.engine_urls has {len(self.engine_urls)} URLs but rollout.num_engines="
-                             f"{self.num_engines}; give one URL per engine.")
         if self.max_engine_failures < 0:
             raise ValueError(f"rollout.max_engine_failures={self.max_engine_failures} must be >= 0 (0 stops the run "
                              "at an engine's first failure).")

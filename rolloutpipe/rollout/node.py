@@ -1,4 +1,6 @@
-"""The rollout node (het group 0, rank 0): its parts, and the bookkeeping around each step's rollout.
+"""The rollout manager (het group 0, rank 0): its parts, and the bookkeeping around each step's rollout.
+
+(The other rollout ranks are engine hosts only: rollout/hosts.py.)
 
 pipeline.py runs the node's main loop and the step itself (``pipeline.rollout_step``); this class owns what
 they use: the engines and their supervisor, the reward threads, the dispatcher thread, the prompt source,
@@ -65,13 +67,14 @@ class RolloutNode:
             self.source.load_state_dict(self.resumed.source_state)
         self.rewards = RewardThreads(pool=RewardPool(cfg.reward), tokenizer=self.tokenizer,
                                      num_threads=cfg.reward.num_workers, spans=self.spans)
-        factory = EngineFactory(cfg, vocab_size=len(self.tokenizer), on_result=self.on_result,
-                                api_key=env.engine_api_key)
-        self.engines = factory.build_all()
+        self.factory = factory = EngineFactory(cfg, vocab_size=len(self.tokenizer), on_result=self.on_result,
+                                               api_key=env.engine_api_key, transport=transport, run_dir=env.run_dir)
+        self.engines = factory.build_all()  # this node's, and the other rollout nodes' (rollout/hosts.py)
         self.supervisor = EngineSupervisor(  # a failed engine: retry its requests elsewhere, restart it
             engines=self.engines, restart=factory.restart, where_to_look=factory.where_to_look,
             max_failures=cfg.rollout.max_engine_failures, request_timeout_s=cfg.rollout.request_timeout_s,
-            spans=self.spans, check_peers=lambda what: transport.liveness.check(waiting_for=what))
+            spans=self.spans, check_peers=lambda what: transport.liveness.check(waiting_for=what),
+            min_engines=cfg.rollout.min_engines)
         self.admission: Admission | None = None
         """The current step's; engine threads tell it which requests finished."""
         self.in_flight: dict[str, InFlight] = {}
@@ -200,6 +203,7 @@ class RolloutNode:
 
     def finish(self) -> None:
         self.transport.wait_record(self.transport.key("trainer", "done"), what="the trainer to finish")
+        self.factory.stop_hosts()  # the other rollout nodes stop their engine servers and finish
 
     def close(self) -> None:
         for engine in self.engines:

@@ -14,6 +14,11 @@ failed) or, with ``rollout.request_timeout_s``, when it holds requests and hands
 3. A slot that fails more than ``rollout.max_engine_failures`` times stops the run with the engine's name and
    where its log is.
 
+An engine on another rollout node (rollout/hosts.py) is restarted by its host: step 2 becomes a request to it,
+and the slot is out of service until the host registers the fresh engine (``check`` polls for it; the loop goes
+on meanwhile). A lost host (its heart-beat stopped) retires its engines' slots for the rest of the run, and the
+run goes on while ``rollout.min_engines`` engines remain in service or on their way back.
+
 With ``pipeline.weight_sync=distributed`` (control/weight_sync.py) the engines form one process group with
 trainer rank 0, whose membership is fixed when it forms: a fresh engine could not join it, so there an engine failure stops the
 run (with that reason) instead of step 2.
@@ -29,6 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from rolloutpipe.control.weight_sync import Bucket, WeightGroup
@@ -47,15 +53,19 @@ class EngineFailed(RuntimeError):
 class EngineSupervisor:
     """Watches the engines and recovers a failed one (see module docstring).
 
-    ``engines`` is the rollout node's list; a failed engine is replaced in it, in place, so Admission (which
-    holds the same list) sees the replacement. ``restart(slot, name, failed)`` builds a fresh engine serving
-    policy_version 0; ``where_to_look(engine)`` says where its log is.
+    ``engines`` is the rollout node's list of the engines in service; a failed engine is replaced in it, in
+    place, so Admission and Evaluation (which hold the same list) see the replacement; one restarting on another
+    node is out of the list until it is back, a retired one for good. ``restart(slot, name, failed)`` builds a
+    fresh engine serving policy_version 0, or returns a pending restart (``poll()``: the engine once it is up);
+    ``where_to_look(engine)`` says where its log is.
     """
 
     def __init__(self, *, engines: list[Engine], restart: Callable[[int, str, Engine], Engine],
                  where_to_look: Callable[[Engine], str], max_failures: int, request_timeout_s: float | None,
-                 spans: SpanRecorder, check_peers: Callable[[str], None] = lambda what: None) -> None:
+                 spans: SpanRecorder, check_peers: Callable[[str], None] = lambda what: None,
+                 min_engines: int = 1) -> None:
         self.engines = engines
+        self.min_engines = min_engines
         self.restart = restart
         self.where_to_look = where_to_look
         self.max_failures = max_failures
@@ -70,6 +80,12 @@ class EngineSupervisor:
         """With distributed weight sync: the process group every engine joined (``join_weight_group``)."""
         self.num_failures = [0] * len(engines)
         self._names = [e.name for e in engines]
+        self._slot_of = {e.name: slot for slot, e in enumerate(engines)}
+        """Each incarnation's slot (its index at the start; the list's order changes when an engine is out)."""
+        self._pending: dict[int, _Pending] = {}
+        """Slots whose engine is restarting on another node."""
+        self.retired: list[str] = []
+        """Base names of the slots whose host is lost."""
         self._last_progress_s: dict[str, float] = {}
         """Per engine name: when it last handed a result back or was seen holding nothing."""
         self._admission: Admission | None = None
@@ -87,15 +103,19 @@ class EngineSupervisor:
         self._last_progress_s[result.engine] = time.monotonic()
 
     def check(self) -> None:
-        """Recover every engine that failed since the last check (the rollout loop, every poll)."""
-        for slot, engine in enumerate(self.engines):
+        """Recover every engine that failed since the last check, and put back those restarted elsewhere (the
+        rollout loop, every poll)."""
+        for engine in list(self.engines):
             if (reason := self._failure(engine)) is not None:
-                self._recover(slot, engine, reason)
+                self._recover(self._slot_of[engine.name], engine, reason)
+        for slot, pending in list(self._pending.items()):
+            self._poll(slot, pending)
 
     def load_weights(self, path: str, policy_version: int) -> None:
-        """Serve ``policy_version`` on every engine from now on (between steps); an engine that fails is replaced."""
+        """Serve ``policy_version`` on every engine from now on (between steps); an engine that fails is replaced.
+        One restarting on another node loads it when it is back."""
         self.weights = (path, policy_version)
-        for slot, engine in enumerate(self.engines):
+        for engine in list(self.engines):
             reason = self._failure(engine)
             if reason is None:
                 try:
@@ -103,7 +123,7 @@ class EngineSupervisor:
                     continue
                 except Exception as err:  # noqa: BLE001 - e.g. its server died during the load: one more failure
                     reason = f"loading policy_version {policy_version} failed: {err!r}"
-            self._recover(slot, engine, reason)
+            self._recover(self._slot_of[engine.name], engine, reason)
 
     def join_weight_group(self, group: WeightGroup, ranks_per_engine: int) -> None:
         """Every engine joins trainer rank 0's weight-update group, engine i as ranks 1 + i * ranks_per_engine ..
@@ -131,8 +151,8 @@ class EngineSupervisor:
             except Exception as err:  # noqa: BLE001 - reported below with the engine's name
                 errors[engine.name] = err
 
-        threads = [threading.Thread(target=run, args=(slot, engine), name=f"weights-{engine.name}", daemon=True)
-                   for slot, engine in enumerate(self.engines)]
+        threads = [threading.Thread(target=run, args=(self._slot_of[engine.name], engine), name=f"weights-{engine.name}",
+                                    daemon=True) for engine in self.engines]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -181,20 +201,77 @@ class EngineSupervisor:
                     "(failure %d of engine %s, rollout.max_engine_failures=%d). See %s.", failed.name, reason,
                     num_retried, num, base, self.max_failures, self.where_to_look(failed))
         threading.Thread(target=failed.shutdown, name=f"retire-{failed.name}", daemon=True).start()
+        failure = _Pending(failed=failed, reason=reason, start_s=start, num_retried=num_retried, restart=None)
         try:
             replacement = self.restart(slot, f"{base}-restart{num}", failed)
-            if self.weights is not None:
-                replacement.update_weights_from_disk(*self.weights)
         except Exception as err:
             raise EngineFailed(f"engine {failed.name} failed ({reason}) and its restart failed: {err}. Look at "
                                f"{self.where_to_look(failed)}") from err
-        self.engines[slot] = replacement
+        if hasattr(replacement, "poll"):  # on another node: out of service until its host has it up
+            self.engines.remove(failed)
+            failure.restart = replacement
+            self._pending[slot] = failure
+            self._check_enough(f"engine {failed.name} failed ({reason}) and is restarting on its node")
+            return
+        self._put_back(slot, failure, replacement)
+
+    def _poll(self, slot: int, pending: _Pending) -> None:
+        from rolloutpipe.rollout.hosts import HostLost
+
+        try:
+            replacement = pending.restart.poll()
+        except HostLost as lost:
+            del self._pending[slot]
+            self.retired.append(self._names[slot])
+            log.warning("engine %s is out of service for the rest of the run: %s. Its requests went to the other "
+                        "engines; %d engines remain in service (rollout.min_engines=%d).", self._names[slot], lost,
+                        len(self.engines), self.min_engines)
+            self.spans.add("rollout/engine_lost", step=self._step, start_s=pending.start_s, end_s=time.time(),
+                           engine=pending.failed.name, reason=str(lost))
+            self._check_enough(f"engine {pending.failed.name} is lost: {lost}")
+            return
+        except Exception as err:
+            raise EngineFailed(f"engine {pending.failed.name} failed ({pending.reason}) and its restart failed: {err}. "
+                               f"Look at {self.where_to_look(pending.failed)}") from err
+        if replacement is not None:
+            del self._pending[slot]
+            self.engines.append(replacement)
+            self._put_back(slot, pending, replacement)
+
+    def _put_back(self, slot: int, failure: _Pending, replacement: Engine) -> None:
+        failed = failure.failed
+        try:
+            if self.weights is not None:
+                replacement.update_weights_from_disk(*self.weights)
+        except Exception as err:
+            raise EngineFailed(f"engine {failed.name} failed ({failure.reason}) and its restart failed: {err}. Look "
+                               f"at {self.where_to_look(failed)}") from err
+        if failed in self.engines:
+            self.engines[self.engines.index(failed)] = replacement
+        self._slot_of[replacement.name] = slot
         self._last_progress_s[replacement.name] = time.monotonic()
         if self._admission is not None:
             self._admission.put_back(failed, replacement)
         version = 0 if self.weights is None else self.weights[1]
         log.warning("engine %s restarted as %s in %.1fs, serving policy_version %d.", failed.name, replacement.name,
-                    time.time() - start, version)
-        self.spans.add("rollout/engine_restart", step=self._step, start_s=start, end_s=time.time(),
-                       engine=failed.name, replacement=replacement.name, num_retried=num_retried, reason=reason,
-                       policy_version=version)
+                    time.time() - failure.start_s, version)
+        self.spans.add("rollout/engine_restart", step=self._step, start_s=failure.start_s, end_s=time.time(),
+                       engine=failed.name, replacement=replacement.name, num_retried=failure.num_retried,
+                       reason=failure.reason, policy_version=version)
+
+    def _check_enough(self, what: str) -> None:
+        """Stop the run when fewer than rollout.min_engines engines are in service or on their way back."""
+        if (num := len(self.engines) + len(self._pending)) < self.min_engines:
+            raise EngineFailed(f"{what}; {num} engines remain, fewer than rollout.min_engines={self.min_engines}: "
+                               "stopping the run. Resume it (run.resume=auto) once the rollout nodes are back.")
+
+
+@dataclass(kw_only=True, slots=True)
+class _Pending:
+    """A failure being recovered: the failed engine, why, and (on another node) its restart in progress."""
+
+    failed: Engine
+    reason: str
+    start_s: float
+    num_retried: int
+    restart: object | None

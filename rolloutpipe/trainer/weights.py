@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from rolloutpipe.config import Config
-from rolloutpipe.control.env import free_port
+from rolloutpipe.control.env import free_port, node_address
 from rolloutpipe.control.transport import Transport
 from rolloutpipe.control.weight_sync import (
     Bucket,
@@ -25,7 +25,6 @@ from rolloutpipe.control.weight_sync import (
     broadcast_bucket,
     file_digest,
     join_group,
-    master_address,
     plan_buckets,
     wait_all,
     weight_sync_backend,
@@ -93,7 +92,7 @@ class WeightPublisher:
         cfg = self.cfg
         if cfg.pipeline.weight_sync is not WeightSync.distributed:
             return
-        group = WeightGroup(master_address=master_address(self.transport.address.host), master_port=free_port(),
+        group = WeightGroup(master_address=node_address(self.transport.address.host), master_port=free_port(),
                             world_size=1 + cfg.rollout.num_engines * cfg.rollout.ranks_per_engine,
                             backend=weight_sync_backend(cfg.rollout.engines_on_gpus,
                                                         self.trainer.hf_state()))

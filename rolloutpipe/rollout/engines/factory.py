@@ -5,8 +5,11 @@
 - ``embedded``: EmbeddedEngine threads in the rollout process.
 - ``embedded_http``: one embedded-engine server process per engine (http_server.py), or the servers of
   ``rollout.engine_urls``, each driven by the SGLang client (http_client.SGLangEngine).
-- ``sglang``: one ``python -m sglang.launch_server`` per engine on this node (server_process.py), or the
-  servers of ``rollout.engine_urls``, driven by the same client. Untested here (no GPU); tools/gpu_check.py.
+- ``sglang``: one ``python -m sglang.launch_server`` per engine (server_process.py), or the servers of
+  ``rollout.engine_urls``, driven by the same client. Untested here (no GPU); tools/gpu_check.py.
+
+Started servers run on every rollout node, ``rollout.engines_per_node`` each (rollout/hosts.py: this node's,
+and the other nodes' through their engine hosts).
 
 Servers the rollout node started are stopped by their engine's ``shutdown``; attached servers are left running.
 ``restart`` builds one engine again after a failure (supervisor.py decides when).
@@ -15,15 +18,16 @@ Servers the rollout node started are stopped by their engine's ``shutdown``; att
 from __future__ import annotations
 
 import logging
-import os
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rolloutpipe.config import Config
+    from rolloutpipe.control.transport import Transport
     from rolloutpipe.rollout.engines.base import Engine, OnResult
     from rolloutpipe.rollout.engines.server_process import ServerProcess
+    from rolloutpipe.rollout.hosts import NodeServers, RemoteEngines, RemoteRestart
 
 log = logging.getLogger(__name__)
 
@@ -33,53 +37,82 @@ class EngineFactory:
 
     Engine i is named ``engine<i>``; its k-th restart ``engine<i>-restart<k>``, so a result names the
     incarnation that made it (Admission ignores late results of a failed one) and a restarted server logs to a
-    file of its own.
+    file of its own. With several rollout nodes (rollout/hosts.py) engines 0 .. engines_per_node - 1 are this
+    node's servers and the others' come from their hosts' registrations; a restart of one of those is a request
+    to its host, which ``restart`` returns unfinished (a ``RemoteRestart`` the supervisor polls).
     """
 
-    def __init__(self, cfg: Config, *, vocab_size: int, on_result: OnResult, api_key: str | None) -> None:
+    def __init__(self, cfg: Config, *, vocab_size: int, on_result: OnResult, api_key: str | None,
+                 transport: Transport | None = None, run_dir: Path | None = None) -> None:
         self.cfg = cfg
         self.api_key = api_key
-        """The run's engine API key: every server this node starts requires it (NodeEnv.engine_api_key)."""
+        """The run's engine API key: every server a rollout node starts requires it (NodeEnv.engine_api_key)."""
         self.vocab_size = vocab_size
         self.on_result = on_result
-        self._servers: dict[str, ServerProcess] = {}
-        """The servers this node started, by engine name."""
-        self._log_dir: Path | None = None
+        self.run_dir = run_dir
+        self.transport = transport
         from rolloutpipe.rollout.config import EngineKind
 
         self._in_process = cfg.rollout.engine is EngineKind.embedded
-        self._embedded_server = cfg.rollout.engine is EngineKind.embedded_http
+        self._node: NodeServers | None = None
+        """This node's servers (not for in-process engines or attached servers)."""
+        self.remote: RemoteEngines | None = None
+        """The other rollout nodes' engines (launcher.rollout.nodes > 1)."""
 
     def build_all(self) -> list[Engine]:
-        """The rollout node's engines, all serving policy_version 0 (the model of ``cfg.model``)."""
+        """The rollout group's engines, all serving policy_version 0 (the model of ``cfg.model``)."""
         names = [f"engine{i}" for i in range(self.cfg.rollout.num_engines)]
         if self._in_process:
             return [self._embedded(name) for name in names]
         if self.cfg.rollout.engine_urls:
             return self._attached(names, self.cfg.rollout.engine_urls)
-        return self._started(list(enumerate(names)))
+        from rolloutpipe.control.env import node_address
+        from rolloutpipe.rollout.hosts import NodeServers, RemoteEngines, engine_log_dir
 
-    def restart(self, index: int, name: str, failed: Engine) -> Engine:
+        host = "127.0.0.1" if self.transport is None else node_address(self.transport.address.host)
+        self._node = NodeServers(self.cfg, rank=0, bind_host=host, api_key=self.api_key,
+                                 log_dir=engine_log_dir(self._run_dir(), 0))
+        own = self._clients(self._node.start(list(enumerate(names[:self.cfg.rollout.engines_per_node]))))
+        if self.cfg.launcher.rollout.nodes == 1:
+            return own
+        assert self.transport is not None, "engines on several rollout nodes register in the store"
+        self.remote = RemoteEngines(self.cfg, self.transport, api_key=self.api_key, on_result=self.on_result)
+        try:
+            return own + self.remote.engines()
+        except BaseException:
+            self._node.stop_all()
+            raise
+
+    def restart(self, index: int, name: str, failed: Engine) -> Engine | RemoteRestart:
         """A fresh engine ``name`` in slot ``index`` serving policy_version 0 (the caller loads the current weights).
 
-        A server this node started for ``failed`` is killed first (it failed; its accelerators are needed).
+        A server this node started for ``failed`` is killed first (it failed; its accelerators are needed); one on
+        another node is restarted by its host: the returned RemoteRestart says when it is ready.
         """
         if self._in_process:
             return self._embedded(name)
         if self.cfg.rollout.engine_urls:
             raise RuntimeError(f"{failed.name} is the server at {self.cfg.rollout.engine_urls[index]}, attached "
                                "through rollout.engine_urls; RolloutPipe did not start it and cannot restart it.")
-        self._servers.pop(failed.name).kill()
-        return self._started([(index, name)])[0]
+        if self.remote is not None and failed.name in self.remote.registrations:
+            return self.remote.restart(failed, name)
+        return self._clients([self._node.restart(failed.name, name)])[0]
 
     def where_to_look(self, engine: Engine) -> str:
         """Where an engine's own messages are, for error messages."""
         if self._in_process:
             return (f"{engine.name} runs inside the rollout process: its traceback is in rollout rank 0's output "
                     "(stderr)")
-        if engine.name in self._servers:
-            return f"its server's log: {self._servers[engine.name].log_path}"
+        if self._node is not None and engine.name in self._node.servers:
+            return f"its server's log: {self._node.servers[engine.name].log_path}"
+        if self.remote is not None and (where := self.remote.where_to_look(engine.name)) is not None:
+            return where
         return f"the log of the server at {engine.url} (attached through rollout.engine_urls)"
+
+    def stop_hosts(self) -> None:
+        """The run is over: the other rollout nodes stop their servers (see rollout/hosts.py)."""
+        if self.remote is not None:
+            self.remote.stop()
 
     def _embedded(self, name: str) -> Engine:
         from rolloutpipe.model import load_model
@@ -102,59 +135,19 @@ class EngineFactory:
         return [SGLangEngine(name=n, endpoint=e, concurrency=rollout.concurrency, on_result=self.on_result)
                 for n, e in zip(names, endpoints)]
 
-    def _started(self, engines: list[tuple[int, str]]) -> list[Engine]:
-        """Start one server per (index, name), wait until all answer /health, and drive each with the client."""
+    def _clients(self, servers: list[ServerProcess]) -> list[Engine]:
+        """The SGLang client of each server this node started."""
         from rolloutpipe.rollout.engines.http_client import SGLangEngine
 
-        rollout = self.cfg.rollout
-        servers = [self._server(i, name) for i, name in engines]
-        try:
-            for server in servers:
-                server.start()
-            for server in servers:
-                server.wait_ready(timeout_s=rollout.server_start_timeout_s)
-        except BaseException:
-            for server in servers:
-                server.stop()
-            raise
-        self._servers.update((s.name, s) for s in servers)
-        return [SGLangEngine(name=s.name, endpoint=s.endpoint, concurrency=rollout.concurrency,
-                             on_result=self.on_result,
-                             server_error=s.exit_reason, stop_server=s.stop) for s in servers]
+        return [SGLangEngine(name=s.name, endpoint=s.endpoint, concurrency=self.cfg.rollout.concurrency,
+                             on_result=self.on_result, server_error=s.exit_reason, stop_server=s.stop)
+                for s in servers]
 
-    def _server(self, index: int, name: str) -> ServerProcess:
-        from omegaconf import OmegaConf
-
-        from rolloutpipe.rollout.admission import AdmissionPolicy
-        from rolloutpipe.rollout.engines import server_process
-
-        cfg, rollout, log_dir = self.cfg, self.cfg.rollout, self._engine_dir()
-        if self._embedded_server:
-            model_yaml = log_dir / "model.yaml"
-            if not model_yaml.exists():
-                model_yaml.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg.model)))
-            num_threads = max(1, len(os.sched_getaffinity(0)) // rollout.num_engines)
-            return server_process.embedded_server(name=name, model_config_yaml=model_yaml,
-                                                  concurrency=rollout.concurrency, log_dir=log_dir,
-                                                  num_threads=num_threads, api_key=self.api_key)
-        if cfg.model.path is None:
-            raise ValueError("rollout.engine=sglang needs model.path (an HF model directory): the embedded tiny "
-                             "model exists only inside RolloutPipe. Save it with save_hf_checkpoint and pass its "
-                             "directory, or use rollout.engine=embedded_http.")
-        return server_process.sglang_server(
-            name=name, model_path=cfg.model.path, dtype=cfg.model.dtype.value, concurrency=rollout.concurrency,
-            seed=cfg.seed, base_gpu_id=index * rollout.sglang_gpus_per_engine,
-            priority_scheduling=rollout.admission is AdmissionPolicy.fgd,  # FGD's group order reaches the engine
-            extra_args=rollout.sglang_launch_args, log_dir=log_dir, api_key=self.api_key)
-
-    def _engine_dir(self) -> Path:
-        if self._log_dir is None:
+    def _run_dir(self) -> Path:
+        if self.run_dir is None:
             run_dir = self.cfg.run.dir
-            self._log_dir = (Path(run_dir) / "engines" if run_dir
-                             else Path(tempfile.mkdtemp(prefix="rolloutpipe-engines-")))
-            self._log_dir.mkdir(parents=True, exist_ok=True)
-        return self._log_dir
-
+            self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="rolloutpipe-engines-"))
+        return self.run_dir
 
 
 def attached_api_key(path: str | None) -> str | None:

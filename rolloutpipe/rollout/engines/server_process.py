@@ -3,8 +3,9 @@
 Each server runs in its own session (process group), so ``stop`` reaches whatever it spawned (SGLang starts a
 scheduler and a detokenizer process), and dies with the rollout node if that dies abruptly (control/lifetime.py:
 start servers on the node's main thread, which is what that ties them to). Its output goes to a log file that
-errors point to. It listens on loopback only and takes calls only with the run's engine API key, which it gets
-in its environment (``sglang_api.API_KEY_ENV``), never on its command line.
+errors point to. It takes calls only with the run's engine API key, which it gets in its environment
+(``sglang_api.API_KEY_ENV``), never on its command line. It listens on its node's own address only (loopback
+when the whole job is on one machine: control/env.node_address).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ class ServerProcess:
     """One engine server process; ``url`` is known once ``start`` returns."""
 
     def __init__(self, *, name: str, command: list[str], log_path: Path, api_key: str | None, url: str | None = None,
-                 port_file: Path | None = None) -> None:
+                 port_file: Path | None = None, host: str = "127.0.0.1") -> None:
         self.name = name
+        self.host = host
         self.command = command
         self.log_path = log_path
         self.url = url
@@ -65,7 +67,7 @@ class ServerProcess:
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"{self.name}: no port written to {self._port_file} within {timeout_s:.0f}s")
                     time.sleep(0.05)
-                self.url = f"http://127.0.0.1:{int(self._port_file.read_text())}"
+                self.url = f"http://{self.host}:{int(self._port_file.read_text())}"
             sglang_api.wait_healthy(self.endpoint, timeout_s=max(1.0, deadline - time.monotonic()),
                                     check_alive=self.check_alive, poll_s=0.2)
         except BaseException:
@@ -106,19 +108,20 @@ def die_with_the_rollout_node() -> None:
 
 
 def embedded_server(*, name: str, model_config_yaml: Path, concurrency: int, log_dir: Path, api_key: str | None,
-                    num_threads: int | None = None) -> ServerProcess:
-    """The embedded engine's server (``python -m rolloutpipe.rollout.engines.http_server``) on a free local port."""
+                    num_threads: int | None = None, host: str = "127.0.0.1") -> ServerProcess:
+    """The embedded engine's server (``python -m rolloutpipe.rollout.engines.http_server``) on a free port of
+    ``host`` (this node's address: control/env.node_address)."""
     port_file = log_dir / f"{name}.port"
     port_file.unlink(missing_ok=True)
     command = [sys.executable, "-m", "rolloutpipe.rollout.engines.http_server", "--model-config", str(model_config_yaml),
-               "--port", "0", "--port-file", str(port_file), "--concurrency", str(concurrency)]
+               "--host", host, "--port", "0", "--port-file", str(port_file), "--concurrency", str(concurrency)]
     if num_threads:
         command += ["--num-threads", str(num_threads)]
     return ServerProcess(name=name, command=command, log_path=log_dir / f"{name}.log", port_file=port_file,
-                         api_key=api_key)
+                         api_key=api_key, host=host)
 
 
-def sglang_server(*, name: str, model_path: str, dtype: str, concurrency: int, seed: int, base_gpu_id: int,
+def sglang_server(*, name: str, model_path: str, host: str, dtype: str, concurrency: int, seed: int, base_gpu_id: int,
                   priority_scheduling: bool, extra_args: list[str], log_dir: Path,
                   api_key: str | None) -> ServerProcess:
     """``python -m sglang.launch_server`` for one engine, on this node's GPUs from ``base_gpu_id``, started through
@@ -129,14 +132,14 @@ def sglang_server(*, name: str, model_path: str, dtype: str, concurrency: int, s
     port = free_port()
     command = [
         sys.executable, "-m", "rolloutpipe.rollout.engines.sglang_launch", "--model-path", model_path,
-        "--host", "127.0.0.1",
+        "--host", host,
         "--port", str(port), "--dtype", dtype, "--skip-tokenizer-init", "--max-running-requests", str(concurrency),
         "--weight-version", "0", "--random-seed", str(seed), "--base-gpu-id", str(base_gpu_id),
     ]
     if priority_scheduling:
         command += ["--enable-priority-scheduling", "--schedule-low-priority-values-first"]
     return ServerProcess(name=name, command=command + extra_args, log_path=log_dir / f"{name}.log",
-                         url=f"http://127.0.0.1:{port}", api_key=api_key)
+                         url=f"http://{host}:{port}", api_key=api_key)
 
 
 def _tail(path: Path, num_lines: int = 15) -> str:

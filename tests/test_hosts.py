@@ -1,0 +1,115 @@
+"""A rollout node group on several nodes (rollout/hosts.py), as local processes standing in for nodes: every
+rollout rank starts and registers its node's engine servers, the manager drives them all, and losing an engine
+host loses no sample. (The same on the Slurm cluster, through every launcher: tests/test_slurm.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from rolloutpipe.rollout.tasks import ReversalTaskConfig, write_reversal_jsonl
+
+from .conftest import DENSE_REWARD, REPO, SMALL, node_environ, read_metrics, read_samples, run_job, wait_for
+
+pytestmark = pytest.mark.multiprocess
+
+NUM_STEPS, PROMPTS_PER_STEP = 3, 4
+ONE_NODE = ["rollout.num_engines=4"]
+TWO_NODES = ["launcher.rollout.nodes=2", "rollout.engines_per_node=2"]
+
+
+def workload(data: Path) -> list[str]:
+    """float64, two trainer ranks, embedded engine servers: the samples and the update are exact."""
+    return [*SMALL, *DENSE_REWARD, "model.dtype=float64", "run.save_samples=true", "global_batch_size=8",
+            f"num_rollout={NUM_STEPS}", f"data.path={data}", "rollout.engine=embedded_http", "trainer.num_ranks=2",
+            "rollout.concurrency=2", "pipeline.peer_timeout_s=4"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    cfg = ReversalTaskConfig(num_rows=NUM_STEPS * PROMPTS_PER_STEP, seed=3)
+    return write_reversal_jsonl(cfg, tmp_path_factory.mktemp("data") / "rows.jsonl")
+
+
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory, data) -> Path:
+    """The reference: one rollout node running all four engines."""
+    run_dir = tmp_path_factory.mktemp("one-node") / "run"
+    result = run_job(run_dir, *workload(data), *ONE_NODE)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+def final_weights(run_dir: Path) -> dict:
+    return load_file(str(run_dir / "checkpoints" / "final" / "model.safetensors"))
+
+
+def samples(run_dir: Path) -> dict[str, list[int]]:
+    return {s["id"]: s["response_ids"] for s in read_samples(run_dir)}
+
+
+def request_spans(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "spans" / "rollout-0.jsonl").read_text().splitlines()
+    return [s for line in lines if "spans" in (record := json.loads(line)) for s in record["spans"]]
+
+
+def test_two_rollout_nodes_give_the_samples_and_weights_of_one_node_with_all_four_engines(tmp_path, data, one_node):
+    run_dir = tmp_path / "run"
+    result = run_job(run_dir, *workload(data), *TWO_NODES)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    engines = {s[4].get("engine") for s in request_spans(run_dir) if s[0] == "rollout/request"}
+    assert engines == {"engine0", "engine1", "engine2", "engine3"}, "every engine of both nodes generated"
+    assert sorted(p.name for p in (run_dir / "engines" / "host=1").glob("*.log")) == ["engine2.log", "engine3.log"]
+    assert samples(run_dir) == samples(one_node) and len(samples(run_dir)) == NUM_STEPS * PROMPTS_PER_STEP * 4
+    reference, final = final_weights(one_node), final_weights(run_dir)
+    assert max((final[k] - reference[k]).abs().max().item() for k in final) < 1e-9
+
+
+def host_pid(run_id: str, rank: int) -> int | None:
+    """The pid of rollout rank ``rank`` of run ``run_id`` (its environment says who it is)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            pairs = (proc / "environ").read_text(errors="replace").split("\0")
+        except OSError:
+            continue
+        environ = dict(v.split("=", 1) for v in pairs if "=" in v)
+        if (environ.get("RP_RUN_ID"), environ.get("RP_ROLE"), environ.get("RP_RANK")) == (run_id, "rollout", str(rank)):
+            return int(proc.name)
+    return None
+
+
+def test_a_killed_engine_host_loses_no_sample_and_the_run_matches_the_one_node_run(tmp_path, data, one_node):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    launcher = subprocess.Popen([sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", "run.id=lose-host",
+                                 *workload(data), *TWO_NODES], cwd=tmp_path, env=node_environ(),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists(), "step 0 to finish", running=[launcher],
+                 details=lambda: launcher.communicate()[1][-3000:])
+        pid = host_pid("lose-host", 1)
+        assert pid is not None, "rollout rank 1 is not running"
+        os.kill(pid, signal.SIGKILL)  # mid-run: no stop record, no final beat; its servers die with it
+        _, stderr = launcher.communicate(timeout=240)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, stderr[-3000:]
+    assert "rollout rank 1 (engine host) ended by signal SIGKILL" in stderr
+
+    for engine in ("engine2", "engine3"):  # noticed at its next request or weight load: steps 1 and 2 need it
+        assert f"engine {engine} failed" in stderr and f"{engine}.log" in stderr, stderr[-3000:]
+    # (whether the host is declared lost before the run ends depends on pipeline.peer_timeout_s against the time
+    # left; the retirement itself is checked with fake engines in tests/test_engine_failure.py)
+    assert [m["step"] for m in read_metrics(run_dir)] == list(range(NUM_STEPS))
+    assert samples(run_dir) == samples(one_node), "every sample of every step exactly once, and the same ones"
+    reference, final = final_weights(one_node), final_weights(run_dir)
+    assert max((final[k] - reference[k]).abs().max().item() for k in final) < 1e-9
