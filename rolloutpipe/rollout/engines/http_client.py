@@ -18,7 +18,8 @@ Request threads (up to ``concurrency`` per engine, started as needed)
               An HTTP 4xx answer is about the request, not the engine (the same request fails the same way on
               any engine, restarted or not): the request gets no result, the engine stays healthy, and the first
               refusal is kept in ``request_error`` (a ``RequestRefused`` with the server's message and what to
-              change), logged once; from then on ``submit`` raises it, and the rollout node stops the run with it.
+              change), logged once; from then on ``submit`` raises it. It is for the rollout node to stop the
+              run with, not for the supervisor to restart the engine over.
 
 Abort retry thread (one per engine, started by the first abort of a running request)
     re-sends /abort_request every ``ABORT_RETRY_S`` for aborted requests that have not come back: SGLang ignores an
