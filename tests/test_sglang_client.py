@@ -111,7 +111,8 @@ def test_abort_returns_a_running_request_early_and_a_waiting_one_at_once(server)
     results = Results()
     engine = SGLangEngine(name="engine0", endpoint=server.endpoint, concurrency=1, on_result=results)
     try:
-        long, queued = request(0, max_new_tokens=480), request(1, max_new_tokens=480)
+        # greedy: this prompt never reaches the model's EOS id (which ends a request), so it runs until aborted
+        long, queued = request(0, max_new_tokens=480, temperature=0.0), request(1, max_new_tokens=480)
         engine.submit(long)
         engine.submit(queued)  # concurrency 1: waits in the client, never sent
         engine.abort(queued.request_id)

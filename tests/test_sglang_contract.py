@@ -198,7 +198,7 @@ class FakeServer:
             return sglang_api.generate_response(GenerationResult(
                 request_id=body["rid"], output_ids=[5, 1], output_logprobs=[-0.5, -0.1],
                 finish_reason=FinishReason.STOP, policy_version=int(self.weight_version), submitted_s=0.0,
-                started_s=0.0, finished_s=0.0))
+                started_s=0.0, finished_s=0.0), num_prompt_tokens=len(body["input_ids"]))
         return None
 
 
@@ -272,7 +272,7 @@ def test_generate_bodies_pass_the_schema_check(sglang, fake, tmp_path):
     (body,) = [b for _, route, b in fake.calls if route == sglang_api.GENERATE]
     assert set(body) <= sglang.schema_fields("GenerateRequest")
     assert set(body["sampling_params"]) <= sglang.schema_fields("SamplingParams")
-    assert "priority" in body  # sent when non-zero, so the check above covers it
+    assert "priority" in body  # always sent, so the check above covers it
 
 
 def test_every_response_field_the_client_reads_exists(sglang, fake, tmp_path):

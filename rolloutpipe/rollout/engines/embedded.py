@@ -16,6 +16,10 @@ What it does, plainly:
   tokens are the same whether it runs alone or among others. Temperature 0 is greedy (the draw is still made and
   ignored). ``output_logprobs`` are log softmax(logits / temperature) of the sampled token, over the full
   vocabulary (temperature 1 when greedy), before any top-p filtering.
+- **Stops like SGLang.** A request ends on its ``stop_token_ids`` or on one of the model's own EOS ids (its
+  config's and its generation config's ``eos_token_id``, as SGLang's ``ModelConfig.hf_eos_token_id``), unless it
+  asks ``ignore_eos``; ``submit`` refuses a prompt plus ``max_new_tokens`` beyond the model's context
+  (``max_position_embeddings``) with SGLang's words.
 - **Fixed weights per step.** ``update_weights_from_disk`` is refused while any request is in flight, so every
   token of a result comes from the ``policy_version`` it reports.
 - **Failure is loud.** If the scheduler thread raises (including from ``on_result``), the exception is kept in
@@ -109,6 +113,8 @@ class _RequestState:
     started_s: float = 0.0
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    stop_ids: frozenset[int]
+    """The request's ``stop_token_ids`` and the model's EOS ids (none with ``ignore_eos``)."""
     num_cached_tokens: int = 0
     """Tokens of this request whose keys/values are in the cache; also the position id of the next token fed."""
 
@@ -116,7 +122,7 @@ class _RequestState:
         return (self.request.priority, self.seq) < (other.request.priority, other.seq)
 
     def finish_reason_after_last_token(self) -> FinishReason | None:
-        if self.output_ids[-1] in self.request.stop_token_ids:
+        if self.output_ids[-1] in self.stop_ids:
             return FinishReason.STOP
         if len(self.output_ids) >= self.request.max_new_tokens:
             return FinishReason.LENGTH
@@ -145,6 +151,11 @@ class EmbeddedEngine:
         self.concurrency = concurrency
         self.error: BaseException | None = None
         """The exception that stopped the scheduler thread; None while the engine is healthy."""
+        self.request_error: BaseException | None = None
+        """Always None: ``submit`` raises on a bad request here (the HTTP client keeps a server's refusal)."""
+        self.eos_token_ids = model_eos_token_ids(model)
+        """The model's own EOS ids: every request stops on them too (module docstring)."""
+        self.context_len: int = model.config.max_position_embeddings
         self._model = model
         self._cache_kwarg = _hf_cache_kwarg(model)
         self._on_result = on_result
@@ -172,8 +183,9 @@ class EmbeddedEngine:
     def policy_version(self) -> int:
         return self._policy_version
 
-    def submit(self, request: GenerationRequest) -> None:
-        _check_request(request)
+    def submit(self, request: GenerationRequest, *, ignore_eos: bool = False) -> None:
+        """Queue ``request``; with ``ignore_eos`` (SGLang's sampling param) it runs to ``max_new_tokens``."""
+        _check_request(request, self.context_len)
         with self._lock:
             self._raise_if_unusable()
             if request.request_id in self._in_flight_ids:
@@ -185,6 +197,7 @@ class EmbeddedEngine:
                 policy_version=self._policy_version,
                 submitted_s=time.time(),
                 generator=generator,
+                stop_ids=frozenset() if ignore_eos else frozenset(request.stop_token_ids) | self.eos_token_ids,
             )
             self._num_submitted += 1
             self._in_flight_ids.add(request.request_id)
@@ -455,7 +468,21 @@ def _add_tied_copies(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> 
                 state[name] = state[present[0]]
 
 
-def _check_request(request: GenerationRequest) -> None:
+def model_eos_token_ids(model: torch.nn.Module) -> frozenset[int]:
+    """``eos_token_id`` (an int or a list) of the model's config and of its generation config, united: what SGLang
+    0.5.23 stops on besides a request's stop_token_ids (``ModelConfig._get_hf_eos_token_id``)."""
+    eos = [getattr(c, "eos_token_id", None) for c in (model.config, getattr(model, "generation_config", None))]
+    return frozenset(i for e in eos if e is not None for i in ([e] if isinstance(e, int) else e))
+
+
+def _check_request(request: GenerationRequest, context_len: int) -> None:
+    num_tokens = len(request.input_ids) + request.max_new_tokens
+    if num_tokens > context_len:  # SGLang's words (TokenizerManager._validate_one_request), answered with HTTP 400
+        raise ValueError(
+            f"Requested token count exceeds the model's maximum context length of {context_len} tokens. You "
+            f"requested a total of {num_tokens} tokens: {len(request.input_ids)} tokens from the input messages and "
+            f"{request.max_new_tokens} tokens for the completion. Please reduce the number of tokens in the input "
+            "messages or the completion to fit within the limit.")
     problems = []
     if not request.input_ids:
         problems.append("input_ids is empty")

@@ -10,10 +10,16 @@ Request threads (up to ``concurrency`` per engine, started as needed)
               empty and the client's heap is where requests wait and where they can be dropped before sending)
     shut down ``shutdown`` sets the stop flag, aborts what is running on the server and hands back every waiting
               request as aborted; each thread hands back its running request when it returns, then exits.
-              On a failed call (server unreachable, HTTP error, a result from an unexpected weight version) the
-              error is kept in ``error`` with the server's URL, no further results are delivered, and
-              ``submit``, ``num_in_flight`` and ``update_weights_from_disk`` raise; the rollout node then
-              retries its requests elsewhere and replaces it (rolloutpipe/rollout/supervisor.py).
+              On a failed call (server unreachable or lost, HTTP 5xx, a result from an unexpected weight
+              version) the error is kept in ``error`` with the server's URL, no further results are delivered,
+              and ``submit``, ``num_in_flight`` and ``update_weights_from_disk`` raise; the rollout node then
+              retries its requests elsewhere and replaces it (rolloutpipe/rollout/supervisor.py). The first
+              failure is logged once, not once per request in flight.
+              An HTTP 4xx answer is about the request, not the engine (the same request fails the same way on
+              any engine, restarted or not): the request gets no result, the engine stays healthy, and the first
+              refusal is kept in ``request_error`` (a ``RequestRefused`` with the server's message and what to
+              change), logged once; from then on ``submit`` raises it. It is for the rollout node to stop the
+              run with, not for the supervisor to restart the engine over.
 
 Abort retry thread (one per engine, started by the first abort of a running request)
     re-sends /abort_request every ``ABORT_RETRY_S`` for aborted requests that have not come back: SGLang ignores an
@@ -46,6 +52,17 @@ log = logging.getLogger(__name__)
 
 ABORT_RETRY_S = 0.25
 SHUTDOWN_JOIN_S = 30.0
+
+
+class RequestRefused(ValueError):
+    """A server refused a request (HTTP 4xx): the request or the run's configuration is wrong, not the engine.
+    Retrying elsewhere or restarting the engine would fail the same way, so the run stops with this message."""
+
+
+CONTEXT_HINT = ("Make data.max_prompt_len + rollout_max_response_len fit the model's context (SGLang's "
+                "--context-length, the model's max_position_embeddings): lower them, or serve a longer context.")
+REQUEST_HINT = ("Check the request against the server's flags and the model (rolloutpipe/rollout/engines/"
+                "sglang_api.py builds it); this is a request or configuration error, not an engine failure.")
 
 
 @dataclass(order=True)
@@ -93,6 +110,8 @@ class SGLangEngine:
         self._abort_thread: threading.Thread | None = None
         self._stopping = False
         self._error: BaseException | None = None
+        self.request_error: RequestRefused | None = None
+        """The first request the server refused (HTTP 4xx); None while none was. The engine is not failed by it."""
 
     # --- Engine protocol (any thread) --------------------------------------------------------------------------
 
@@ -110,6 +129,8 @@ class SGLangEngine:
     def submit(self, request: GenerationRequest) -> None:
         with self._lock:
             self._raise_if_unusable()
+            if self.request_error is not None:  # the next request would be refused too: stop the run, once
+                raise self.request_error
             if request.request_id in self._running or any(w.request.request_id == request.request_id
                                                           for w in self._waiting):
                 raise ValueError(f"request {request.request_id} is already in flight on engine {self.name}.")
@@ -227,16 +248,42 @@ class SGLangEngine:
                 raise sglang_api.SGLangError(
                     f"{self.url} generated {waiting.request.request_id} with weight_version {out.weight_version!r}, "
                     f"expected {self._policy_version}: weights changed during a step.")
+        except sglang_api.SGLangError as err:
+            if not self._stopping and err.is_request_error:
+                self._refused(waiting.request, err)
+            elif not self._stopping:  # else the server went away because we are stopping it
+                self._failed(err, traceback=False)  # its message says it all
+            return None
         except BaseException as err:
-            if self._stopping:  # the server went away because we are stopping it
-                return None
-            log.exception("engine %s failed", self.name)
-            with self._lock:
-                self._error = self._error or err
-                self._wakeup.notify_all()
+            if not self._stopping:
+                self._failed(err, traceback=True)
             return None
         return self._result(waiting.request, waiting.submitted_s, started_s, out.output_ids, out.output_logprobs,
                             out.finish_reason)
+
+    def _failed(self, err: BaseException, *, traceback: bool) -> None:
+        """The engine failed: keep the first error and log it once (every other thread in flight fails too)."""
+        with self._lock:
+            first = self._error is None
+            self._error = self._error or err
+            self._wakeup.notify_all()
+        if first:
+            log.error("engine %s failed: %s", self.name, err, exc_info=err if traceback else None)
+        else:
+            log.debug("engine %s: one more failed call: %s", self.name, err)
+
+    def _refused(self, request: GenerationRequest, err: sglang_api.SGLangError) -> None:
+        hint = CONTEXT_HINT if "context length" in err.detail else REQUEST_HINT
+        refused = RequestRefused(f"engine {self.name}: the server at {self.url} refused request "
+                                 f"{request.request_id} with HTTP {err.status}: {err.detail} {hint}")
+        with self._lock:
+            first = self.request_error is None
+            self.request_error = self.request_error or refused
+            self._wakeup.notify_all()
+        if first:
+            log.error("%s", refused)
+        else:
+            log.debug("%s", refused)
 
     def _abort_retry_loop(self) -> None:
         """Re-sends aborts of requests still running; exits on shutdown or error."""

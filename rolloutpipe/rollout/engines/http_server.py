@@ -9,7 +9,12 @@ engine (engine/__init__.py), so the rollout node drives the embedded engine exac
 through ``SGLangEngine`` and ``sglang_api``, which parses every request and builds every response here too.
 
 What it mimics of SGLang 0.5.23, and only that: /generate (token ids in and out, per-request seed, log-probs,
-priority), /health, /model_info (``weight_version``), /abort_request (a rid or all; an unknown rid is ignored),
+priority; a missing one runs last, as under SGLang's low-values-first priority scheduling; a duplicate in-flight
+rid refused with 400; SGLang's defaults for the optional fields; ``text`` in and out when the server has a
+tokenizer; ``stream: true`` answered as server-sent events, one event with the whole result since the engine hands
+back finished requests only: enough for ``sglang.bench_serving --backend sglang`` and its token counts),
+/v1/models, /health, /model_info (``weight_version``), /abort_request (all, or every rid that *starts with* the
+one given, as SGLang matches; an unknown rid is ignored),
 /pause_generation (aborts what runs, holds new requests) and /continue_generation, /flush_cache (400 while
 requests run), /begin_weight_update and /end_weight_update around /update_weights_from_disk (400 outside a
 session, as 0.5.23 does for its other weight-update routes) and /update_weights_from_distributed (400 outside a
@@ -31,6 +36,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -43,6 +49,9 @@ from rolloutpipe.types import GenerationResult
 
 log = logging.getLogger(__name__)
 
+V1_MODELS = "/v1/models"
+"""Served for tools that speak the OpenAI side of SGLang's API (bench_serving); RolloutPipe's client never calls it."""
+
 JOIN_TIMEOUT_S = 600.0
 """How long /init_weights_update_group waits for the other members of the group."""
 
@@ -53,6 +62,10 @@ class _Waiter:
         self.result: GenerationResult | None = None
 
 
+class _Events(str):
+    """A server-sent-events body (``text/event-stream``)."""
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 2048  # the listen backlog; socketserver's 5 resets connections a client opens at once
@@ -61,8 +74,11 @@ class _Server(ThreadingHTTPServer):
 class EmbeddedServer:
     """The API's state around one EmbeddedEngine; ``serve_forever`` answers requests until ``close``."""
 
-    def __init__(self, *, engine_factory, model_path: str, host: str, port: int, api_key: str | None = None) -> None:
+    def __init__(self, *, engine_factory, model_path: str, host: str, port: int, api_key: str | None = None,
+                 tokenizer=None) -> None:
         self.model_path = model_path
+        self.tokenizer = tokenizer
+        """Takes ``text`` prompts and answers with ``text`` when set (SGLang without --skip-tokenizer-init)."""
         self.api_key = api_key
         """Every route but /health needs ``Authorization: Bearer <api_key>`` (SGLang's --api-key); None: open."""
         self._lock = threading.Lock()
@@ -87,13 +103,21 @@ class EmbeddedServer:
     # --- routes: each returns (status, JSON-able body or None) ---------------------------------------------------
 
     def generate(self, body: dict[str, Any]) -> tuple[int, Any]:
-        request = sglang_api.parse_generate_body(body)
+        encode = None if self.tokenizer is None else self.tokenizer.encode
+        try:
+            call = sglang_api.parse_generate_body(body, encode=encode)
+        except ValueError as err:
+            return HTTPStatus.BAD_REQUEST, {"error": {"message": str(err)}}
+        request = call.request
         waiter = _Waiter()
         with self._lock:
             self._resumed.wait_for(lambda: not self._paused)
+            if request.request_id in self._waiters:  # SGLang's check and words (TokenizerManager)
+                return HTTPStatus.BAD_REQUEST, {"error": {"message": "Duplicate request ID detected: "
+                                                                     f"{request.request_id}"}}
             self._waiters[request.request_id] = waiter
         try:
-            self.engine.submit(request)
+            self.engine.submit(request, ignore_eos=call.ignore_eos)
         except (ValueError, RuntimeError) as err:
             with self._lock:
                 self._waiters.pop(request.request_id, None)
@@ -101,13 +125,21 @@ class EmbeddedServer:
         waiter.done.wait()
         if waiter.result is None:
             return HTTPStatus.INTERNAL_SERVER_ERROR, {"error": {"message": f"engine crashed: {self.engine.error!r}"}}
-        return HTTPStatus.OK, sglang_api.generate_response(waiter.result)
+        text = None if self.tokenizer is None else self.tokenizer.decode(waiter.result.output_ids,
+                                                                          skip_special_tokens=True)
+        answer = sglang_api.generate_response(waiter.result, num_prompt_tokens=len(request.input_ids), text=text)
+        if call.stream:
+            return HTTPStatus.OK, _Events(f"data: {json.dumps(answer)}\n\ndata: [DONE]\n\n")
+        return HTTPStatus.OK, answer
 
     def abort_request(self, body: dict[str, Any]) -> tuple[int, Any]:
         if body.get("abort_all"):
             self._abort_all()
-        elif body.get("rid"):
-            self.engine.abort(body["rid"])
+        elif rid := body.get("rid"):
+            with self._lock:
+                ids = [request_id for request_id in self._waiters if request_id.startswith(rid)]
+            for request_id in ids:
+                self.engine.abort(request_id)
         return HTTPStatus.OK, None
 
     def pause_generation(self, body: dict[str, Any]) -> tuple[int, Any]:
@@ -198,6 +230,12 @@ class EmbeddedServer:
         return HTTPStatus.OK, {"model_path": self.model_path, "is_generation": True,
                                "weight_version": str(self.engine.policy_version)}
 
+    def models(self) -> tuple[int, Any]:
+        """OpenAI's model list, as SGLang serves it (bench_serving reads the model id and waits on it)."""
+        card = {"id": self.model_path, "object": "model", "created": int(time.time()), "owned_by": "sglang",
+                "root": self.model_path, "parent": None, "max_model_len": self.engine.context_len}
+        return HTTPStatus.OK, {"object": "list", "data": [card]}
+
     def health(self) -> tuple[int, Any]:
         if self.engine.error is not None:
             return HTTPStatus.SERVICE_UNAVAILABLE, None
@@ -232,7 +270,7 @@ def _handler_for(server: EmbeddedServer) -> type[BaseHTTPRequestHandler]:
         sglang_api.INIT_WEIGHTS_UPDATE_GROUP: server.init_weights_update_group,
         sglang_api.UPDATE_WEIGHTS_FROM_DISTRIBUTED: server.update_weights_from_distributed,
     }
-    gets = {sglang_api.HEALTH: server.health, sglang_api.MODEL_INFO: server.model_info}
+    gets = {sglang_api.HEALTH: server.health, sglang_api.MODEL_INFO: server.model_info, V1_MODELS: server.models}
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -272,7 +310,7 @@ def _handler_for(server: EmbeddedServer) -> type[BaseHTTPRequestHandler]:
             if body is None:
                 data, kind = b"", "text/plain"
             elif isinstance(body, str):
-                data, kind = body.encode(), "text/plain"
+                data, kind = body.encode(), "text/event-stream" if isinstance(body, _Events) else "text/plain"
             else:
                 data, kind = json.dumps(body).encode(), "application/json"
             self.send_response(status)
@@ -310,12 +348,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.num_threads)
     model_cfg: ModelConfig = OmegaConf.to_object(
         OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(args.model_config)))
-    model = load_model(model_cfg, len(load_tokenizer(model_cfg)))
+    tokenizer = load_tokenizer(model_cfg)
+    model = load_model(model_cfg, len(tokenizer))
     server = EmbeddedServer(
         engine_factory=lambda on_result: EmbeddedEngine(name=f"http:{args.port}", model=model,
                                                         concurrency=args.concurrency, on_result=on_result,
                                                         policy_version=args.weight_version),
         model_path=model_cfg.path or "embedded-tiny", host=args.host, port=args.port, api_key=api_key,
+        tokenizer=tokenizer,
     )
 
     def stop(signum, frame) -> None:

@@ -136,8 +136,9 @@ def sglang_server(*, name: str, model_path: str, host: str, dtype: str, concurre
         "--port", str(port), "--dtype", dtype, "--skip-tokenizer-init", "--max-running-requests", str(concurrency),
         "--weight-version", "0", "--random-seed", str(seed), "--base-gpu-id", str(base_gpu_id),
     ]
-    if priority_scheduling:
-        command += ["--enable-priority-scheduling", "--schedule-low-priority-values-first"]
+    if priority_scheduling:  # lower first; a request without a priority last (sglang_api's module docstring)
+        command += ["--enable-priority-scheduling", "--schedule-low-priority-values-first",
+                    "--default-priority-value", str(sglang_api.MISSING_PRIORITY)]
     return ServerProcess(name=name, command=command + extra_args, log_path=log_dir / f"{name}.log",
                          url=f"http://{host}:{port}", api_key=api_key)
 

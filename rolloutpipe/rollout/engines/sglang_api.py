@@ -21,9 +21,19 @@ Facts about 0.5.23 that shape this module (read in its source):
 - ``meta_info.finish_reason`` is ``{"type": "stop" | "length" | "abort", ...}``. A request aborted by
   ``/abort_request`` comes back with HTTP 200, type ``abort`` and its partial output.
 - ``/abort_request`` with a rid the server has not registered yet is silently ignored: callers must re-send an
-  abort until the request comes back (``SGLangEngine`` does).
+  abort until the request comes back (``SGLangEngine`` does). It aborts every request whose rid *starts with* the
+  one given (``req.rid.startswith(recv_req.rid)`` in the scheduler), so the rid we send is the request id with
+  ``RID_END`` appended (``engine_rid``): no rid is then a prefix of another, and aborting ``.../sample=1`` leaves
+  ``.../sample=10`` alone. Everywhere else (logs, results, store keys) the id stays ``step=<k>/group=<g>/sample=<s>``.
+- A second in-flight request with the same rid is refused with HTTP 400 ("Duplicate request ID detected").
 - ``priority`` is honoured only with ``--enable-priority-scheduling``; RolloutPipe's convention (lower first) needs
-  ``--schedule-low-priority-values-first`` too. It is sent only when non-zero.
+  ``--schedule-low-priority-values-first`` too. A request *without* ``priority`` then gets the largest value
+  (``sys.maxsize``, ``Scheduler._set_or_validate_priority``): it runs last. So ``priority`` is always sent, 0
+  included (FGD's frontier group is group 0), and servers start with ``--default-priority-value MISSING_PRIORITY``
+  so that whatever another client sends without one goes last too, as the scheduler would place it anyway.
+- HTTP 4xx from ``/generate`` is about the request (e.g. "Requested token count exceeds the model's maximum context
+  length"): the same request fails the same way on any engine. 5xx and lost connections are about the server.
+  ``SGLangError.status`` tells them apart.
 - Weight updates: ``/update_weights_from_distributed`` and ``/update_weights_from_tensor`` answer 400 outside
   ``/begin_weight_update`` ... ``/end_weight_update``. ``/update_weights_from_disk`` does not check, but the session
   is where in-place-packed weights are restored and re-packed, so it is wrapped the same way. The version is a
@@ -43,9 +53,11 @@ from __future__ import annotations
 
 import hmac
 import json
+import random
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -85,8 +97,34 @@ CONTROL_TIMEOUT_S = 60.0
 """Every call but /generate and the weight load: these answer at once on a healthy server."""
 
 
+MISSING_PRIORITY = 2**63 - 1
+"""The priority SGLang 0.5.23 gives a request without one under low-values-first priority scheduling (sys.maxsize:
+last), and the ``--default-priority-value`` RolloutPipe starts servers with. The embedded server does the same."""
+
+RID_END = "#"
+"""Appended to every request id sent as a rid; ``#`` never occurs in RolloutPipe's ids (``engine_rid``)."""
+
+
 class SGLangError(RuntimeError):
-    """A server answered with an error, or could not be reached; the message names the URL and the route."""
+    """A server answered with an error, or could not be reached; the message names the URL and the route.
+
+    ``status`` is the HTTP status (None: no answer), ``detail`` the server's own message."""
+
+    def __init__(self, message: str, *, status: int | None = None, detail: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.detail = detail
+
+    @property
+    def is_request_error(self) -> bool:
+        """HTTP 4xx: the request (or the run's configuration) is wrong, not the server."""
+        return self.status is not None and 400 <= self.status < 500
+
+
+def engine_rid(request_id: str) -> str:
+    """The rid a server sees for ``request_id``: with ``RID_END`` appended, no rid is a prefix of another (SGLang
+    aborts by prefix), since ``RID_END`` occurs in a rid only as its last character."""
+    return request_id + RID_END
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,8 +145,8 @@ class Endpoint:
 
 def generate_body(request: GenerationRequest) -> dict[str, Any]:
     """GenerateReqInput for one request, token ids in and out (the server runs with --skip-tokenizer-init)."""
-    body: dict[str, Any] = {
-        "rid": request.request_id,
+    return {
+        "rid": engine_rid(request.request_id),
         "input_ids": request.input_ids,
         "sampling_params": {
             "max_new_tokens": request.max_new_tokens,
@@ -119,25 +157,52 @@ def generate_body(request: GenerationRequest) -> dict[str, Any]:
             "sampling_seed": request.sampling_seed,
         },
         "return_logprob": True,
+        "priority": request.priority,  # always: a missing one runs last (module docstring)
     }
-    if request.priority != 0:
-        body["priority"] = request.priority
-    return body
 
 
-def parse_generate_body(body: dict[str, Any]) -> GenerationRequest:
-    """The server side of ``generate_body`` (the embedded engine's server)."""
-    params = body["sampling_params"]
-    return GenerationRequest(
-        request_id=body["rid"],
-        input_ids=list(body["input_ids"]),
-        max_new_tokens=params["max_new_tokens"],
-        temperature=params["temperature"],
-        top_p=params["top_p"],
-        sampling_seed=params["sampling_seed"],
-        stop_token_ids=list(params["stop_token_ids"]),
-        priority=body.get("priority") or 0,
+@dataclass(kw_only=True, slots=True)
+class GenerateCall:
+    """One /generate body as the embedded server reads it: the request, and how to answer."""
+
+    request: GenerationRequest
+    stream: bool = False
+    """Answer as server-sent events (``data: {...}`` then ``data: [DONE]``), as SGLang does for ``stream: true``."""
+    ignore_eos: bool = False
+    """SGLang's sampling param: neither the model's EOS ids nor ``stop_token_ids`` end the request."""
+
+
+def parse_generate_body(body: dict[str, Any], *, encode: Callable[[str], list[int]] | None = None) -> GenerateCall:
+    """The server side of ``generate_body`` (the embedded engine's server), with SGLang 0.5.23's defaults for
+    every field ``generate_body`` sends and others may leave out (``SamplingParams``, ``GenerateReqInput``): a
+    fresh random rid and seed, top_p 1, no stop ids, 128 new tokens, temperature 1, and ``MISSING_PRIORITY``.
+    ``text`` needs ``encode`` (the server's tokenizer); a ValueError says what is wrong with the body."""
+    params = body.get("sampling_params") or {}
+    if body.get("input_ids") is not None:
+        input_ids = list(body["input_ids"])
+    elif body.get("text") is not None:
+        if encode is None:
+            raise ValueError("this server has no tokenizer, so it takes input_ids, not text: tokenize the prompt "
+                             "yourself and send input_ids")
+        input_ids = encode(body["text"])
+    else:
+        raise ValueError("the body has neither input_ids nor text")
+    seed = params.get("sampling_seed")
+    request = GenerationRequest(
+        request_id=body.get("rid") or uuid.uuid4().hex,
+        input_ids=input_ids,
+        max_new_tokens=_or(params.get("max_new_tokens"), 128),
+        temperature=_or(params.get("temperature"), 1.0),
+        top_p=_or(params.get("top_p"), 1.0),
+        sampling_seed=random.getrandbits(63) if seed is None else seed,
+        stop_token_ids=list(params.get("stop_token_ids") or []),
+        priority=_or(body.get("priority"), MISSING_PRIORITY),
     )
+    return GenerateCall(request=request, stream=bool(body.get("stream")), ignore_eos=bool(params.get("ignore_eos")))
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 
 @dataclass(kw_only=True, slots=True)
@@ -161,18 +226,22 @@ def parse_generate_response(body: dict[str, Any]) -> Generated:
     )
 
 
-def generate_response(result: GenerationResult) -> dict[str, Any]:
-    """The server side of ``parse_generate_response``: a subset of what SGLang returns for an input_ids request."""
+def generate_response(result: GenerationResult, *, num_prompt_tokens: int,
+                      text: str | None = None) -> dict[str, Any]:
+    """The server side of ``parse_generate_response``: a subset of what SGLang returns for an input_ids request
+    (with ``text``, the output decoded, when the server has a tokenizer); one event of a stream is the same dict."""
     reason: dict[str, Any] = {"type": result.finish_reason.value}
     if result.finish_reason is FinishReason.STOP:
         reason["matched"] = result.output_ids[-1]
     elif result.finish_reason is FinishReason.LENGTH:
         reason["length"] = len(result.output_ids)
-    return {
+    body: dict[str, Any] = {} if text is None else {"text": text}
+    return body | {
         "output_ids": result.output_ids,
         "meta_info": {
             "id": result.request_id,
             "finish_reason": reason,
+            "prompt_tokens": num_prompt_tokens,
             "completion_tokens": len(result.output_ids),
             "output_token_logprobs": [[lp, t, None] for lp, t in zip(result.output_logprobs, result.output_ids)],
             "weight_version": str(result.policy_version),
@@ -184,7 +253,7 @@ def generate_response(result: GenerationResult) -> dict[str, Any]:
 
 
 def abort_body(request_id: str) -> dict[str, Any]:
-    return {"rid": request_id}
+    return {"rid": engine_rid(request_id)}
 
 
 def abort_all_body() -> dict[str, Any]:
@@ -304,7 +373,8 @@ def call(server: Endpoint, route: str, body: dict[str, Any] | None = None, *, ti
             raw = response.read()
     except urllib.error.HTTPError as err:
         detail = err.read().decode(errors="replace").strip()
-        raise SGLangError(f"{url} answered HTTP {err.code}: {detail[:2000]}") from None
+        raise SGLangError(f"{url} answered HTTP {err.code}: {detail[:2000]}", status=err.code,
+                          detail=_error_message(detail)[:2000]) from None
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as err:
         reason = getattr(err, "reason", err)
         raise SGLangError(f"cannot reach the engine server at {url}: {reason}") from err
@@ -314,6 +384,16 @@ def call(server: Endpoint, route: str, body: dict[str, Any] | None = None, *, ti
         return json.loads(raw)
     except json.JSONDecodeError:
         return raw.decode(errors="replace")
+
+
+def _error_message(detail: str) -> str:
+    """The message in SGLang's error bodies (``{"error": {"message": ...}}``, or ``{"error": "..."}``), else all."""
+    try:
+        error = json.loads(detail).get("error")
+    except (json.JSONDecodeError, AttributeError):
+        return detail
+    message = error.get("message") if isinstance(error, dict) else error
+    return message if isinstance(message, str) else detail
 
 
 def is_healthy(server: Endpoint, timeout_s: float = 5.0) -> bool:
