@@ -92,6 +92,18 @@ def load_tokenizer(cfg: ModelConfig):
         ) from err
 
 
+def context_len(cfg: ModelConfig) -> int | None:
+    """The longest prompt + response the model takes (``max_position_embeddings``, what SGLang serves by default
+    and checks every request against); None if its config does not say."""
+    if cfg.path is None:
+        return cfg.tiny.max_position_embeddings
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(cfg.path)
+    config = getattr(config, "text_config", None) or config
+    return getattr(config, "max_position_embeddings", None)
+
+
 def load_model(cfg: ModelConfig, vocab_size: int) -> torch.nn.Module:
     """The policy in eval mode on CPU, in ``cfg.dtype``; identical on every process for the same config.
 

@@ -224,3 +224,13 @@ def test_launcher_names_the_process_that_died(job_dir):
 def test_core_import_pulls_no_heavy_backend():
     assert_import_pulls_none_of(["rolloutpipe", "rolloutpipe.pipeline", "rolloutpipe.config", "rolloutpipe.launch.local"],
                                 ["sglang", "megatron", "wandb", "submitit"])
+
+
+def test_a_response_budget_beyond_the_models_context_stops_the_run_before_any_engine_starts(job_dir):
+    """SGLang answers such requests with HTTP 400 (and the embedded server does the same); found at start, once."""
+    run_dir = job_dir("context")
+    result = run_job(run_dir, *SMALL, "rollout.engine=embedded_http", "rollout_max_response_len=600", timeout_s=120)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert re.search(r"the longest prompt \(\d+ tokens\) \+ rollout_max_response_len=600 exceeds the model's context "
+                     r"of 512 tokens \(max_position_embeddings\)", result.stderr), result.stderr[-3000:]
+    assert not (run_dir / "engines").exists(), "no engine server was started"

@@ -29,13 +29,13 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from rolloutpipe.config import Config, ResumeMode
+from rolloutpipe.config import Config, ConfigError, ResumeMode
 from rolloutpipe.control.checkpoint import latest_checkpoint
 from rolloutpipe.control.clock import sync_clock
 from rolloutpipe.control.env import NodeEnv
 from rolloutpipe.control.transport import Transport
 from rolloutpipe.control.weight_sync import Bucket, WeightGroup, WeightSync, file_digest, weights_file
-from rolloutpipe.model import load_tokenizer
+from rolloutpipe.model import context_len, load_tokenizer
 from rolloutpipe.observe.metrics import RolloutStats, SpanRecorder
 from rolloutpipe.observe.progress import Progress
 from rolloutpipe.rollout.admission import Admission, AdmissionPolicy
@@ -61,6 +61,7 @@ class RolloutNode:
                                   clock=sync_clock(transport))
         self.tokenizer = load_tokenizer(cfg.model)
         prompts = load_prompts(cfg.data, self.tokenizer, prepare_data_path(cfg.data, env.run_dir))
+        check_context(cfg, prompts)  # before any engine starts: SGLang refuses longer requests (HTTP 400)
         self.source = PromptSource(prompts, seed=cfg.seed, shuffle=cfg.data.shuffle)
         self.resumed = latest_checkpoint(env.run_dir) if cfg.run.resume is ResumeMode.auto else None
         if self.resumed is not None:
@@ -196,6 +197,9 @@ class RolloutNode:
 
     def check_health(self, waiting_for: str) -> None:
         self.supervisor.check()  # a failed engine is replaced; past rollout.max_engine_failures it raises
+        for engine in self.engines:
+            if engine.request_error is not None:  # a restart or a retry elsewhere would be refused the same way
+                raise ConfigError(str(engine.request_error)) from engine.request_error
         for component in (self.rewards, self.dispatcher, self.evaluation):
             if component.error is not None:
                 raise RuntimeError(f"{type(component).__name__} failed: {component.error!r}") from component.error
@@ -213,3 +217,16 @@ class RolloutNode:
         self.rewards.pool.close()
         self.evaluation.close()
         self.spans.flush()
+
+
+def check_context(cfg: Config, prompts: list[Prompt]) -> None:
+    """Every prompt plus rollout_max_response_len must fit the model's context, or the engines refuse it."""
+    context = context_len(cfg.model)
+    longest = max((len(p.input_ids) for p in prompts), default=0)
+    if context is not None and longest + cfg.rollout_max_response_len > context:
+        raise ConfigError(
+            f"the longest prompt ({longest} tokens) + rollout_max_response_len={cfg.rollout_max_response_len} "
+            f"exceeds the model's context of {context} tokens (max_position_embeddings): the engines would refuse "
+            "its requests. Lower rollout_max_response_len or data.max_prompt_len (longer prompts are refused when "
+            "the data is read), or serve a model with a longer context."
+        )

@@ -197,9 +197,9 @@ class EngineSupervisor:
                 f"{self.where_to_look(failed)}")
         start = time.time()
         num_retried = self._admission.take_out(failed) if self._admission is not None else 0
-        log.warning("engine %s failed (%s): %d unfinished requests resubmitted with their seeds; restarting it "
-                    "(failure %d of engine %s, rollout.max_engine_failures=%d). See %s.", failed.name, reason,
-                    num_retried, num, base, self.max_failures, self.where_to_look(failed))
+        log.warning("engine %s failed (%s): %d unfinished requests resubmitted with their seeds (failure %d of "
+                    "engine %s, rollout.max_engine_failures=%d). See %s.", failed.name, reason, num_retried, num, base,
+                    self.max_failures, self.where_to_look(failed))
         threading.Thread(target=failed.shutdown, name=f"retire-{failed.name}", daemon=True).start()
         failure = _Pending(failed=failed, reason=reason, start_s=start, num_retried=num_retried, restart=None)
         try:
@@ -211,6 +211,8 @@ class EngineSupervisor:
             self.engines.remove(failed)
             failure.restart = replacement
             self._pending[slot] = failure
+            log.warning("engine %s: its node's engine host restarts it as %s; out of service until then.", failed.name,
+                        f"{base}-restart{num}")
             self._check_enough(f"engine {failed.name} failed ({reason}) and is restarting on its node")
             return
         self._put_back(slot, failure, replacement)

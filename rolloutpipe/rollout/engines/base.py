@@ -26,6 +26,9 @@ class Engine(Protocol):
     error: BaseException | None
     """Why the engine stopped serving (its thread raised, its server exited, a call failed); None while healthy.
     rolloutpipe/rollout/supervisor.py then retries its requests elsewhere and replaces it."""
+    request_error: BaseException | None
+    """The first request the engine refused (a server's HTTP 4xx: the request or the run's configuration is wrong,
+    not the engine); None while none was. The rollout node stops the run with it: any engine would refuse it too."""
 
     @property
     def policy_version(self) -> int: ...
