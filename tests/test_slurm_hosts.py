@@ -1,0 +1,93 @@
+"""Two rollout nodes on the real Slurm cluster (slurm/local_cluster.sh), through every launcher: each rollout node's
+task starts and registers its own two engine servers, the first one drives all four, and two trainer ranks train
+on two more nodes. The samples and the (float64) final weights equal those of one rollout node running the four
+engines (a local run: the reference)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from rolloutpipe.control.env import expand_hostlist
+from rolloutpipe.rollout.tasks import ReversalTaskConfig, write_reversal_jsonl
+
+from .conftest import DENSE_REWARD, REPO, SMALL, node_environ, read_metrics, read_samples, run_job
+from .test_slurm import job_id_of, launch, local_cluster, sacct_components  # noqa: F401 - the cluster fixture
+
+pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
+
+NUM_STEPS = 2
+TWO_NODES = ["launcher.rollout.nodes=2", "rollout.engines_per_node=2"]
+
+
+def workload(data: Path) -> list[str]:
+    return [*SMALL, *DENSE_REWARD, "model.dtype=float64", "run.save_samples=true", "global_batch_size=8",
+            f"num_rollout={NUM_STEPS}", f"data.path={data}", "rollout.engine=embedded_http", "trainer.num_ranks=2",
+            "rollout.concurrency=2", "pipeline.peer_timeout_s=30"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return write_reversal_jsonl(ReversalTaskConfig(num_rows=NUM_STEPS * 4, seed=5),
+                                tmp_path_factory.mktemp("data") / "rows.jsonl")
+
+
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory, data) -> Path:
+    run_dir = tmp_path_factory.mktemp("one-node") / "run"
+    result = run_job(run_dir, *workload(data), "rollout.num_engines=4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+def assert_same_run(run_dir: Path, reference: Path) -> None:
+    assert [m["step"] for m in read_metrics(run_dir)] == list(range(NUM_STEPS))
+    lines = (run_dir / "spans" / "rollout-0.jsonl").read_text().splitlines()
+    engines = {s[4].get("engine") for line in lines if "spans" in (r := json.loads(line)) for s in r["spans"]
+               if s[0] == "rollout/request"}
+    assert engines == {"engine0", "engine1", "engine2", "engine3"}, "every engine of both rollout nodes generated"
+    samples = {s["id"]: s["response_ids"] for s in read_samples(run_dir)}
+    assert samples == {s["id"]: s["response_ids"] for s in read_samples(reference)}
+    final, expected = (load_file(str(d / "checkpoints" / "final" / "model.safetensors")) for d in (run_dir, reference))
+    assert max((final[k] - expected[k]).abs().max().item() for k in final) < 1e-9
+
+
+def test_submitit_two_rollout_nodes_and_two_trainer_nodes_match_one_rollout_node(job_dir, data, one_node):
+    run_dir = job_dir("submitit-hosts")
+    result = launch(run_dir, *workload(data), *TWO_NODES, "launcher.trainer.nodes=2",
+                    "launcher.rollout.cpus_per_task=1", "launcher.trainer.cpus_per_task=1")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    rows = sacct_components(job_id_of(run_dir))
+    rollout_nodes, trainer_nodes = (set(expand_hostlist(nodes)) for _, _, nodes in rows)
+    assert len(rollout_nodes) == 2 and len(trainer_nodes) == 2 and not rollout_nodes & trainer_nodes, rows
+    assert_same_run(run_dir, one_node)
+
+
+def test_sbatch_two_rollout_nodes_match_one_rollout_node(tmp_path, data, one_node):
+    run_dir = tmp_path / "run"
+    script = (REPO / "slurm" / "rolloutpipe.sbatch").read_text()
+    assert script.count("#SBATCH --nodes=1\n") == 2
+    (tmp_path / "two.sbatch").write_text(script.replace("#SBATCH --nodes=1\n", "#SBATCH --nodes=2\n"))
+    result = subprocess.run(["sbatch", "--wait", f"--output={tmp_path}/slurm-%j.out", str(tmp_path / "two.sbatch"),
+                             f"run.dir={run_dir}", *workload(data), *TWO_NODES],
+                            cwd=REPO, env=node_environ(), capture_output=True, text=True, timeout=300)
+    logs = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
+    assert result.returncode == 0, result.stderr + logs[-3000:]
+    assert_same_run(run_dir, one_node)
+
+
+def test_torchx_two_rollout_replicas_match_one_rollout_node(tmp_path, data, one_node):
+    run_dir = tmp_path / "run"
+    component = f"{REPO / 'launchers' / 'components.py'}:grpo"
+    result = subprocess.run(["torchx", "run", "-s", "slurm", "--wait", component, f"run.dir={run_dir}",
+                             *workload(data), *TWO_NODES], cwd=tmp_path, env=node_environ(), capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Job finished: SUCCEEDED" in result.stderr
+    assert sorted(p.name.split("-", 2)[2] for p in tmp_path.glob("slurm-*-*.out")) == [
+        "rollout-0.out", "rollout-1.out", "trainer-0.out", "trainer-1.out"]
+    assert_same_run(run_dir, one_node)
