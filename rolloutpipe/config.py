@@ -207,7 +207,8 @@ class Config:
             )
         self.rollout.place_engines(self.launcher.rollout.nodes)
         gpus = self.launcher.rollout.gpus_per_node
-        if self.rollout.engines_on_gpus and gpus and self.rollout.engines_per_node * self.rollout.sglang_gpus_per_engine > gpus:
+        per_node = self.rollout.engines_per_node * self.rollout.sglang_gpus_per_engine
+        if self.rollout.engines_on_gpus and gpus and per_node > gpus:
             raise ValueError(
                 f"rollout.engines_per_node={self.rollout.engines_per_node} x rollout.sglang_gpus_per_engine="
                 f"{self.rollout.sglang_gpus_per_engine} GPUs do not fit a rollout node's launcher.rollout."

@@ -65,8 +65,14 @@ def test_two_rollout_nodes_give_the_samples_and_weights_of_one_node_with_all_fou
     result = run_job(run_dir, *workload(data), *TWO_NODES)
     assert result.returncode == 0, result.stderr[-3000:]
 
-    engines = {s[4].get("engine") for s in request_spans(run_dir) if s[0] == "rollout/request"}
-    assert engines == {"engine0", "engine1", "engine2", "engine3"}, "every engine of both nodes generated"
+    hosts = {s[4]["engine"]: s[4]["host"] for s in request_spans(run_dir) if s[0] == "rollout/request"}
+    assert set(hosts) == {"engine0", "engine1", "engine2", "engine3"}, "every engine of both nodes generated"
+    assert [hosts[f"engine{i}"].split(" (")[0] for i in range(4)] == ["rollout rank 0"] * 2 + ["rollout rank 1"] * 2
+    assert "[rollout rank 0] 4 engines on 2 hosts: rollout rank 0 (" in result.stderr
+    assert {(m["rollout/num_engines"], m["rollout/num_engine_hosts"]) for m in read_metrics(run_dir)} == {(4, 2)}
+    trace = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    processes = [e["args"]["name"] for e in trace if e.get("name") == "process_name"]
+    assert [p for p in processes if p.startswith("engine")] == [f"engine{i} on {hosts[f'engine{i}']}" for i in range(4)]
     assert sorted(p.name for p in (run_dir / "engines" / "host=1").glob("*.log")) == ["engine2.log", "engine3.log"]
     assert samples(run_dir) == samples(one_node) and len(samples(run_dir)) == NUM_STEPS * PROMPTS_PER_STEP * 4
     reference, final = final_weights(one_node), final_weights(run_dir)

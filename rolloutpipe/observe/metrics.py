@@ -202,6 +202,9 @@ class RolloutStats:
     response_len_mean: float
     policy_lag: int
     """The largest step - policy_version over the trained samples, from the versions the engines reported."""
+    num_engines: int = 0
+    """Engines in service at the step's end (a lost engine host's are not), and the hosts they run on."""
+    num_engine_hosts: int = 0
 
     @classmethod
     def of(cls, *, step: int, policy_version: int, start_s: float, last_group_s: float, weight_load_s: float,
@@ -276,6 +279,8 @@ def reduce_step(rollout: RolloutStats, train: TrainStats, *, mean_compute_s: flo
         "rollout/num_returned_prompts": rollout.num_returned_prompts,
         "rollout/num_aborted_samples": rollout.num_aborted_samples,
         "rollout/policy_lag": rollout.policy_lag,
+        "rollout/num_engines": rollout.num_engines,
+        "rollout/num_engine_hosts": rollout.num_engine_hosts,
         "train/loss": sum(train.losses) / max(len(train.losses), 1),
         "train/grad_norm": sum(train.grad_norms) / max(len(train.grad_norms), 1),
         "train/clip_fraction": train.clip_fraction,

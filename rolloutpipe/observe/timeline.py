@@ -33,6 +33,7 @@ from rolloutpipe.observe.trace import (
     PUBLISH,
     REQUEST,
     SYNC_WEIGHTS,
+    engines_by_host,
     merge_run,
 )
 from rolloutpipe.types import Span
@@ -142,7 +143,7 @@ def draw_timeline(runs: list[RunTimeline], out: Path, *, steps: list[int] | None
 
 
 def _lanes_of(spans: list[Span]) -> list[str]:
-    engines = sorted({s.attrs.get("engine", "") for s in spans if s.name == REQUEST})
+    engines = list(engines_by_host(spans))  # grouped by host when the engines span several rollout nodes
     ranks = sorted({s.rank for s in spans if s.role == "trainer"})
     return [*engines, "groups", "dispatcher", *(f"trainer {r}" for r in ranks)]
 
@@ -204,8 +205,10 @@ def _draw_panel(ax, run: RunTimeline, windows: dict[int, tuple[float, float]], s
             note += (f": {record['perf/rollout_to_train_end_s']:.2f} s, "
                      f"wait {100 * record['perf/trainer_wait_ratio']:.0f}%")
         ax.text(start - t0, len(lanes) - 0.45, note, fontsize=7, va="bottom", ha="left", color="#333")
+    hosts = engines_by_host(run.spans)
     ax.set_yticks([y[lane] for lane in lanes],
-                  [f"{lane}\n(peak {peaks[lane]} running)" if lane in peaks else lane for lane in lanes], fontsize=8)
+                  [f"{lane}{' on ' + hosts[lane] if hosts.get(lane) else ''}\n(peak {peaks[lane]} running)"
+                   if lane in peaks else lane for lane in lanes], fontsize=8)
     ax.set_ylim(-0.6, len(lanes) - 0.1)
     ax.set_xlim(-pad, span_s + 2 * pad)
     ax.grid(axis="x", color="#eee", linewidth=0.6)

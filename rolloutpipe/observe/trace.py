@@ -160,14 +160,28 @@ class _Lane:
     spans: list[Span]
 
 
+def engines_by_host(spans: list[Span]) -> dict[str, str]:
+    """Every engine of the run's request spans and its host (empty on one rollout node), ordered host by host, and
+    by index within a host (engine2 before engine10)."""
+    hosts = {s.attrs.get("engine", ""): s.attrs.get("host", "") for s in spans if s.name == REQUEST}
+
+    def order(engine: str) -> tuple:
+        digits = "".join(c for c in engine.removeprefix("engine").split("-")[0] if c.isdigit())
+        return hosts[engine], int(digits or 0), engine
+
+    return {engine: hosts[engine] for engine in sorted(hosts, key=order)}
+
+
 def _lanes(spans: list[Span]) -> list[_Lane]:
     """Which process and thread of the trace each span belongs to (see module docstring)."""
-    engines = sorted({s.attrs.get("engine", "") for s in spans if s.name == REQUEST})
+    engines = engines_by_host(spans)
     by_lane: dict[tuple[int, str, str], list[Span]] = defaultdict(list)
     for s in spans:
         if s.name == REQUEST:
-            pid = _ENGINE_PID + engines.index(s.attrs.get("engine", ""))
-            lane = (pid, s.attrs.get("engine") or "engine", "slot")
+            engine = s.attrs.get("engine", "")
+            pid = _ENGINE_PID + list(engines).index(engine)
+            name = engine or "engine"
+            lane = (pid, f"{name} on {engines[engine]}" if engines[engine] else name, "slot")
         elif s.role == "trainer":
             lane = (_TRAINER_PID + s.rank, f"trainer rank {s.rank}", "main")
         else:

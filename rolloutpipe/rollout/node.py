@@ -25,6 +25,7 @@ Rollout main loop (pipeline.run_rollout, on the process's main thread)
 from __future__ import annotations
 
 import queue
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -71,6 +72,11 @@ class RolloutNode:
         self.factory = factory = EngineFactory(cfg, vocab_size=len(self.tokenizer), on_result=self.on_result,
                                                api_key=env.engine_api_key, transport=transport, run_dir=env.run_dir)
         self.engines = factory.build_all()  # this node's, and the other rollout nodes' (rollout/hosts.py)
+        self.rewards.host_of = factory.host_of
+        if (hosts := sorted({factory.host_of(e.name) for e in self.engines} - {None})):
+            print(f"[rollout rank 0] {len(self.engines)} engines on {len(hosts)} hosts: " + "; ".join(
+                f"{h}: {', '.join(e.name for e in self.engines if factory.host_of(e.name) == h)}" for h in hosts),
+                file=sys.stderr, flush=True)
         self.supervisor = EngineSupervisor(  # a failed engine: retry its requests elsewhere, restart it
             engines=self.engines, restart=factory.restart, where_to_look=factory.where_to_look,
             max_failures=cfg.rollout.max_engine_failures, request_timeout_s=cfg.rollout.request_timeout_s,
@@ -191,6 +197,8 @@ class RolloutNode:
                                   self.evaluation.metrics(rollout_end_s=rollout_end_s, wait_s=wait_s))
 
     def end_step(self, step: int, stats: RolloutStats) -> None:
+        stats.num_engines = len(self.engines)  # in service; a lost engine host's are not
+        stats.num_engine_hosts = len({self.factory.host_of(e.name) for e in self.engines})
         self.spans.flush()  # before the stats: trainer rank 0 merges the spans once it has the last stats
         self.transport.put_record(self.transport.key(f"step={step}", "source_state"), self.source.state_dict())
         self.transport.put_record(self.transport.key(f"step={step}", "rollout_stats"), asdict(stats))

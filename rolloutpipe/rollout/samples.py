@@ -21,6 +21,7 @@ import json
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +65,8 @@ class RewardThreads:
         self.results: queue.Queue = queue.Queue()
         self.in_flight: dict[str, InFlight] = {}
         self._assembler: GroupAssembler | None = None
+        self.host_of: Callable[[str], str | None] = lambda engine: None
+        """The host an engine runs on, for its request spans (several rollout nodes); None: one node."""
         self._on_group = None
         self._outstanding = 0
         self._count_lock = threading.Lock()
@@ -112,7 +115,7 @@ class RewardThreads:
             "rollout/request", step=step, start_s=result.started_s, end_s=result.finished_s, engine=result.engine,
             group=ctx.group, sample=ctx.sample, num_tokens=len(result.output_ids),
             queued_s=result.started_s - result.submitted_s, aborted=result.finish_reason is FinishReason.ABORT,
-            policy_version=result.policy_version,
+            policy_version=result.policy_version, **({"host": host} if (host := self.host_of(result.engine)) else {}),
         )
         if result.finish_reason is FinishReason.ABORT:  # over-sampling's leftovers: never rewarded or trained
             return

@@ -151,8 +151,8 @@ class EngineSupervisor:
             except Exception as err:  # noqa: BLE001 - reported below with the engine's name
                 errors[engine.name] = err
 
-        threads = [threading.Thread(target=run, args=(self._slot_of[engine.name], engine), name=f"weights-{engine.name}",
-                                    daemon=True) for engine in self.engines]
+        threads = [threading.Thread(target=run, args=(self._slot_of[e.name], e), name=f"weights-{e.name}", daemon=True)
+                   for e in self.engines]
         for thread in threads:
             thread.start()
         for thread in threads:

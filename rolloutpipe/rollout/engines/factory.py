@@ -109,6 +109,17 @@ class EngineFactory:
             return where
         return f"the log of the server at {engine.url} (attached through rollout.engine_urls)"
 
+    def host_of(self, name: str) -> str | None:
+        """Where engine ``name`` runs, as ``rollout rank <r> (<host>)``, when the engines span several rollout
+        nodes (request spans carry it: the trace and timeline group engines by host); None on one node."""
+        if self.remote is None:
+            return None
+        from rolloutpipe.rollout.hosts import host_name
+
+        registration = self.remote.registrations.get(name)
+        rank, host = (registration.rank, registration.host) if registration else (0, host_name())
+        return f"rollout rank {rank} ({host})"
+
     def stop_hosts(self) -> None:
         """The run is over: the other rollout nodes stop their servers (see rollout/hosts.py)."""
         if self.remote is not None:
