@@ -60,9 +60,12 @@ def request_spans(run_dir: Path) -> list[dict]:
     return [s for line in lines if "spans" in (record := json.loads(line)) for s in record["spans"]]
 
 
-def test_two_rollout_nodes_give_the_samples_and_weights_of_one_node_with_all_four_engines(tmp_path, data, one_node):
+@pytest.mark.parametrize("weight_sync", ["disk", "distributed"])
+def test_two_rollout_nodes_give_the_samples_and_weights_of_one_node_with_all_four_engines(tmp_path, data, one_node,
+                                                                                          weight_sync):
+    """With distributed weight sync, trainer rank 0's broadcast group spans the engines of both nodes."""
     run_dir = tmp_path / "run"
-    result = run_job(run_dir, *workload(data), *TWO_NODES)
+    result = run_job(run_dir, *workload(data), *TWO_NODES, f"pipeline.weight_sync={weight_sync}")
     assert result.returncode == 0, result.stderr[-3000:]
 
     hosts = {s[4]["engine"]: s[4]["host"] for s in request_spans(run_dir) if s[0] == "rollout/request"}

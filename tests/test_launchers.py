@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -233,3 +234,16 @@ def test_torchx_component_runs_the_default_with_the_local_cwd_scheduler(tmp_path
 def test_slurm_modules_import_without_submitit_or_torchx():
     assert_import_pulls_none_of(["rolloutpipe.launch.slurm", "rolloutpipe.launch.local", "rolloutpipe.control.env"],
                                 ["submitit", "torchx", "hydra_plugins"])
+
+
+def test_the_readmes_batch_script_for_four_rollout_nodes_is_what_the_launcher_writes():
+    cfg = cfg_of("run.id=gpqa-4x8", "run.dir=/shared/runs/gpqa-4x8", "rollout_batch_size=32", "rollout.engine=sglang",
+                 "rollout.engines_per_node=8", "trainer.num_ranks=16", "launcher.kind=slurm", "launcher.partition=gpu",
+                 "launcher.account=rl", "launcher.time_min=240", "launcher.rollout.nodes=4",
+                 "launcher.rollout.gpus_per_node=8", "launcher.rollout.cpus_per_task=64", "launcher.trainer.nodes=2",
+                 "launcher.trainer.tasks_per_node=8", "launcher.trainer.gpus_per_node=8",
+                 "launcher.trainer.cpus_per_task=12", "launcher.setup=[source /shared/venvs/rolloutpipe/bin/activate]")
+    assert cfg.rollout.num_engines == 32
+    script = batch_script(cfg, folder=Path("/shared/runs/gpqa-4x8/slurm"), python="/shared/venvs/rolloutpipe/bin/python")
+    readme = (REPO / "README.md").read_text()
+    assert f"```bash\n{script}```" in readme, "README's 4 x 8-GPU rollout batch script is stale: regenerate it"

@@ -26,5 +26,6 @@ def test_gpu_recipe_runs_sglang_and_megatron_with_matching_slurm_resources(exper
     assert cfg.launcher.kind is LauncherKind.slurm
     trainer = cfg.launcher.trainer
     assert trainer.nodes * trainer.tasks_per_node == cfg.trainer.num_ranks
-    assert cfg.launcher.rollout.gpus_per_node >= cfg.rollout.num_engines * cfg.rollout.sglang_gpus_per_engine
+    assert cfg.launcher.rollout.gpus_per_node >= cfg.rollout.engines_per_node * cfg.rollout.sglang_gpus_per_engine
+    assert cfg.rollout.num_engines == cfg.launcher.rollout.nodes * cfg.rollout.engines_per_node
     assert cfg.n_samples_per_prompt == 8 and cfg.rollout_max_response_len >= 4096

@@ -101,8 +101,9 @@ def batch_script(cfg: Config, *, folder: Path, python: str) -> str:
 
     lines = [
         "#!/bin/bash",
-        f"# RolloutPipe run {cfg.run.id}: one heterogeneous job. Het group 0 is the rollout node group (its",
-        "# first task hosts the store), het group 1 the trainer node group (one task per trainer rank).",
+        f"# RolloutPipe run {cfg.run.id}: one heterogeneous job. Het group 0 is the rollout node group (one",
+        "# task per node, each starting its node's engine servers; the first also runs the rollout and hosts",
+        "# the store), het group 1 the trainer node group (one task per trainer rank).",
         f"#SBATCH --job-name={shlex.quote(launcher.job_name)}",
         f"#SBATCH --output={shlex.quote(str(folder / '%j_batch.out'))}",
         "#SBATCH --open-mode=append",
