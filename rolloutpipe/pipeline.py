@@ -35,9 +35,11 @@ the reward threads (rollout/samples.py), the dispatcher (rollout/dispatcher.py),
 from __future__ import annotations
 
 import queue
+import sys
 import time
+from dataclasses import replace
 
-from rolloutpipe.config import Config, PipelineMode
+from rolloutpipe.config import Config, PipelineMode, ResumeMode
 from rolloutpipe.control.env import NodeEnv, Role
 from rolloutpipe.control.lifetime import Stopped
 from rolloutpipe.control.liveness import Liveness
@@ -149,6 +151,7 @@ def run_trainer(node: TrainerNode) -> None:
         stats = train_step(node, step)
         stats.weight_sync_s = sync_weights(node, step + 1) if node.is_writer else 0.0
         node.end_step(step, stats)
+        node.stop_if_requeued(step)  # Slurm warned of the time limit: stop at this step's checkpoint, be requeued
     node.finish()
 
 
@@ -241,6 +244,10 @@ def open_transport(cfg: Config, env: NodeEnv) -> Transport:
 
 def run_node(cfg: Config, env: NodeEnv) -> None:
     """Entry of one node-group process: run its loop; on any error tell the others why, then re-raise."""
+    if env.restart_count and cfg.run.resume is not ResumeMode.auto:  # a requeued Slurm job (launch/requeue.py)
+        print(f"[{env.role.value} rank {env.rank}] Slurm requeued this job ({env.restart_count} time(s)): resuming "
+              "from the run's last checkpoint", file=sys.stderr, flush=True)
+        cfg.run = replace(cfg.run, resume=ResumeMode.auto)
     transport = open_transport(cfg, env)
     node = None
     try:

@@ -116,11 +116,13 @@ def read_samples(run_dir: Path) -> list[dict]:
 
 def start_nodes(run_dir: Path, *overrides: str, commands: dict[str, list[str]] | None = None,
                 capture: bool = True, roles: tuple[str, ...] = ("rollout", "trainer"),
-                port: int | None = None) -> dict[str, subprocess.Popen]:
-    """Start the two node groups by hand with the launcher's environment contract (no launcher watching).
+                port: int | None = None, environ: dict[str, str] | None = None) -> dict[str, subprocess.Popen]:
+    """Start the two node groups by hand with the launcher's environment contract (no launcher watching): run id
+    ``bytest``, secret ``b"k" * 32``.
 
     ``commands`` replaces a role's ``-m rolloutpipe.launch.node`` (the fault suite runs a role under a wrapper);
-    ``roles`` and ``port`` start one group now and the other later, on the same store port.
+    ``roles`` and ``port`` start one group now and the other later, on the same store port; ``environ``: more
+    variables (e.g. SLURM_RESTART_COUNT).
     """
     from omegaconf import OmegaConf
 
@@ -138,7 +140,7 @@ def start_nodes(run_dir: Path, *overrides: str, commands: dict[str, list[str]] |
         command = (commands or {}).get(role.value, ["-m", "rolloutpipe.launch.node"])
         pipe = subprocess.PIPE if capture else subprocess.DEVNULL
         procs[role.value] = subprocess.Popen([sys.executable, *command], cwd=REPO,
-                                             env={**node_environ(), **env.to_environ()}, stdout=pipe,
+                                             env={**node_environ(), **env.to_environ(), **(environ or {})}, stdout=pipe,
                                              stderr=pipe, text=True)
     return procs
 

@@ -203,3 +203,19 @@ def test_spans_written_by_an_older_version_still_read(tmp_path):
     (tmp_path / "spans" / "trainer-0.jsonl").write_text(json.dumps(old) + "\n")
     [s] = read_spans(Path(tmp_path))
     assert (s.role, s.rank, s.end_s) == ("trainer", 0, 2.0)
+
+
+def test_a_resumed_process_supersedes_the_spans_of_the_steps_it_redoes(tmp_path):
+    """A resume or a requeue redoes the steps after the checkpoint: their spans from before count once, not twice."""
+    path = tmp_path / "spans" / "rollout-0.jsonl"
+    first = SpanRecorder(role="rollout", rank=0, path=path)
+    for step in range(3):  # the first process: steps 0..2; it stopped in step 2, after the checkpoint of step 1
+        first.add("rollout/request", step=step, start_s=step, end_s=step + 0.5)
+    first.flush()
+    again = SpanRecorder(role="rollout", rank=0, path=path)
+    again.resume_at(2)
+    for step in (2, 3):
+        again.add("rollout/request", step=step, start_s=10 + step, end_s=10.5 + step)
+    again.flush()
+    requests = [s for s in read_spans(tmp_path) if s.name == "rollout/request"]
+    assert [(s.step, s.start_s >= 10) for s in requests] == [(0, False), (1, False), (2, True), (3, True)]

@@ -18,6 +18,7 @@ Every launcher (local processes, Slurm, TorchX) starts the same entry point,
     RP_RUN_DIR       the run directory, shared by both node groups
     RP_CPUS          optional, e.g. "0,1": CPUs this process is pinned to
     RP_PARENT_PID    optional (the local launcher sets it): the process dies with its parent (control/lifetime.py)
+    SLURM_RESTART_COUNT  set by Slurm in a requeued job: the process resumes from the last checkpoint
 
 Inside one step of a Slurm heterogeneous job (``srun --het-group=0 ... : --het-group=1 ...``) the
 launcher sets only RP_RUN_ID, RP_RUN_SECRET, RP_RUN_DIR (and optionally RP_STORE_PORT) and the rest
@@ -65,6 +66,8 @@ class NodeEnv:
     secret: bytes = field(repr=False)
     run_dir: Path
     cpus: list[int] | None = None
+    restart_count: int = 0
+    """How often Slurm requeued the job (SLURM_RESTART_COUNT): > 0 means resume from the last checkpoint."""
 
     @property
     def config_path(self) -> Path:
@@ -121,6 +124,7 @@ class NodeEnv:
             secret=bytes.fromhex(environ["RP_RUN_SECRET"]),
             run_dir=Path(environ["RP_RUN_DIR"]),
             cpus=[int(c) for c in cpus.split(",")] if cpus else None,
+            restart_count=int(environ.get("SLURM_RESTART_COUNT") or 0),
         )
 
     @classmethod
@@ -147,6 +151,7 @@ class NodeEnv:
             run_id=environ["RP_RUN_ID"],
             secret=bytes.fromhex(environ["RP_RUN_SECRET"]),
             run_dir=Path(environ["RP_RUN_DIR"]),
+            restart_count=int(environ.get("SLURM_RESTART_COUNT") or 0),
         )
 
 

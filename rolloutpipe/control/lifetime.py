@@ -38,6 +38,9 @@ PARENT_PID_ENV = "RP_PARENT_PID"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 """What a scheduler (SIGTERM), a terminal's Ctrl-C (SIGINT) or a closed terminal (SIGHUP) sends."""
 
+REQUEUE_EXIT = 75
+"""How a node process exits when the run stopped at a checkpoint to be requeued (EX_TEMPFAIL: try again)."""
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -69,6 +72,12 @@ def raise_on_stop_signals() -> None:
 
     for s in STOP_SIGNALS:
         signal.signal(s, handler)
+
+
+def requeue_margin_s(grace_s: float) -> float:
+    """Seconds kept free at the end of the requeue grace period: the wrapper requeues the job one margin before
+    the time limit, and trainer rank 0 drops a step that has not ended two margins before it."""
+    return max(2.0, min(15.0, grace_s / 4))
 
 
 def child_environ(environ: dict[str, str] | None = None) -> dict[str, str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 
-from rolloutpipe.control.transport import PeerLost, Transport, TransportError
+from rolloutpipe.control.transport import PeerLost, RunRequeued, Transport, TransportError
 
 
 class Liveness:
@@ -90,6 +90,8 @@ class Liveness:
     def check(self, *, waiting_for: str) -> None:
         with self._check_lock:
             aborted = self._check_client.read_record(self._check_client.key("abort"))
+            if aborted is not None and aborted.get("requeue") is True:
+                raise RunRequeued(f"the run stops to be requeued: {aborted.get('reason')}")
             if aborted is not None:
                 raise PeerLost(f"run aborted while waiting for {waiting_for}: {aborted.get('reason')}")
             for peer in self.peers:

@@ -82,6 +82,11 @@ class PeerLost(TransportError):
     pass
 
 
+class RunRequeued(PeerLost):
+    """The run stopped at a checkpoint so that its Slurm job can be requeued (an abort record that says so); the
+    requeued job resumes from that checkpoint (launch/requeue.py)."""
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class StoreAddress:
     host: str
@@ -201,13 +206,13 @@ class Transport:
         if self.liveness is not None:
             self.liveness.check(waiting_for=waiting_for)
 
-    def abort(self, reason: str) -> None:
+    def abort(self, reason: str, *, requeue: bool = False) -> None:
         """Tell every process of the run to stop; the first genuine reason wins (a forged one is overwritten).
-        Best effort: the store may be gone."""
+        ``requeue``: it stops to be requeued (waiters raise RunRequeued). Best effort: the store may be gone."""
         key = self.key("abort")
         try:
             if not self.store.check([key]) or self.read_record(key) is None:
-                self.store.set(key, self.seal(key, {"reason": reason}))
+                self.store.set(key, self.seal(key, {"reason": reason, "requeue": requeue}))
         except RuntimeError:
             pass
 

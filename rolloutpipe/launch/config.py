@@ -57,6 +57,15 @@ class LauncherConfig:
     """How often the launcher asks sacct about the job."""
     dry_run: bool = False
     """Print the batch script and stop, submitting nothing."""
+    requeue_grace_s: int = 120
+    """kind=slurm and sbatch: Slurm warns the job this many seconds before its time limit (``--signal=B:USR1@``);
+    the run stops after the step in progress and its checkpoint if that ends well within it (else it drops the
+    step), and the job requeues itself (``scontrol requeue``): the requeued job resumes from the checkpoint, with
+    the same run id and directory (launch/requeue.py). Make it longer than a step and a checkpoint write."""
+    max_requeues: int = 3
+    """How often the job may requeue itself at the time limit; past it, it stops at the checkpoint and the run is
+    resumed by hand (``run.resume=auto``). 0: the job is not requeueable. A preemption or an ``scontrol requeue``
+    from outside is Slurm's own requeue, and resumes the same way."""
     stop_grace_s: float = 10.0
     """kind=local, on SIGTERM / SIGINT / SIGHUP (or a failed run): how long each node process gets to stop its
     engine servers and reward workers and exit after its SIGTERM, before its process group is SIGKILLed."""
@@ -74,6 +83,9 @@ class LauncherConfig:
                     raise ValueError(f"launcher.{name}.{key}={getattr(group, key)} must be >= 1.")
         if self.time_min < 1 or self.poll_s <= 0:
             raise ValueError(f"launcher.time_min={self.time_min} must be >= 1 and launcher.poll_s={self.poll_s} > 0.")
+        if self.requeue_grace_s < 10 or self.max_requeues < 0:
+            raise ValueError(f"launcher.requeue_grace_s={self.requeue_grace_s} must be >= 10 (seconds before the time "
+                             f"limit) and launcher.max_requeues={self.max_requeues} >= 0.")
         if self.stop_grace_s <= 0:
             raise ValueError(f"launcher.stop_grace_s={self.stop_grace_s} must be > 0: the seconds each node process "
                              "gets to stop its engine servers and exit before it is killed (default 10).")

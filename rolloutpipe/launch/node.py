@@ -2,7 +2,8 @@
 
 SIGTERM, SIGINT or SIGHUP (a launcher, a scheduler, a terminal) raises ``Stopped`` on the main thread:
 pipeline.run_node writes ``abort`` with that reason and closes the node, which stops its engine servers and
-reward workers, and the process exits 128 + the signal (control/lifetime.py).
+reward workers, and the process exits 128 + the signal (control/lifetime.py). A run stopped at a checkpoint for
+its Slurm job to be requeued (launch/requeue.py) exits REQUEUE_EXIT (75).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys  # noqa: E402
 import traceback  # noqa: E402
 
 from rolloutpipe.control.env import NodeEnv, Role  # noqa: E402
-from rolloutpipe.control.lifetime import Stopped, die_with_parent, raise_on_stop_signals  # noqa: E402
+from rolloutpipe.control.lifetime import REQUEUE_EXIT, Stopped, die_with_parent, raise_on_stop_signals  # noqa: E402
 
 
 def main() -> int:
@@ -40,7 +41,7 @@ def _run(env: NodeEnv, who: str) -> int:
     import torch
 
     from rolloutpipe.config import ConfigError, read_config
-    from rolloutpipe.control.transport import TransportError
+    from rolloutpipe.control.transport import RunRequeued, TransportError
     from rolloutpipe.pipeline import run_node
 
     if env.cpus:
@@ -54,6 +55,9 @@ def _run(env: NodeEnv, who: str) -> int:
     torch.set_num_threads(threads or max(1, len(os.sched_getaffinity(0))))
     try:
         run_node(cfg, env)
+    except RunRequeued as err:
+        print(f"{who} stopped: {err}; exiting with {REQUEUE_EXIT}", file=sys.stderr)
+        return REQUEUE_EXIT
     except TransportError as err:
         print(f"{who} stopping: {err}", file=sys.stderr)
         return 1

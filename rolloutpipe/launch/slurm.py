@@ -46,7 +46,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rolloutpipe.config import Config, ConfigError
+from rolloutpipe.control.lifetime import REQUEUE_EXIT
 from rolloutpipe.launch.config import HetGroupConfig, LauncherKind
+from rolloutpipe.launch.requeue import requeueable
 from rolloutpipe.launch.sacct import UNFINISHED_STATES
 
 
@@ -99,6 +101,11 @@ def batch_script(cfg: Config, *, folder: Path, python: str) -> str:
         cpus = f" --cpus-per-task={group.cpus_per_task}" if group.cpus_per_task else ""
         return f"--het-group={index}{cpus} {task}"
 
+    requeue = []
+    if launcher.max_requeues and (why := requeueable(cfg)) is None:
+        requeue = ["#SBATCH --requeue"]
+    elif launcher.max_requeues:
+        print(f"warning: the job is not requeueable at its time limit: {why}", file=sys.stderr)
     lines = [
         "#!/bin/bash",
         f"# RolloutPipe run {cfg.run.id}: one heterogeneous job. Het group 0 is the rollout node group (one",
@@ -107,16 +114,20 @@ def batch_script(cfg: Config, *, folder: Path, python: str) -> str:
         f"#SBATCH --job-name={shlex.quote(launcher.job_name)}",
         f"#SBATCH --output={shlex.quote(str(folder / '%j_batch.out'))}",
         "#SBATCH --open-mode=append",
+        "# Warned before the time limit, the run stops at a checkpoint and the job requeues itself (launch/requeue.py).",
+        f"#SBATCH --signal=B:USR1@{launcher.requeue_grace_s}",
+        *requeue,
         *_group_lines(cfg, launcher.rollout, "het group 0: rollout node group"),
         "#SBATCH hetjob",
         *_group_lines(cfg, launcher.trainer, "het group 1: trainer node group"),
         "",
+        "trap 'export RP_SLURM_WARNED=1' USR1  # Slurm's warning, if it comes before the requeue wrapper runs",
         "export SUBMITIT_EXECUTOR=slurm",
         "# The nodes poll the store with bounded waits; torch logs a C++ warning for each that times out.",
         "export TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR}",
         *launcher.setup,
         "# One step over both het groups; each task writes <folder>/<job>_<task>_log.{out,err}.",
-        "srun --unbuffered --kill-on-bad-exit=0 \\",
+        f"exec {shlex.quote(python)} -m rolloutpipe.launch.requeue -- srun --unbuffered --kill-on-bad-exit=0 \\",
         f"    {srun_side(0, launcher.rollout)} : \\",
         f"    {srun_side(1, launcher.trainer)}",
         "",
@@ -266,6 +277,8 @@ def run_task() -> None:
 
     env = NodeEnv.from_environ()  # who this task is, read before node.main takes the secret out of the environment
     code = node.main()
+    if code == REQUEUE_EXIT:  # stopped at a checkpoint for the job's requeue: no result, the requeued job writes it
+        raise SystemExit(code)
     if code != 0:
         raise RuntimeError(f"{env.role.value} rank {env.rank} exited with code {code}; its message is above.")
 

@@ -51,7 +51,8 @@ class SpanRecorder:
     step, start_us, end_us, attrs], ...]}``: times in integer microseconds since ``time_base_s``, role and
     rank from the header. (One JSON document per flush, and integers rather than floats, make a flush
     about twice as cheap as one ``json.dumps`` per span.) A process that starts again (resume) appends a
-    new header; it applies to the lines after it. Span times are on the run's clock: callers pass this process's
+    new header, which applies to the lines after it, and ``{"resume_at": k}``: the spans of step k and later
+    before it are dropped on reading (that step is redone). Span times are on the run's clock: callers pass this process's
     ``time.time()`` values and ``add`` adds the clock offset (control/clock.py), so the files of different nodes
     merge as they are; the header keeps the offset and its uncertainty.
 
@@ -78,6 +79,12 @@ class SpanRecorder:
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as f:
             f.write(json.dumps({"header": header}) + "\n")
+
+    def resume_at(self, step: int) -> None:
+        """This process resumes the run at ``step`` (a resume or a requeue): spans of ``step`` and later that an
+        earlier process wrote to this file are superseded, so no step is counted twice (``read_span_files``)."""
+        with self.path.open("a") as f:
+            f.write(json.dumps({"resume_at": step}) + "\n")
 
     def now(self) -> float:
         """time.time() on the run's clock: for timestamps that are compared across processes."""
@@ -158,6 +165,8 @@ def read_span_files(run_dir: Path) -> list[SpanFile]:
             if "header" in record:
                 header = record["header"]
                 first = first or header
+            elif "resume_at" in record:  # a resumed process redoes these steps: drop what the last one wrote
+                spans = [s for s in spans if s.step < record["resume_at"]]
             elif "spans" in record:
                 role, rank, base = header["role"], header["rank"], header.get("time_base_s")
                 unit = 1e-6 if base is not None else 1.0  # files without time_base_s hold seconds

@@ -30,6 +30,7 @@ import enum
 import importlib.util
 import os
 import queue
+import re
 import sys
 import threading
 from collections.abc import Callable
@@ -180,6 +181,12 @@ class Tracker:
                 _warn(f"closing the run failed ({type(err).__name__}: {err}).")
 
 
+def wandb_run_id(run_id: str, job_type: str | None) -> str:
+    """The W&B run id of a RolloutPipe run: the same on every resume and requeue, so the steps land in one W&B run.
+    (W&B ids take letters, digits, ``-`` and ``_``.)"""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", f"{run_id}-{job_type}" if job_type else run_id)[:64]
+
+
 def open_tracker(cfg: WandbConfig, *, run_dir: Path, run_id: str, config: Any, enabled: bool,
                  job_type: str = "train") -> Tracker:
     """A tracker for this process: a W&B run when ``enabled`` and ``cfg.mode`` is not disabled.
@@ -209,7 +216,7 @@ def open_tracker(cfg: WandbConfig, *, run_dir: Path, run_id: str, config: Any, e
                 return wandb.init(
                     mode=mode.value, dir=str(run_dir), project=cfg.project, entity=cfg.entity,
                     name=cfg.name or run_id, group=cfg.group, tags=list(cfg.tags) or None, job_type=job_type,
-                    config=config,
+                    config=config, id=wandb_run_id(run_id, job_type), resume="allow",  # one run across resumes
                     settings=wandb.Settings(init_timeout=cfg.init_timeout_s, console="off", quiet=True,
                                             save_code=False, x_disable_stats=not cfg.system_metrics),
                 )

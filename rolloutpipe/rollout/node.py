@@ -67,6 +67,8 @@ class RolloutNode:
         self.resumed = latest_checkpoint(env.run_dir) if cfg.run.resume is ResumeMode.auto else None
         if self.resumed is not None:
             self.source.load_state_dict(self.resumed.source_state)
+        if cfg.run.resume is ResumeMode.auto:  # the step after the checkpoint is redone: its old spans go
+            self.spans.resume_at(0 if self.resumed is None else self.resumed.step + 1)
         self.rewards = RewardThreads(pool=RewardPool(cfg.reward), tokenizer=self.tokenizer,
                                      num_threads=cfg.reward.num_workers, spans=self.spans)
         self.factory = factory = EngineFactory(cfg, vocab_size=len(self.tokenizer), on_result=self.on_result,

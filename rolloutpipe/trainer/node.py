@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
+import time
 from dataclasses import replace
 
 import torch
@@ -31,7 +33,8 @@ from rolloutpipe.config import Config, PipelineMode, ResumeMode
 from rolloutpipe.control.checkpoint import latest_checkpoint, load_optimizer, save_checkpoint
 from rolloutpipe.control.clock import sync_clock
 from rolloutpipe.control.env import NodeEnv, trainer_process_group_backend
-from rolloutpipe.control.transport import SealedStore, Transport
+from rolloutpipe.control.lifetime import requeue_margin_s
+from rolloutpipe.control.transport import RunRequeued, SealedStore, Transport, TransportError
 from rolloutpipe.model import load_model, load_tokenizer, save_hf_checkpoint
 from rolloutpipe.observe.metrics import RolloutStats, SpanRecorder, TrainStats, reduce_step, summary_line
 from rolloutpipe.observe.timeline import finish_run
@@ -84,12 +87,19 @@ class TrainerNode:
         if self.resumed is not None:
             load_optimizer(self.trainer.optimizer, self.resumed)
             self.first_step = self.resumed.step + 1
+        if cfg.run.resume is ResumeMode.auto:  # the steps from first_step are redone: their old spans go
+            self.spans.resume_at(self.first_step)
         if cfg.run.resume is ResumeMode.auto and self.is_writer and self.metrics_path.exists():
             # drop records of steps that will be redone: all of them when the run stopped before its first checkpoint
             kept = [line for line in self.metrics_path.read_text().splitlines()
                     if json.loads(line)["step"] < self.first_step]
             self.metrics_path.write_text("".join(line + "\n" for line in kept))
         self.progress = None
+        self._stopped_for_requeue = False
+        self._stopping = False
+        """Rank 0: the step just ended is where the run stops for a requeue (``end_step`` decided it)."""
+        self._requeue_requested_s: float | None = None
+        """When the batch script asked the run to stop for a requeue (``_requeue_watch``)."""
 
     def start(self) -> int:
         """Rank 0 opens weight sync and tells the rollout to start; returns the first step to run."""
@@ -100,19 +110,64 @@ class TrainerNode:
             self.transport.put_record(self.transport.key("trainer", "ready"), {"ready": True})
         self.progress = tqdm(total=self.cfg.num_rollout, initial=self.first_step, desc="RL steps", unit="step",
                              disable=not (self.is_writer and sys.stderr.isatty()))
+        if self.is_writer:  # Slurm's warning before the time limit (launch/requeue.py): rank 0 decides where to stop
+            threading.Thread(target=self._requeue_watch, name="requeue-watch", daemon=True).start()
         return self.first_step
+
+    def requeue_due(self, step: int) -> bool:
+        """Rank 0, after step ``step``: whether Slurm warned of the time limit, so the run stops here (the last
+        step is finished instead: the run is then complete)."""
+        return self.is_writer and self._requeue_requested_s is not None and step + 1 < self.cfg.num_rollout
+
+    def stop_if_requeued(self, step: int) -> None:
+        """After ``end_step``: if it kept ``step``'s checkpoint for a requeue, stop every process of the run there
+        (RunRequeued); the requeued job resumes from it."""
+        if not self._stopping:
+            return
+        self._stopped_for_requeue = True
+        reason = (f"Slurm warned of the job's time limit; trainer rank 0 stopped after step {step}'s checkpoint, "
+                  "which the requeued job resumes from")
+        self.transport.abort(reason, requeue=True)
+        raise RunRequeued(reason)
+
+    def _requeue_watch(self) -> None:
+        """Waits for the batch script's sealed ``requeue`` record (launch/requeue.py: Slurm warned of the time limit).
+        Then, if the step in progress has not ended well before the grace period does, drops it (the requeued job
+        redoes it from the last checkpoint) rather than be killed mid-checkpoint. Its own store client."""
+        transport = self.transport.connect_another()
+        key = transport.key("requeue")
+        try:
+            while transport.read_record(key) is None:
+                time.sleep(0.5)
+        except TransportError:
+            return  # the store is gone: the run is over
+        self._requeue_requested_s = signalled = time.monotonic()
+        grace = self.cfg.launcher.requeue_grace_s
+        print(f"[trainer rank 0] Slurm warned of the time limit: stopping after this step's checkpoint if it ends "
+              f"within {grace - 2 * requeue_margin_s(grace):.0f}s (launcher.requeue_grace_s={grace:g})",
+              file=sys.stderr, flush=True)
+        while time.monotonic() < signalled + grace - 2 * requeue_margin_s(grace):
+            if self._stopped_for_requeue:
+                return
+            time.sleep(0.5)
+        transport.abort(
+            f"Slurm warned of the job's time limit and the step in progress did not end within "
+            f"launcher.requeue_grace_s={grace:g}s: it is dropped, and the requeued job redoes it from the last "
+            "checkpoint", requeue=True)
 
     def end_step(self, step: int, stats: TrainStats) -> None:
         """The step's metrics record (rank 0 writes it: metrics.jsonl, the terminal, W&B), then its checkpoint."""
         record = self.reduce(step, stats)
         if self.is_writer:
+            record["run/requeues"] = self.env.restart_count
             with self.metrics_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
             self.progress.write(summary_line(record, self.cfg.num_rollout), file=sys.stdout)
             sys.stdout.flush()
             self.progress.update()
             self.tracker.log_step(record)
-            if self.checkpoint_due(step):  # after the record: a checkpoint of step k implies its metrics
+            self._stopping = self.requeue_due(step)  # decided here, once: the checkpoint must be this step's
+            if self.checkpoint_due(step) or self._stopping:  # after the record: a checkpoint implies its metrics
                 self.save_checkpoint(step)
             # every rank is past the step's all-reduces in reduce(), so all of them have read its groups
             self.transport.forget_step(step, self.cfg.rollout_batch_size)

@@ -1,0 +1,137 @@
+"""The batch script's side of a requeue: ``python -m rolloutpipe.launch.requeue -- srun ...``.
+
+Both batch scripts (the one ``launcher=slurm`` writes, and slurm/rolloutpipe.sbatch) ask Slurm for a warning before
+the time limit (``#SBATCH --signal=B:USR1@<launcher.requeue_grace_s>``: to the batch shell only, whose ``trap``
+notes one that comes early), mark the job requeueable (``#SBATCH --requeue``), and ``exec`` this wrapper around
+the one ``srun`` step. What happens then:
+
+    USR1 (the warning)      a sealed ``requeue`` record in the run's store (on the first rollout node, where the
+                            batch script runs; retried until the store is up), never a signal to the tasks (one
+                            that came before a task set its handler would kill it): trainer rank 0 stops the run
+                            after the step in progress and its checkpoint, or drops the step if it cannot end
+                            in time (trainer/node.py); every task then exits REQUEUE_EXIT
+    the step ends           with REQUEUE_EXIT: ``scontrol requeue <job>`` while SLURM_RESTART_COUNT <
+                            launcher.max_requeues, else a line that says how to resume by hand; with 0 the run is
+                            complete (its last step was running), with another code it failed: no requeue
+    one margin before the   the step has not ended (a hung task): requeue anyway; Slurm stops what is left
+    time limit
+    SIGTERM, SIGINT         (scancel, a preemption, an ``scontrol requeue`` from outside) forwarded to srun; Slurm's
+                            own requeue, if any, restarts the job
+
+A requeued job runs its batch script again with the same job id, run id and directory: its tasks see
+SLURM_RESTART_COUNT > 0 and resume from the last checkpoint (pipeline.run_node), with the store and the engines
+started afresh. A run whose config cannot resume (``requeueable``) is not requeued.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+_early: list[float] = []
+signal.signal(signal.SIGUSR1, lambda signum, frame: _early.append(time.monotonic()))  # first: this process replaced
+# the batch shell (exec), whose trap is gone, and USR1's default action ends a process
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from rolloutpipe.control.lifetime import REQUEUE_EXIT, requeue_margin_s
+
+WARNED_ENV = "RP_SLURM_WARNED"
+"""Set by the batch script's ``trap`` when Slurm's warning came before this wrapper started."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- srun ...")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    grace_s, max_requeues = requeue_settings(Path(os.environ["RP_RUN_DIR"]) / "config.yaml")
+    job_id, restarts = os.environ.get("SLURM_JOB_ID"), int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    warned_s: list[float] = []
+
+    def warned() -> None:
+        if warned_s:
+            return
+        warned_s.append(time.monotonic())
+        say(f"Slurm warned of the time limit (launcher.requeue_grace_s={grace_s}): the run stops at its next "
+            f"checkpoint, then the job is requeued (requeue {restarts + 1} of launcher.max_requeues={max_requeues})")
+        threading.Thread(target=ask_to_stop, args=(step,), name="ask-to-stop", daemon=True).start()
+
+    def on_signal(signum, frame) -> None:
+        if signum == signal.SIGUSR1:
+            warned()
+        elif step.poll() is None:
+            step.send_signal(signum)
+
+    step = subprocess.Popen(command)  # (a warning meanwhile lands in _early)
+    for signum in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
+    if _early or os.environ.get(WARNED_ENV):
+        warned()
+    while step.poll() is None:
+        if warned_s and time.monotonic() > warned_s[0] + grace_s - requeue_margin_s(grace_s):
+            say("the step did not end before the time limit's margin; requeueing now")
+            break
+        time.sleep(0.2)
+    code = step.poll()
+    if not warned_s or code not in (None, REQUEUE_EXIT):  # done (0), or failed on its own: nothing to requeue
+        return step.wait() if code is None else code
+    if restarts >= max_requeues or job_id is None:
+        say(f"not requeued: the job was requeued {restarts} times, launcher.max_requeues={max_requeues}. The run "
+            "stopped at its last checkpoint; continue it with run.resume=auto and the same run.dir")
+        return step.wait() if code is None else code
+    say(f"requeueing job {job_id}: it resumes from the run's last checkpoint")
+    subprocess.run(["scontrol", "requeue", job_id], check=False)
+    return step.wait() if code is None else code
+
+
+def ask_to_stop(step: subprocess.Popen) -> None:
+    """Put the sealed ``requeue`` record into the run's store, trying until it is up or the step has ended."""
+    from rolloutpipe.control.env import expand_hostlist, slurm_store_port
+    from rolloutpipe.control.transport import StoreAddress, Transport
+
+    host = expand_hostlist(os.environ["SLURM_JOB_NODELIST_HET_GROUP_0"])[0]
+    port = int(os.environ.get("RP_STORE_PORT") or slurm_store_port(int(os.environ["SLURM_JOB_ID"])))
+    while step.poll() is None:
+        try:
+            transport = Transport.open(
+                address=StoreAddress(host=host, port=port, hosted_by="rollout rank 0"), is_host=False,
+                run_id=os.environ["RP_RUN_ID"], secret=bytes.fromhex(os.environ["RP_RUN_SECRET"]),
+                run_dir=Path(os.environ["RP_RUN_DIR"]), connect_timeout_s=5.0)
+            transport.put_record(transport.key("requeue"), {"requested": True})
+            return
+        except Exception as err:  # noqa: BLE001 - the store is not up yet (or already gone): try again
+            say(f"the run's store at {host}:{port} does not answer yet ({type(err).__name__}); trying again")
+            time.sleep(2.0)
+
+
+def requeue_settings(config_yaml: Path) -> tuple[int, int]:
+    """``launcher.requeue_grace_s`` and ``launcher.max_requeues`` of the run (0 requeues if it cannot resume)."""
+    from rolloutpipe.config import read_config
+
+    cfg = read_config(config_yaml)
+    return cfg.launcher.requeue_grace_s, cfg.launcher.max_requeues if requeueable(cfg) is None else 0
+
+
+def requeueable(cfg) -> str | None:
+    """Why this run cannot be requeued (resumed from a checkpoint), or None."""
+    from rolloutpipe.config import PipelineMode
+
+    if cfg.pipeline.mode is PipelineMode.async_one_step:
+        return "pipeline.mode=async_one_step cannot resume from a checkpoint yet"
+    if cfg.trainer.megatron.tensor_parallel_size > 1:
+        return "trainer.megatron.tensor_parallel_size > 1 cannot resume from a checkpoint yet"
+    return None
+
+
+def say(line: str) -> None:
+    print(f"[requeue] {line}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
