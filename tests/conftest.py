@@ -145,6 +145,31 @@ def start_nodes(run_dir: Path, *overrides: str, commands: dict[str, list[str]] |
     return procs
 
 
+def four_engine_workload(data: Path) -> list[str]:
+    """3 steps in float64 with two trainer ranks and four embedded engine servers, however many rollout nodes run
+    them (tests/test_hosts.py, tests/test_slurm_hosts.py): the samples and the update are exact."""
+    return [*SMALL, *DENSE_REWARD, "model.dtype=float64", "run.save_samples=true", "global_batch_size=8",
+            "num_rollout=3", f"data.path={data}", "rollout.engine=embedded_http", "trainer.num_ranks=2",
+            "rollout.concurrency=2"]
+
+
+@pytest.fixture(scope="session")
+def four_engine_data(tmp_path_factory) -> Path:
+    from rolloutpipe.rollout.tasks import ReversalTaskConfig, write_reversal_jsonl
+
+    return write_reversal_jsonl(ReversalTaskConfig(num_rows=12, seed=3), tmp_path_factory.mktemp("data") / "rows.jsonl")
+
+
+@pytest.fixture(scope="session")
+def one_rollout_node(tmp_path_factory, four_engine_data) -> Path:
+    """The reference of the multi-node tests: one rollout node running all four engines."""
+    run_dir = tmp_path_factory.mktemp("one-rollout-node") / "run"
+    result = run_job(run_dir, *four_engine_workload(four_engine_data), "rollout.num_engines=4",
+                     "pipeline.peer_timeout_s=30")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
 @pytest.fixture
 def job_dir(tmp_path: Path):
     def make(name: str) -> Path:

@@ -14,37 +14,16 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from rolloutpipe.rollout.tasks import ReversalTaskConfig, write_reversal_jsonl
-
-from .conftest import DENSE_REWARD, REPO, SMALL, node_environ, read_metrics, read_samples, run_job, wait_for
+from .conftest import REPO, four_engine_workload, node_environ, read_metrics, read_samples, run_job, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
 NUM_STEPS, PROMPTS_PER_STEP = 3, 4
-ONE_NODE = ["rollout.num_engines=4"]
 TWO_NODES = ["launcher.rollout.nodes=2", "rollout.engines_per_node=2"]
 
 
 def workload(data: Path) -> list[str]:
-    """float64, two trainer ranks, embedded engine servers: the samples and the update are exact."""
-    return [*SMALL, *DENSE_REWARD, "model.dtype=float64", "run.save_samples=true", "global_batch_size=8",
-            f"num_rollout={NUM_STEPS}", f"data.path={data}", "rollout.engine=embedded_http", "trainer.num_ranks=2",
-            "rollout.concurrency=2", "pipeline.peer_timeout_s=4"]
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    cfg = ReversalTaskConfig(num_rows=NUM_STEPS * PROMPTS_PER_STEP, seed=3)
-    return write_reversal_jsonl(cfg, tmp_path_factory.mktemp("data") / "rows.jsonl")
-
-
-@pytest.fixture(scope="module")
-def one_node(tmp_path_factory, data) -> Path:
-    """The reference: one rollout node running all four engines."""
-    run_dir = tmp_path_factory.mktemp("one-node") / "run"
-    result = run_job(run_dir, *workload(data), *ONE_NODE)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return run_dir
+    return [*four_engine_workload(data), "pipeline.peer_timeout_s=4"]
 
 
 def final_weights(run_dir: Path) -> dict:
@@ -60,12 +39,12 @@ def request_spans(run_dir: Path) -> list[dict]:
     return [s for line in lines if "spans" in (record := json.loads(line)) for s in record["spans"]]
 
 
-@pytest.mark.parametrize("weight_sync", ["disk", "distributed"])
-def test_two_rollout_nodes_give_the_samples_and_weights_of_one_node_with_all_four_engines(tmp_path, data, one_node,
-                                                                                          weight_sync):
-    """With distributed weight sync, trainer rank 0's broadcast group spans the engines of both nodes."""
-    run_dir = tmp_path / "run"
-    result = run_job(run_dir, *workload(data), *TWO_NODES, f"pipeline.weight_sync={weight_sync}")
+def test_two_rollout_nodes_give_the_samples_and_weights_of_one_node_with_all_four_engines(
+        tmp_path, four_engine_data, one_rollout_node):
+    """With distributed weight sync: trainer rank 0's broadcast group spans the engines of both nodes. (Disk weight
+    sync across nodes: tests/test_slurm_hosts.py, through every Slurm launcher.)"""
+    run_dir, data, one_node = tmp_path / "run", four_engine_data, one_rollout_node
+    result = run_job(run_dir, *workload(data), *TWO_NODES, "pipeline.weight_sync=distributed")
     assert result.returncode == 0, result.stderr[-3000:]
 
     hosts = {s[4]["engine"]: s[4]["host"] for s in request_spans(run_dir) if s[0] == "rollout/request"}
@@ -95,8 +74,9 @@ def host_pid(run_id: str, rank: int) -> int | None:
     return None
 
 
-def test_a_killed_engine_host_loses_no_sample_and_the_run_matches_the_one_node_run(tmp_path, data, one_node):
-    run_dir = tmp_path / "run"
+def test_a_killed_engine_host_loses_no_sample_and_the_run_matches_the_one_node_run(
+        tmp_path, four_engine_data, one_rollout_node):
+    run_dir, data, one_node = tmp_path / "run", four_engine_data, one_rollout_node
     run_dir.mkdir()
     launcher = subprocess.Popen([sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", "run.id=lose-host",
                                  *workload(data), *TWO_NODES], cwd=tmp_path, env=node_environ(),

@@ -50,10 +50,12 @@ def _installed(module: str) -> bool:
         return False
 
 
-def launch(run_dir: Path, *overrides: str, wait: bool = True):
+def launch(run_dir: Path, *overrides: str, wait: bool = True, timeout_s: float = 240,
+           environ: dict[str, str] | None = None):
     args = [sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", *SLURM, *overrides]
     if wait:
-        return subprocess.run(args, cwd=run_dir.parent, env=node_environ(), capture_output=True, text=True, timeout=240)
+        return subprocess.run(args, cwd=run_dir.parent, env={**node_environ(), **(environ or {})},
+                              capture_output=True, text=True, timeout=timeout_s)
     # stdout (the trainer's step lines) is dropped: nobody reads it while the job runs, and a full pipe would block
     return subprocess.Popen(args, cwd=run_dir.parent, env=node_environ(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)

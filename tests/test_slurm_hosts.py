@@ -13,35 +13,18 @@ import pytest
 from safetensors.torch import load_file
 
 from rolloutpipe.control.env import expand_hostlist
-from rolloutpipe.rollout.tasks import ReversalTaskConfig, write_reversal_jsonl
 
-from .conftest import DENSE_REWARD, REPO, SMALL, node_environ, read_metrics, read_samples, run_job
+from .conftest import REPO, four_engine_workload, node_environ, read_metrics, read_samples
 from .test_slurm import job_id_of, launch, local_cluster, sacct_components  # noqa: F401 - the cluster fixture
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
 
-NUM_STEPS = 2
+NUM_STEPS = 3
 TWO_NODES = ["launcher.rollout.nodes=2", "rollout.engines_per_node=2"]
 
 
 def workload(data: Path) -> list[str]:
-    return [*SMALL, *DENSE_REWARD, "model.dtype=float64", "run.save_samples=true", "global_batch_size=8",
-            f"num_rollout={NUM_STEPS}", f"data.path={data}", "rollout.engine=embedded_http", "trainer.num_ranks=2",
-            "rollout.concurrency=2", "pipeline.peer_timeout_s=30"]
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    return write_reversal_jsonl(ReversalTaskConfig(num_rows=NUM_STEPS * 4, seed=5),
-                                tmp_path_factory.mktemp("data") / "rows.jsonl")
-
-
-@pytest.fixture(scope="module")
-def one_node(tmp_path_factory, data) -> Path:
-    run_dir = tmp_path_factory.mktemp("one-node") / "run"
-    result = run_job(run_dir, *workload(data), "rollout.num_engines=4")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return run_dir
+    return [*four_engine_workload(data), "pipeline.peer_timeout_s=30"]
 
 
 def assert_same_run(run_dir: Path, reference: Path) -> None:
@@ -56,7 +39,9 @@ def assert_same_run(run_dir: Path, reference: Path) -> None:
     assert max((final[k] - expected[k]).abs().max().item() for k in final) < 1e-9
 
 
-def test_submitit_two_rollout_nodes_and_two_trainer_nodes_match_one_rollout_node(job_dir, data, one_node):
+def test_submitit_two_rollout_nodes_and_two_trainer_nodes_match_one_rollout_node(job_dir, four_engine_data,
+                                                                                  one_rollout_node):
+    data, one_node = four_engine_data, one_rollout_node
     run_dir = job_dir("submitit-hosts")
     result = launch(run_dir, *workload(data), *TWO_NODES, "launcher.trainer.nodes=2",
                     "launcher.rollout.cpus_per_task=1", "launcher.trainer.cpus_per_task=1")
@@ -67,7 +52,8 @@ def test_submitit_two_rollout_nodes_and_two_trainer_nodes_match_one_rollout_node
     assert_same_run(run_dir, one_node)
 
 
-def test_sbatch_two_rollout_nodes_match_one_rollout_node(tmp_path, data, one_node):
+def test_sbatch_two_rollout_nodes_match_one_rollout_node(tmp_path, four_engine_data, one_rollout_node):
+    data, one_node = four_engine_data, one_rollout_node
     run_dir = tmp_path / "run"
     script = (REPO / "slurm" / "rolloutpipe.sbatch").read_text()
     assert script.count("#SBATCH --nodes=1\n") == 2
@@ -80,7 +66,8 @@ def test_sbatch_two_rollout_nodes_match_one_rollout_node(tmp_path, data, one_nod
     assert_same_run(run_dir, one_node)
 
 
-def test_torchx_two_rollout_replicas_match_one_rollout_node(tmp_path, data, one_node):
+def test_torchx_two_rollout_replicas_match_one_rollout_node(tmp_path, four_engine_data, one_rollout_node):
+    data, one_node = four_engine_data, one_rollout_node
     run_dir = tmp_path / "run"
     component = f"{REPO / 'launchers' / 'components.py'}:grpo"
     result = subprocess.run(["torchx", "run", "-s", "slurm", "--wait", component, f"run.dir={run_dir}",

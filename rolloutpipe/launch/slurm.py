@@ -25,7 +25,8 @@ extension in submitit_het.py writes this script, counts the tasks of both groups
 
 Monitor loop (SlurmLauncher.launch)
     waits for   every task's result file (checked each second) or sacct reporting the job finished
-                (asked every launcher.poll_s); meanwhile echoes trainer rank 0's step lines
+                (asked every launcher.poll_s); meanwhile echoes trainer rank 0's step lines, and through a
+                requeue (launch/requeue.py) lets the requeued job start at once instead of after Slurm's hold
     on success  every task returned -> 0
     on failure  prints the job's state (FAILED, CANCELLED, TIMEOUT, ...) and the end of each failed
                 task's stderr -> 1; a cancelled job is reported as cancelled
@@ -114,7 +115,8 @@ def batch_script(cfg: Config, *, folder: Path, python: str) -> str:
         f"#SBATCH --job-name={shlex.quote(launcher.job_name)}",
         f"#SBATCH --output={shlex.quote(str(folder / '%j_batch.out'))}",
         "#SBATCH --open-mode=append",
-        "# Warned before the time limit, the run stops at a checkpoint and the job requeues itself (launch/requeue.py).",
+        "# Warned before the time limit, the run stops at a checkpoint and the job requeues itself",
+        "# (rolloutpipe/launch/requeue.py).",
         f"#SBATCH --signal=B:USR1@{launcher.requeue_grace_s}",
         *requeue,
         *_group_lines(cfg, launcher.rollout, "het group 0: rollout node group"),
@@ -204,7 +206,7 @@ class SlurmLauncher:
 
     def _wait(self, job, poll_s: float, follow: Path) -> str:
         """COMPLETED as soon as every task returned, else the job's state once sacct says it is finished."""
-        started, last_asked, last_state, followed = time.monotonic(), float("-inf"), "", 0
+        started, last_asked, last_state, followed, ran = time.monotonic(), float("-inf"), "", 0, False
         while True:
             followed = _echo_new_lines(follow, followed)
             if all(_result(job, t) == "success" for t in range(job.num_tasks)):
@@ -215,6 +217,9 @@ class SlurmLauncher:
                 state = job.watcher.get_state(job.job_id, mode="force")
                 if state != last_state and state in ("PENDING", "RUNNING"):
                     print(f"het job {job.job_id}: {state.lower()}", flush=True)
+                if ran and state in ("REQUEUED", "PENDING"):  # requeued: no need to sit out Slurm's hold
+                    _release_requeued(job.job_id, announce=last_state not in ("REQUEUED", "PENDING"))
+                ran = ran or state == "RUNNING"
                 last_state = state
                 if state not in UNFINISHED_STATES:
                     return state
@@ -225,6 +230,15 @@ class SlurmLauncher:
                         "(slurmdbd) enabled on this cluster? The launcher needs sacct to see a job end."
                     )
             time.sleep(1.0)
+
+
+def _release_requeued(job_id: str, *, announce: bool) -> None:
+    """A requeued job waits two minutes before it may start again (Slurm holds it with a begin time); the launcher,
+    which watches it, lets it start as soon as the nodes allow (launch/requeue.py: it resumes from the checkpoint).
+    Called every poll while it is requeued: Slurm refuses the update until the job is pending again."""
+    if announce:
+        print(f"het job {job_id} was requeued: it resumes from the run's last checkpoint", flush=True)
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
 
 
 def _result(job, task: int) -> str | None:
