@@ -228,6 +228,7 @@ def test_fgd_reaches_sglang_as_group_order_priorities(tmp_path):
                            "rollout": {"engine": "sglang", "admission": admission}})
         servers = NodeServers(cfg, rank=0, bind_host="127.0.0.1", api_key=API_KEY, log_dir=tmp_path)
         command = servers._server(0, "engine0").command
+        assert "--enable-deterministic-inference" in command, "per-request seeds are honoured only with it"
         assert ("--enable-priority-scheduling" in command) is scheduled, admission
         assert ("--schedule-low-priority-values-first" in command) is scheduled, admission
     prompt = Prompt(index=0, text="abc", input_ids=[5, 6], label="cba")
@@ -237,3 +238,16 @@ def test_fgd_reaches_sglang_as_group_order_priorities(tmp_path):
     assert [r.sampling_seed for r in requests] == [r.sampling_seed for r in make_requests(
         step=0, group=7, prompt=prompt, n_samples=2, run_seed=1, max_new_tokens=4, temperature=1.0, top_p=1.0,
         stop_token_ids=[1])], "the priority must not change the samples"
+
+
+def test_attaching_asks_whether_the_server_honours_seeds(server, tmp_path):
+    """SGLang samples with a request's sampling_seed only under --enable-deterministic-inference (/server_info)."""
+    from rolloutpipe.config import load_config
+    from rolloutpipe.rollout.hosts import NodeServers
+
+    assert sglang_api.honours_seeds(server.endpoint) is True  # the embedded engine always does
+    (tmp_path / "config.json").write_text("{}")
+    cfg = load_config({"model": {"path": str(tmp_path)}, "run": {"dir": str(tmp_path / "run")},
+                       "rollout": {"engine": "sglang", "sglang_deterministic_inference": False}})
+    command = NodeServers(cfg, rank=0, bind_host="127.0.0.1", api_key=API_KEY, log_dir=tmp_path)._server(0, "e").command
+    assert "--enable-deterministic-inference" not in command

@@ -79,7 +79,7 @@ def check_logprobs(out: Path, sglang_args: list[str], atol: float) -> dict:
 
     model_dir = out / "tiny-hf"
     save_tiny(model_dir, init_seed=0)
-    server = server_process.sglang_server(name="check0", model_path=str(model_dir), dtype="float32",
+    server = server_process.sglang_server(name="check0", model_path=str(model_dir), host="127.0.0.1", dtype="float32",
                                           concurrency=16, seed=0, base_gpu_id=0, priority_scheduling=False,
                                           extra_args=SERVER_ARGS + sglang_args, log_dir=out / "engines",
                                           api_key=secrets.token_hex(16))
@@ -149,8 +149,8 @@ def check_parity(out: Path, sglang_args: list[str], trainer_backend: str) -> dic
             "micro_batch_size=4", "rollout_max_response_len=8", "run.save_samples=true", "rollout.engine=sglang",
             f"trainer.backend={trainer_backend}",
             f"model.path={model_dir}", "model.dtype=float32",
-            "rollout.sglang_launch_args=[" + ",".join(SERVER_ARGS + ["--enable-deterministic-inference"]
-                                                      + sglang_args) + "]"]
+            # rollout.sglang_deterministic_inference (default true) adds --enable-deterministic-inference
+            "rollout.sglang_launch_args=[" + ",".join(SERVER_ARGS + sglang_args) + "]"]
     samples, weights = {}, {}
     runs = {"sync": ["pipeline.mode=sync"], "cgp": ["pipeline.mode=cgp"],
             "disk": ["pipeline.mode=cgp", "trainer.backend=torch"],

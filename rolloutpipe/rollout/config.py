@@ -49,6 +49,13 @@ class RolloutConfig:
     RolloutPipe starts always get a key of the run's own (derived from the run's secret)."""
     sglang_launch_args: list[str] = field(default_factory=list)
     """Extra arguments for every ``sglang.launch_server``, e.g. ``[--mem-fraction-static, "0.8"]``."""
+    sglang_deterministic_inference: bool = True
+    """Start SGLang servers with ``--enable-deterministic-inference``: only with it does SGLang honour each request's
+    ``sampling_seed`` (its per-request seeded sampler), which makes samples reproducible: the same seed gives the same
+    sample on any engine, a retried request after an engine failure regenerates the sample it lost, and sync and cgp
+    train on identical samples. It costs throughput (batch-invariant kernels; SGLang quotes tens of percent), and
+    needs an attention backend that supports it (flashinfer, fa3 or triton on GPU). False: faster, and every sample
+    differs from run to run. Attached servers are asked (/server_info) and a warning says when seeds will be ignored."""
     sglang_gpus_per_engine: int = 1
     """GPUs each started SGLang server uses (its --tp-size times --dp-size); a node's engine j starts at GPU
     j * this."""

@@ -177,7 +177,8 @@ class NodeServers:
             name=name, model_path=cfg.model.path, host=self.bind_host, dtype=cfg.model.dtype.value,
             concurrency=rollout.concurrency, seed=cfg.seed, base_gpu_id=j * rollout.sglang_gpus_per_engine,
             priority_scheduling=rollout.admission is AdmissionPolicy.fgd,  # FGD's group order reaches the engine
-            extra_args=rollout.sglang_launch_args, log_dir=self.log_dir, api_key=self.api_key)
+            extra_args=rollout.sglang_launch_args, log_dir=self.log_dir, api_key=self.api_key,
+            deterministic=rollout.sglang_deterministic_inference)
 
 
 def engine_log_dir(run_dir: Path, rank: int) -> Path:

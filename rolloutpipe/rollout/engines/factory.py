@@ -143,6 +143,11 @@ class EngineFactory:
             sglang_api.wait_healthy(endpoint, timeout_s=rollout.server_start_timeout_s)
             sglang_api.check_serves(endpoint, 0, hint="Start attached servers with --weight-version 0 and "
                                                     "model.path's weights: policy_version 0 is model.path.")
+            if sglang_api.honours_seeds(endpoint) is False:
+                log.warning("the server at %s ignores the requests' sampling_seed (it was started without "
+                            "--enable-deterministic-inference): samples are not reproducible, sync and cgp train on "
+                            "different samples, and a request retried after an engine failure gets another sample. "
+                            "Start it with --enable-deterministic-inference.", endpoint.url)
         return [SGLangEngine(name=n, endpoint=e, concurrency=rollout.concurrency, on_result=self.on_result)
                 for n, e in zip(names, endpoints)]
 

@@ -230,6 +230,11 @@ class EmbeddedServer:
         return HTTPStatus.OK, {"model_path": self.model_path, "is_generation": True,
                                "weight_version": str(self.engine.policy_version)}
 
+    def server_info(self) -> tuple[int, Any]:
+        """The part of SGLang's /server_info a client reads: this engine always samples with the request's seed."""
+        return HTTPStatus.OK, {"model_path": self.model_path, "enable_deterministic_inference": True,
+                               "max_running_requests": self.engine.concurrency}
+
     def models(self) -> tuple[int, Any]:
         """OpenAI's model list, as SGLang serves it (bench_serving reads the model id and waits on it)."""
         card = {"id": self.model_path, "object": "model", "created": int(time.time()), "owned_by": "sglang",
@@ -270,7 +275,8 @@ def _handler_for(server: EmbeddedServer) -> type[BaseHTTPRequestHandler]:
         sglang_api.INIT_WEIGHTS_UPDATE_GROUP: server.init_weights_update_group,
         sglang_api.UPDATE_WEIGHTS_FROM_DISTRIBUTED: server.update_weights_from_distributed,
     }
-    gets = {sglang_api.HEALTH: server.health, sglang_api.MODEL_INFO: server.model_info, V1_MODELS: server.models}
+    gets = {sglang_api.HEALTH: server.health, sglang_api.MODEL_INFO: server.model_info, V1_MODELS: server.models,
+            sglang_api.SERVER_INFO: server.server_info}
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"

@@ -122,8 +122,8 @@ def embedded_server(*, name: str, model_config_yaml: Path, concurrency: int, log
 
 
 def sglang_server(*, name: str, model_path: str, host: str, dtype: str, concurrency: int, seed: int, base_gpu_id: int,
-                  priority_scheduling: bool, extra_args: list[str], log_dir: Path,
-                  api_key: str | None) -> ServerProcess:
+                  priority_scheduling: bool, extra_args: list[str], log_dir: Path, api_key: str | None,
+                  deterministic: bool = True) -> ServerProcess:
     """``python -m sglang.launch_server`` for one engine, on this node's GPUs from ``base_gpu_id``, started through
     ``rolloutpipe.rollout.engines.sglang_launch`` so that its ``--api-key`` comes from the environment.
 
@@ -136,6 +136,8 @@ def sglang_server(*, name: str, model_path: str, host: str, dtype: str, concurre
         "--port", str(port), "--dtype", dtype, "--skip-tokenizer-init", "--max-running-requests", str(concurrency),
         "--weight-version", "0", "--random-seed", str(seed), "--base-gpu-id", str(base_gpu_id),
     ]
+    if deterministic:  # per-request seeds are honoured only with it (rollout.sglang_deterministic_inference)
+        command += ["--enable-deterministic-inference"]
     if priority_scheduling:  # lower first; a request without a priority last (sglang_api's module docstring)
         command += ["--enable-priority-scheduling", "--schedule-low-priority-values-first",
                     "--default-priority-value", str(sglang_api.MISSING_PRIORITY)]

@@ -74,6 +74,7 @@ PINNED_VERSION = "0.5.23"
 GENERATE = "/generate"
 HEALTH = "/health"
 MODEL_INFO = "/model_info"
+SERVER_INFO = "/server_info"
 ABORT_REQUEST = "/abort_request"
 PAUSE_GENERATION = "/pause_generation"
 CONTINUE_GENERATION = "/continue_generation"
@@ -473,6 +474,17 @@ def update_weights_from_distributed(server: Endpoint, buckets: list[Bucket], gro
                  update_weights_from_distributed_body(bucket, group_name, policy_version if last else None),
                  timeout_s=timeout_s)
     check_serves(server, policy_version, hint=f"(after {len(buckets)} broadcast buckets)")
+
+
+def honours_seeds(server: Endpoint) -> bool | None:
+    """Whether the server samples with each request's ``sampling_seed``: SGLang only with
+    ``--enable-deterministic-inference`` (``/server_info``'s ``enable_deterministic_inference``); None: it does not say."""
+    try:
+        info = call(server, SERVER_INFO)
+    except SGLangError:
+        return None
+    value = info.get("enable_deterministic_inference") if isinstance(info, dict) else None
+    return value if isinstance(value, bool) else None
 
 
 def check_serves(server: Endpoint, policy_version: int, *, hint: str = "") -> None:
