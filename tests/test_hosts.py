@@ -102,3 +102,44 @@ def test_a_killed_engine_host_loses_no_sample_and_the_run_matches_the_one_node_r
     assert samples(run_dir) == samples(one_node), "every sample of every step exactly once, and the same ones"
     reference, final = final_weights(one_node), final_weights(run_dir)
     assert max((final[k] - reference[k]).abs().max().item() for k in final) < 1e-9
+
+
+def server_pid(run_dir: Path, engine: str) -> int | None:
+    """The pid of the embedded engine server ``engine`` of the run (its port file names it on the command line)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if "http_server" in cmdline and f"{run_dir}/engines/host=1/{engine}.port" in cmdline:
+            return int(proc.name)
+    return None
+
+
+def test_an_engine_server_killed_on_another_node_is_restarted_by_its_host(tmp_path, four_engine_data,
+                                                                          one_rollout_node):
+    run_dir, data, one_node = tmp_path / "run", four_engine_data, one_rollout_node
+    run_dir.mkdir()
+    launcher = subprocess.Popen([sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", *workload(data),
+                                 *TWO_NODES], cwd=tmp_path, env=node_environ(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists(), "step 0 to finish", running=[launcher],
+                 details=lambda: launcher.communicate()[1][-3000:])
+        pid = server_pid(run_dir, "engine3")
+        assert pid is not None, "engine3's server (rollout rank 1) is not running"
+        os.kill(pid, signal.SIGKILL)  # its host lives on, and restarts it when the manager asks
+        _, stderr = launcher.communicate(timeout=240)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, stderr[-3000:]
+    assert "engine engine3: its node's engine host restarts it as engine3-restart1" in stderr, stderr[-3000:]
+    assert "rollout rank 1: restarting engine engine3 as engine3-restart1 (the rollout manager asked)" in stderr
+    assert (run_dir / "engines" / "host=1" / "engine3-restart1.log").exists(), "restarted on its own node"
+    assert "did not confirm the stop" not in stderr, "the host finished its restart and stopped with the run"
+    # (whether the restarted engine is back before the run's last step depends on its start-up time against the
+    # steps left; putting it back is checked with fake engines in tests/test_engine_hosts.py)
+    assert samples(run_dir) == samples(one_node)
+    reference, final = final_weights(one_node), final_weights(run_dir)
+    assert max((final[k] - reference[k]).abs().max().item() for k in final) < 1e-9

@@ -203,7 +203,7 @@ class EngineHost:
         per_node = self.cfg.rollout.engines_per_node
         first = self.env.rank * per_node
         try:
-            self._register_started([(j, f"engine{first + j}") for j in range(per_node)])
+            self._start([(j, f"engine{first + j}") for j in range(per_node)])
             num_requests = 0
             while self.transport.read_record(stop_key(self.transport)) is None:
                 self.transport.liveness.check(waiting_for="the rollout manager's requests")
@@ -214,26 +214,35 @@ class EngineHost:
                 num_requests += 1
                 log.warning("rollout rank %d: restarting engine %s as %s (the rollout manager asked)",
                             self.env.rank, request["failed"], request["name"])
-                self._register_started([request["failed"]], restart_as=request["name"])
+                self._restart(request["failed"], request["name"])
         finally:
             self.servers.stop_all()
 
-    def _register_started(self, engines: list, *, restart_as: str | None = None) -> None:
-        """Start the servers (or restart one: ``engines`` is then its failed name) and register each, or the error."""
-        names = [restart_as] if restart_as else [name for _, name in engines]
+    def _start(self, engines: list[tuple[int, str]]) -> None:
+        """Start the node's servers and register each; if one cannot start, register the error for all (the
+        manager stops the run before its first step with it) and fail."""
         try:
-            started = ([self.servers.restart(engines[0], restart_as)] if restart_as
-                       else self.servers.start(engines))
+            started = self.servers.start(engines)
         except Exception as err:
-            for name in names:
-                self._register(Registration(name=name, rank=self.env.rank, host=self.host,
-                                            error=f"{type(err).__name__}: {err}"))
-            if restart_as:
-                return  # the manager decides: it stops the run with this reason
+            for _, name in engines:
+                self._register(self._failed(name, err))
             raise
         for server in started:
-            self._register(Registration(name=server.name, rank=self.env.rank, host=self.host, url=server.url,
-                                        gpus=self.servers.gpus(server.name), log_path=str(server.log_path)))
+            self._register(self._registration(server))
+
+    def _restart(self, failed: str, name: str) -> None:
+        """Restart one server as ``name`` and register it, or the error (the manager decides what to do with it)."""
+        try:
+            self._register(self._registration(self.servers.restart(failed, name)))
+        except Exception as err:  # noqa: BLE001 - reported to the manager, which stops the run with it
+            self._register(self._failed(name, err))
+
+    def _registration(self, server: ServerProcess) -> Registration:
+        return Registration(name=server.name, rank=self.env.rank, host=self.host, url=server.url,
+                            gpus=self.servers.gpus(server.name), log_path=str(server.log_path))
+
+    def _failed(self, name: str, err: Exception) -> Registration:
+        return Registration(name=name, rank=self.env.rank, host=self.host, error=f"{type(err).__name__}: {err}")
 
     def _register(self, registration: Registration) -> None:
         self.transport.put_record(registration_key(self.transport, self.env.rank, registration.name),
@@ -295,16 +304,17 @@ class RemoteEngines:
         return f"its server's log on {r.host} (rollout rank {r.rank}): {r.log_path}"
 
     def stop(self) -> None:
-        """Tell every host the run is over, and wait (up to pipeline.peer_timeout_s) for each live one to finish."""
+        """Tell every host the run is over, and wait for each live one to finish (one in the middle of a restart
+        finishes it first: up to rollout.server_start_timeout_s), so that none outlives the store it reads."""
         self.transport.put_record(stop_key(self.transport), {"stop": True})
-        deadline = time.monotonic() + self.cfg.pipeline.peer_timeout_s
+        deadline = time.monotonic() + self.cfg.rollout.server_start_timeout_s + self.cfg.pipeline.peer_timeout_s
         waiting = set(range(1, self.num_hosts))
         while waiting and time.monotonic() < deadline:
             waiting = {r for r in waiting if self.watch.lost(r) is None and not self._finished(r)}
             time.sleep(POLL_S)
         if waiting:
-            log.warning("engine hosts %s did not confirm the stop within pipeline.peer_timeout_s=%gs",
-                        sorted(waiting), self.cfg.pipeline.peer_timeout_s)
+            log.warning("engine hosts %s did not confirm the stop within rollout.server_start_timeout_s + "
+                        "pipeline.peer_timeout_s", sorted(waiting))
 
     def _finished(self, rank: int) -> bool:
         record = self.transport.read_record(self.transport.key("alive", "rollout", rank)) or {}
