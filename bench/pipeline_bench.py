@@ -17,8 +17,8 @@ hides that slowdown. ``eff@sync`` is the honest one: (T_sync - T) / (T_sync - id
 the sync run's measured rollout-to-train-end and ideal@sync the ideal bound from the sync run's stage
 times (stages undisturbed). ``rollout``/``compute vs sync`` are each mode's slowdown of the stages it
 overlaps. Every comparison is with the sync rows of the same layout. ``noise`` is the most cores other
-jobs on the machine used during one of the row's runs (CPU seconds of every process minus the run's
-own, over its wall time) in the runs kept; before each run the bench waits until they use under
+jobs on the machine used during one of the row's runs (CPU seconds of every process minus those of the
+run's own processes, sampled from /proc every 0.2 s, over its wall time) in the runs kept; before each run the bench waits until they use under
 ``--quiet-below``, and a run during which they used more than ``--max-noise`` is run again.
 
 With ``--rollout-nodes N`` (N > 1) ``--host-workloads`` also run ``--host-modes`` in two more layouts, engines
@@ -39,10 +39,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -92,9 +92,21 @@ def machine_busy_s() -> float:
     return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
 
 
-def children_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+def run_cpu_s(pids: dict[int, float], launcher: int, run_dir: Path) -> None:
+    """Update ``pids`` (pid -> its own CPU seconds, last seen) with every live process of the run: the launcher
+    and every process whose environment names ``run_dir`` (node processes, engine servers, reward workers,
+    also those a dying parent leaves to init, whose CPU never comes back to us as a child's)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(pid) != launcher and f"RP_RUN_DIR={run_dir}".encode() not in \
+                    Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                continue
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        pids[int(pid)] = (int(fields[11]) + int(fields[12])) / tick
 
 
 def wait_quiet(max_cores: float, max_wait_s: float) -> None:
@@ -109,12 +121,19 @@ def wait_quiet(max_cores: float, max_wait_s: float) -> None:
 
 def run_one(run_dir: Path, overrides: list[str]) -> tuple[list[dict], float]:
     """The run's metrics records, and the cores other jobs on the machine used meanwhile (the noise)."""
-    busy, ours, start = machine_busy_s(), children_cpu_s(), time.monotonic()
-    result = subprocess.run([sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", *overrides],
-                            cwd=REPO, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"run {run_dir} failed:\n{result.stderr[-3000:]}")
-    foreign = max(0.0, (machine_busy_s() - busy) - (children_cpu_s() - ours)) / (time.monotonic() - start)
+    busy, start, ours = machine_busy_s(), time.monotonic(), {}
+    with subprocess.Popen([sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", *overrides], cwd=REPO,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as job:
+        stderr = []
+        reader = threading.Thread(target=lambda: stderr.append(job.stderr.read()), daemon=True)
+        reader.start()
+        while job.poll() is None:
+            run_cpu_s(ours, job.pid, run_dir.resolve())
+            time.sleep(0.2)
+        reader.join()
+    if job.returncode != 0:
+        raise SystemExit(f"run {run_dir} failed:\n{''.join(stderr)[-3000:]}")
+    foreign = max(0.0, (machine_busy_s() - busy) - sum(ours.values())) / (time.monotonic() - start)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()], foreign
 
 
