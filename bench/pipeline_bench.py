@@ -3,11 +3,28 @@
     python bench/pipeline_bench.py                       # both workloads, 3 repeats
     python bench/pipeline_bench.py --workload long_tail --repeats 5 --steps 8
     python bench/pipeline_bench.py --response-len 256    # the response-length knob, for either regime
+    python bench/pipeline_bench.py --rollout-nodes 2     # + sync and cgp+fgd on two rollout hosts
 
 Every mode runs as a real job (``launch.py``: two node groups, the store, weight sync). Repeats are
 interleaved (sync, cgp, fgd, async, sync, ...) so machine noise hits every mode alike; step 0 of each
 run is dropped (warm-up). Each cell is the median over the remaining steps of all repeats, and the
 reductions are ratios of medians from this one invocation: quote those, never a lone absolute time.
+``r2t range`` is the spread: the lowest and highest per-repeat median.
+
+Efficiency, two ways. ``eff`` is the run's own ``perf/pipeline_efficiency``: it compares the run with a
+sync estimate and an ideal bound made from the run's *own* stage times, which overlap slows down, so it
+hides that slowdown. ``eff@sync`` is the honest one: (T_sync - T) / (T_sync - ideal@sync), with T_sync
+the sync run's measured rollout-to-train-end and ideal@sync the ideal bound from the sync run's stage
+times (stages undisturbed). ``rollout``/``compute vs sync`` are each mode's slowdown of the stages it
+overlaps. Every comparison is with the sync rows of the same layout. ``noise`` is the most cores other
+jobs on the machine used during one of the row's runs (CPU seconds of every process minus those of the
+run's own processes, sampled from /proc every 0.2 s, over its wall time) in the runs kept; before each run the bench waits until they use under
+``--quiet-below``, and a run during which they used more than ``--max-noise`` is run again.
+
+With ``--rollout-nodes N`` (N > 1) ``--host-workloads`` also run ``--host-modes`` in two more layouts, engines
+in their own processes (``rollout.engine=embedded_http``, as SGLang) to compare like with like: ``http``,
+one rollout node with ``rollout.num_engines`` servers, and ``N hosts``, ``launcher.rollout.nodes=N``
+rollout processes standing in for N nodes, each starting its share of the engines (rank 0 drives all).
 
 Workloads (tiny random-init Qwen3, 1 rollout core, 1 trainer core). Responses of the untrained model
 stop at its end-of-sequence token with probability ~1/45 per token, so lengths are geometric: most
@@ -21,9 +38,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -54,30 +73,101 @@ COLUMNS = [
     ("perf/first_group_s", "first_grp_s"),
     ("perf/tokens_per_s", "tok/s"),
 ]
+R2T, IDEAL = "perf/rollout_to_train_end_s", "perf/ideal_rollout_to_train_end_s"
 
 
-def run_one(run_dir: Path, overrides: list[str]) -> list[dict]:
-    result = subprocess.run([sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", *overrides],
-                            cwd=REPO, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"run {run_dir} failed:\n{result.stderr[-3000:]}")
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def layouts(num_nodes: int, engines: int) -> dict[str, list[str]]:
+    """Row-label suffix -> extra overrides: the default layout, and with several hosts the like-for-like pair."""
+    if num_nodes <= 1:
+        return {"": []}
+    http = ["rollout.engine=embedded_http"]
+    return {"": [], " http": [*http, f"rollout.num_engines={engines}"],
+            f" {num_nodes} hosts": [*http, f"launcher.rollout.nodes={num_nodes}",
+                                    f"rollout.engines_per_node={engines // num_nodes}"]}
 
 
-def medians(records: list[dict]) -> dict[str, float]:
-    return {key: statistics.median(r[key] for r in records) for key, _ in COLUMNS}
+def machine_busy_s() -> float:
+    """CPU seconds every process on the machine has used (all cores), from /proc/stat."""
+    fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
+
+
+def run_cpu_s(pids: dict[int, float], launcher: int, run_dir: Path) -> None:
+    """Update ``pids`` (pid -> its own CPU seconds, last seen) with every live process of the run: the launcher
+    and every process whose environment names ``run_dir`` (node processes, engine servers, reward workers,
+    also those a dying parent leaves to init, whose CPU never comes back to us as a child's)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(pid) != launcher and f"RP_RUN_DIR={run_dir}".encode() not in \
+                    Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                continue
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        pids[int(pid)] = (int(fields[11]) + int(fields[12])) / tick
+
+
+def wait_quiet(max_cores: float, max_wait_s: float) -> None:
+    """Wait (at most ``max_wait_s``) until other jobs use under ``max_cores`` of the machine for a second."""
+    deadline = time.monotonic() + max_wait_s
+    while time.monotonic() < deadline:
+        busy = machine_busy_s()
+        time.sleep(1.0)
+        if machine_busy_s() - busy < max_cores:
+            return
+
+
+def run_one(run_dir: Path, overrides: list[str]) -> tuple[list[dict], float]:
+    """The run's metrics records, and the cores other jobs on the machine used meanwhile (the noise)."""
+    busy, start, ours = machine_busy_s(), time.monotonic(), {}
+    with subprocess.Popen([sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", *overrides], cwd=REPO,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as job:
+        stderr = []
+        reader = threading.Thread(target=lambda: stderr.append(job.stderr.read()), daemon=True)
+        reader.start()
+        while job.poll() is None:
+            run_cpu_s(ours, job.pid, run_dir.resolve())
+            time.sleep(0.2)
+        reader.join()
+    if job.returncode != 0:
+        raise SystemExit(f"run {run_dir} failed:\n{''.join(stderr)[-3000:]}")
+    foreign = max(0.0, (machine_busy_s() - busy) - sum(ours.values())) / (time.monotonic() - start)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()], foreign
+
+
+def medians(repeats: list[list[dict]], foreign: list[float]) -> dict[str, float]:
+    """Medians over every measured step of every repeat, the per-repeat r2t medians' range, and the most
+    cores other jobs used during one of the runs."""
+    records = [r for rep in repeats for r in rep]
+    out = {key: statistics.median(r[key] for r in records) for key, _ in COLUMNS}
+    per_repeat = [statistics.median(r[R2T] for r in rep) for rep in repeats]
+    out["r2t_min"], out["r2t_max"] = min(per_repeat), max(per_repeat)
+    out["foreign"] = max(foreign)
+    return out
 
 
 def table(workload: str, results: dict[str, dict[str, float]]) -> str:
-    base = results["sync"]
-    head = ["mode", *(short for _, short in COLUMNS), "r2t vs sync", "wait vs sync"]
+    """One row per mode and layout; every ratio against the sync row of the same layout."""
+    head = ["mode", *(short for _, short in COLUMNS[:5]), "ideal@sync", "eff", "eff@sync",
+            *(short for _, short in COLUMNS[6:]), "r2t range", "r2t vs sync", "wait vs sync",
+            "rollout vs sync", "compute vs sync", "noise"]
     rows = [head]
-    for mode, m in results.items():
+
+    def vs(m: dict, base: dict, key: str) -> str:
+        return f"{100 * (m[key] / base[key] - 1):+.1f}%"
+
+    for label, m in results.items():
+        base = results["sync" + label[label.index(" "):] if " " in label else "sync"]
+        ideal, t_sync = base[IDEAL], base[R2T]
+        honest = (t_sync - m[R2T]) / (t_sync - ideal) if t_sync > ideal else 0.0
+        cells = {short: f"{m[key]:.0f}" if short == "tok/s" else f"{m[key]:.3f}" for key, short in COLUMNS}
         rows.append([
-            mode,
-            *(f"{m[key]:.0f}" if short == "tok/s" else f"{m[key]:.3f}" for key, short in COLUMNS),
-            f"{100 * (m['perf/rollout_to_train_end_s'] / base['perf/rollout_to_train_end_s'] - 1):+.1f}%",
-            f"{100 * (m['perf/trainer_wait_ratio'] / base['perf/trainer_wait_ratio'] - 1):+.1f}%",
+            label, *(cells[short] for _, short in COLUMNS[:5]), f"{ideal:.3f}", cells["eff"], f"{honest:.3f}",
+            *(cells[short] for _, short in COLUMNS[6:]), f"{m['r2t_min']:.2f}-{m['r2t_max']:.2f}",
+            vs(m, base, R2T), vs(m, base, "perf/trainer_wait_ratio"), vs(m, base, "perf/rollout_s"),
+            vs(m, base, "perf/train_compute_s"), f"{m['foreign']:.2f}",
         ])
     return "\n".join([f"workload: {workload}", *aligned_table(rows)])
 
@@ -100,21 +190,50 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="RL steps per run (step 0 is dropped)")
     parser.add_argument("--response-len", type=int, default=192, help="rollout_max_response_len")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--rollout-nodes", type=int, default=1,
+                        help="N > 1: also run --host-modes with embedded_http engines on 1 and on N rollout hosts")
+    parser.add_argument("--host-modes", default="sync,cgp+fgd")
+    parser.add_argument("--quiet-below", type=float, default=0.25,
+                        help="before each run wait (up to --quiet-wait-s) until other jobs use fewer cores than this")
+    parser.add_argument("--quiet-wait-s", type=float, default=60.0)
+    parser.add_argument("--max-noise", type=float, default=0.3,
+                        help="rerun a run during which other jobs used more cores than this (at most --max-reruns)")
+    parser.add_argument("--max-reruns", type=int, default=2)
+    parser.add_argument("--host-workloads", default="balanced",
+                        help="workloads that get the host rows (comma-separated, or all)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "runs" / time.strftime("%Y%m%d-%H%M%S"))
     args = parser.parse_args()
     modes = args.modes.split(",")
     workloads = list(WORKLOADS) if args.workload == "all" else [args.workload]
     report = []
+    engines = int(next(o for o in COMMON if o.startswith("rollout.num_engines=")).split("=")[1])
     for workload in workloads:
-        records: dict[str, list[dict]] = {m: [] for m in modes}
+        rows = {mode: [*MODES[mode]] for mode in modes}
+        if args.host_workloads == "all" or workload in args.host_workloads.split(","):
+            for suffix, extra in list(layouts(args.rollout_nodes, engines).items())[1:]:
+                rows.update({mode + suffix: [*MODES[mode], *extra] for mode in args.host_modes.split(",")})
+        records: dict[str, list[list[dict]]] = {label: [] for label in rows}
+        noise: dict[str, list[float]] = {label: [] for label in rows}
+        reruns = dict.fromkeys(rows, 0)
         for rep in range(args.repeats):
-            for mode in modes:
-                run_dir = args.out / workload / f"{mode}-{rep}"
-                overrides = [*WORKLOADS[workload], *MODES[mode], f"num_rollout={args.steps}",
-                             f"rollout_max_response_len={args.response_len}"]
-                records[mode] += run_one(run_dir, overrides)[1:]
-                print(f"  {workload} {mode} repeat {rep}: done", file=sys.stderr, flush=True)
-        report.append(table(workload, {m: medians(r) for m, r in records.items()}))
+            for label, extra in rows.items():
+                run_dir = args.out / workload / f"{label.replace(' ', '_')}-{rep}"
+                overrides = [*WORKLOADS[workload], f"num_rollout={args.steps}",
+                             f"rollout_max_response_len={args.response_len}", *extra]
+                for attempt in range(1 + args.max_reruns):  # a run the neighbours disturbed is run again
+                    wait_quiet(args.quiet_below, args.quiet_wait_s)
+                    steps, foreign = run_one(run_dir / f"try{attempt}", overrides)
+                    if foreign <= args.max_noise:
+                        break
+                    print(f"  {workload} {label} repeat {rep}: other jobs used {foreign:.2f} cores; "
+                          f"{'again' if attempt < args.max_reruns else 'kept'}", file=sys.stderr, flush=True)
+                reruns[label] += attempt
+                records[label].append(steps[1:])
+                noise[label].append(foreign)
+                print(f"  {workload} {label} repeat {rep}: done (other jobs used {foreign:.2f} cores)",
+                      file=sys.stderr, flush=True)
+        report.append(table(workload, {label: medians(r, noise[label]) for label, r in records.items()}))
+        report[-1] += f"\nreruns (disturbed runs run again): {sum(reruns.values())}"
         print(report[-1], flush=True)
     (args.out / "table.md").write_text("\n\n".join(report) + "\n")
     print(f"\nruns and table in {args.out}")
