@@ -156,7 +156,7 @@ def test_the_default_run_evaluates_its_heldout_split_from_the_initial_policy(job
 
 
 GPQA_SHAPED = ["+experiment=gpqa", "model.path=null", "model.dtype=float32", "rollout.engine=embedded",
-               "rollout.num_engines=1", "rollout.concurrency=16", "trainer.backend=torch", "trainer.num_ranks=1",
+               "rollout.engines_per_node=1", "rollout.concurrency=16", "trainer.backend=torch", "trainer.num_ranks=1",
                "reward.num_workers=1", "data.max_prompt_len=200", "eval.interval=1", "eval.sets.0.max_response_len=6",
                "eval.sets.0.n_samples_per_prompt=2", "eval.sets.0.temperature=1.0"]
 """The gpqa preset, shrunk to the embedded engine and tiny model: its own eval set, given a path."""

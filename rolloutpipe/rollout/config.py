@@ -87,7 +87,7 @@ class RolloutConfig:
         elif self.num_engines != num_nodes * self.engines_per_node:
             raise ValueError(f"rollout.num_engines={self.num_engines} but launcher.rollout.nodes x "
                              f"rollout.engines_per_node = {num_nodes} x {self.engines_per_node}; drop num_engines "
-                             "(it is derived).")
+                             "(it is derived), or set rollout.engines_per_node (a preset may set it).")
         if self.engine_urls and len(self.engine_urls) != self.num_engines:
             raise ValueError(f"rollout.engine_urls has {len(self.engine_urls)} URLs but rollout.num_engines="
                              f"{self.num_engines}; give one URL per engine.")
