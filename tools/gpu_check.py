@@ -79,7 +79,7 @@ def check_logprobs(out: Path, sglang_args: list[str], atol: float) -> dict:
 
     model_dir = out / "tiny-hf"
     save_tiny(model_dir, init_seed=0)
-    server = server_process.sglang_server(name="check0", model_path=str(model_dir), host="127.0.0.1", dtype="float32",
+    server = server_process.sglang_server(name="check0", model_path=str(model_dir), dtype="float32",
                                           concurrency=16, seed=0, base_gpu_id=0, priority_scheduling=False,
                                           extra_args=SERVER_ARGS + sglang_args, log_dir=out / "engines",
                                           api_key=secrets.token_hex(16))

@@ -121,9 +121,9 @@ def embedded_server(*, name: str, model_config_yaml: Path, concurrency: int, log
                          api_key=api_key, host=host)
 
 
-def sglang_server(*, name: str, model_path: str, host: str, dtype: str, concurrency: int, seed: int, base_gpu_id: int,
+def sglang_server(*, name: str, model_path: str, dtype: str, concurrency: int, seed: int, base_gpu_id: int,
                   priority_scheduling: bool, extra_args: list[str], log_dir: Path, api_key: str | None,
-                  deterministic: bool = True) -> ServerProcess:
+                  host: str = "127.0.0.1", deterministic: bool = True) -> ServerProcess:
     """``python -m sglang.launch_server`` for one engine, on this node's GPUs from ``base_gpu_id``, started through
     ``rolloutpipe.rollout.engines.sglang_launch`` so that its ``--api-key`` comes from the environment.
 
