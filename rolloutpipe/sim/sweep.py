@@ -41,6 +41,7 @@ def _job_schema() -> Config:
     """Config's defaults without what ``__post_init__`` derives (else a swept batch size would clash with it)."""
     job = Config()
     job.num_steps_per_rollout = None
+    job.rollout.num_engines = job.rollout.engines_per_node = None  # derived from launcher.rollout.nodes
     return job
 
 
