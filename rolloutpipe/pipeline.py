@@ -257,7 +257,8 @@ def run_node(cfg: Config, env: NodeEnv) -> None:
             node = RolloutNode(cfg, env, transport)
             run_rollout(node)
         else:
-            run_trainer(TrainerNode(cfg, env, transport))
+            node = TrainerNode(cfg, env, transport)
+            run_trainer(node)
         transport.liveness.finish()
     except BaseException as err:
         who = f"{env.role.value} rank {env.rank}"

@@ -96,6 +96,8 @@ class TrainerNode:
             self.metrics_path.write_text("".join(line + "\n" for line in kept))
         self.progress = None
         self._stopped_for_requeue = False
+        self._closing = threading.Event()
+        self._watch: threading.Thread | None = None
         self._stopping = False
         """Rank 0: the step just ended is where the run stops for a requeue (``end_step`` decided it)."""
         self._requeue_requested_s: float | None = None
@@ -111,7 +113,8 @@ class TrainerNode:
         self.progress = tqdm(total=self.cfg.num_rollout, initial=self.first_step, desc="RL steps", unit="step",
                              disable=not (self.is_writer and sys.stderr.isatty()))
         if self.is_writer:  # Slurm's warning before the time limit (launch/requeue.py): rank 0 decides where to stop
-            threading.Thread(target=self._requeue_watch, name="requeue-watch", daemon=True).start()
+            self._watch = threading.Thread(target=self._requeue_watch, name="requeue-watch", daemon=True)
+            self._watch.start()
         return self.first_step
 
     def requeue_due(self, step: int) -> bool:
@@ -138,7 +141,8 @@ class TrainerNode:
         key = transport.key("requeue")
         try:
             while transport.read_record(key) is None:
-                time.sleep(0.5)
+                if self._closing.wait(0.5):
+                    return
         except TransportError:
             return  # the store is gone: the run is over
         self._requeue_requested_s = signalled = time.monotonic()
@@ -147,9 +151,8 @@ class TrainerNode:
               f"within {grace - 2 * requeue_margin_s(grace):.0f}s (launcher.requeue_grace_s={grace:g})",
               file=sys.stderr, flush=True)
         while time.monotonic() < signalled + grace - 2 * requeue_margin_s(grace):
-            if self._stopped_for_requeue:
+            if self._stopped_for_requeue or self._closing.wait(0.5):
                 return
-            time.sleep(0.5)
         transport.abort(
             f"Slurm warned of the job's time limit and the step in progress did not end within "
             f"launcher.requeue_grace_s={grace:g}s: it is dropped, and the requeued job redoes it from the last "
@@ -204,6 +207,12 @@ class TrainerNode:
                             tokenizer=self.tokenizer, optimizer=self.trainer.optimizer, source_state=source_state,
                             config_yaml=(self.env.run_dir / "config.yaml").read_text(),
                             keep_last=self.cfg.run.keep_last_checkpoints)
+
+    def close(self) -> None:
+        """Stop the requeue watch (its store client must not be torn down under it at exit)."""
+        self._closing.set()
+        if self._watch is not None:
+            self._watch.join(timeout=5.0)
 
     def finish(self) -> None:
         """After the last step: the final policy, the merged trace and W&B (rank 0), then ``trainer/done``."""
