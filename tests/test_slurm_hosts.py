@@ -6,6 +6,8 @@ engines (a local run: the reference)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -14,8 +16,8 @@ from safetensors.torch import load_file
 
 from rolloutpipe.control.env import expand_hostlist
 
-from .conftest import REPO, four_engine_workload, node_environ, read_metrics, read_samples
-from .test_slurm import job_id_of, launch, local_cluster, sacct_components  # noqa: F401 - the cluster fixture
+from .conftest import REPO, four_engine_workload, node_environ, read_metrics, read_samples, wait_for
+from .test_slurm import job_id_of, launch, local_cluster, sacct_components, task_process  # noqa: F401 - the cluster
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
 
@@ -27,12 +29,12 @@ def workload(data: Path) -> list[str]:
     return [*four_engine_workload(data), "pipeline.peer_timeout_s=30"]
 
 
-def assert_same_run(run_dir: Path, reference: Path) -> None:
+def assert_same_run(run_dir: Path, reference: Path, *, engines_lost: bool = False) -> None:
     assert [m["step"] for m in read_metrics(run_dir)] == list(range(NUM_STEPS))
     lines = (run_dir / "spans" / "rollout-0.jsonl").read_text().splitlines()
     engines = {s[4].get("engine") for line in lines if "spans" in (r := json.loads(line)) for s in r["spans"]
                if s[0] == "rollout/request"}
-    assert engines == {"engine0", "engine1", "engine2", "engine3"}, "every engine of both rollout nodes generated"
+    assert engines == {"engine0", "engine1", "engine2", "engine3"} or engines_lost, "every engine generated"
     samples = {s["id"]: s["response_ids"] for s in read_samples(run_dir)}
     assert samples == {s["id"]: s["response_ids"] for s in read_samples(reference)}
     final, expected = (load_file(str(d / "checkpoints" / "final" / "model.safetensors")) for d in (run_dir, reference))
@@ -78,3 +80,24 @@ def test_torchx_two_rollout_replicas_match_one_rollout_node(tmp_path, four_engin
     assert sorted(p.name.split("-", 2)[2] for p in tmp_path.glob("slurm-*-*.out")) == [
         "rollout-0.out", "rollout-1.out", "trainer-0.out", "trainer-1.out"]
     assert_same_run(run_dir, one_node)
+
+
+def test_a_killed_engine_host_task_loses_no_sample_and_the_job_counts_as_finished(job_dir, four_engine_data,
+                                                                                  one_rollout_node):
+    run_dir = job_dir("submitit-lose-host")
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    launcher = launch(run_dir, *workload(four_engine_data), *TWO_NODES, "run.id=lose-host-slurm",
+                      "launcher.trainer.nodes=2", "launcher.rollout.cpus_per_task=1",
+                      "launcher.trainer.cpus_per_task=1", wait=False)
+    try:
+        wait_for((run_dir / "metrics.jsonl").exists, "step 0", running=[launcher], timeout_s=240)
+        pid, _ = task_process(run_id="lose-host-slurm", proc_id=1)  # task 1 = rollout rank 1, an engine host
+        os.kill(pid, signal.SIGKILL)
+        _, stderr = launcher.communicate(timeout=240)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            subprocess.run(["scancel", str(job_id_of(run_dir))])
+    assert launcher.returncode == 0, stderr[-3000:]
+    assert "rollout ranks [1] (engine hosts) were lost during the run" in stderr, stderr[-3000:]
+    assert_same_run(run_dir, one_rollout_node, engines_lost=True)
