@@ -4,7 +4,7 @@ fake engines, no processes. Engine i is on host i // 2 (two engines per node).""
 import pytest
 
 from rolloutpipe.rollout.admission import Admission, AdmissionPolicy
-from rolloutpipe.rollout.hosts import HostLost, host_of
+from rolloutpipe.rollout.hosts import HostLost
 from rolloutpipe.rollout.supervisor import EngineFailed, EngineSupervisor
 
 from .test_engine_failure import FakeEngine, FakeSpans, group_requests
@@ -47,7 +47,7 @@ class TwoHosts:
 
     def restart(self, slot: int, name: str, failed):
         replacement = FakeEngine(name, self.on_result)
-        if host_of(slot, 2)[0] == 0:
+        if slot // 2 == 0:  # host 0
             return replacement
         self.restarts[failed.name] = FakeRestart(replacement)
         return self.restarts[failed.name]

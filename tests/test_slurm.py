@@ -61,6 +61,14 @@ def launch(run_dir: Path, *overrides: str, wait: bool = True, timeout_s: float =
                             stderr=subprocess.PIPE, text=True)
 
 
+def stop_if_running(launcher: subprocess.Popen, run_dir: Path) -> None:
+    """A test's cleanup: the launcher killed and its job cancelled, if the test left them running."""
+    if launcher.poll() is None:
+        launcher.kill()
+        launcher.communicate()
+        subprocess.run(["scancel", str(job_id_of(run_dir))])
+
+
 def sacct_components(job_id: int) -> list[tuple[str, str, str]]:
     """(component, state, nodes) rows of a het job, once accounting has recorded its end."""
     deadline = time.monotonic() + 30
@@ -153,10 +161,7 @@ def test_cancelled_job_is_reported_as_cancelled(job_dir):
         assert launcher.returncode == 1
         assert f"het job {job_id} was cancelled" in stderr, stderr[-3000:]
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.communicate()
-            subprocess.run(["scancel", str(job_id_of(run_dir))])
+        stop_if_running(launcher, run_dir)
 
 
 def test_trainer_death_makes_the_rollout_exit_with_a_clear_error(job_dir):
@@ -179,10 +184,7 @@ def test_trainer_death_makes_the_rollout_exit_with_a_clear_error(job_dir):
         assert len(secret) == 64
         assert not [p for p in run_dir.rglob("*") if p.is_file() and secret in p.read_bytes()]
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.communicate()
-            subprocess.run(["scancel", str(job_id_of(run_dir))])
+        stop_if_running(launcher, run_dir)
 
 
 def task_process(*, run_id: str, proc_id: int) -> tuple[int, dict[str, str]]:

@@ -17,7 +17,14 @@ from safetensors.torch import load_file
 from rolloutpipe.control.env import expand_hostlist
 
 from .conftest import REPO, four_engine_workload, node_environ, read_metrics, read_samples, wait_for
-from .test_slurm import job_id_of, launch, local_cluster, sacct_components, task_process  # noqa: F401 - the cluster
+from .test_slurm import (
+    job_id_of,
+    launch,
+    local_cluster,  # noqa: F401 - the cluster fixture
+    sacct_components,
+    stop_if_running,
+    task_process,
+)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
 
@@ -95,9 +102,7 @@ def test_a_killed_engine_host_task_loses_no_sample_and_the_job_counts_as_finishe
         os.kill(pid, signal.SIGKILL)
         _, stderr = launcher.communicate(timeout=240)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            subprocess.run(["scancel", str(job_id_of(run_dir))])
+        stop_if_running(launcher, run_dir)
     assert launcher.returncode == 0, stderr[-3000:]
     assert "rollout ranks [1] (engine hosts) were lost during the run" in stderr, stderr[-3000:]
     assert_same_run(run_dir, one_rollout_node, engines_lost=True)

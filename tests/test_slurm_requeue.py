@@ -6,14 +6,19 @@ outside (standing in for a preemption) resumes the same way; both end with the w
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
 from .conftest import SMALL, read_metrics, run_job, wait_for
-from .test_slurm import job_id_of, launch, local_cluster, sacct_components  # noqa: F401 - the cluster fixture
+from .test_slurm import (
+    job_id_of,
+    launch,
+    local_cluster,  # noqa: F401 - the cluster fixture
+    sacct_components,
+    stop_if_running,
+)
 
 
 def run_processes(run_id: str) -> list[tuple[int, str]]:
@@ -98,9 +103,7 @@ def test_scontrol_requeue_from_outside_mid_step_resumes_to_the_uninterrupted_wei
         subprocess.run(["scontrol", "requeue", str(job_id)], check=True)  # as a preemption with PreemptMode=REQUEUE
         stdout, stderr = launcher.communicate(timeout=600)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            subprocess.run(["scancel", str(job_id_of(run_dir))])
+        stop_if_running(launcher, run_dir)
     assert launcher.returncode == 0, stderr[-3000:]
     metrics = assert_resumed_to_the_uninterrupted_run(run_dir, uninterrupted(PREEMPTED_STEPS), PREEMPTED_STEPS)
     assert metrics[-1]["run/requeues"] == 1
@@ -111,7 +114,8 @@ def test_scancel_of_a_running_het_job_leaves_no_process_on_any_node(job_dir):
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     launcher = launch(run_dir, *SMALL, "num_rollout=1000", "run.id=scancel-all", "rollout.engine=embedded_http",
                       "launcher.rollout.nodes=2", "rollout.engines_per_node=2", "trainer.num_ranks=2",
-                      "launcher.trainer.nodes=2", "launcher.rollout.cpus_per_task=1", "launcher.trainer.cpus_per_task=1",
+                      "launcher.trainer.nodes=2", "launcher.rollout.cpus_per_task=1",
+                      "launcher.trainer.cpus_per_task=1",
                       wait=False)
     try:
         job_id = job_id_of(run_dir)
@@ -121,11 +125,7 @@ def test_scancel_of_a_running_het_job_leaves_no_process_on_any_node(job_dir):
         subprocess.run(["scancel", str(job_id)], check=True)
         _, stderr = launcher.communicate(timeout=120)
         assert f"het job {job_id} was cancelled" in stderr, stderr[-3000:]
-        deadline = time.monotonic() + 30  # Slurm's KillWait (5 s) and our stop grace, with room
-        while ours() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert ours() == []
+        wait_for(lambda: not ours(), "every process of the run to end", timeout_s=30,  # KillWait (5 s), our grace
+                 details=ours)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            subprocess.run(["scancel", str(job_id_of(run_dir))])
+        stop_if_running(launcher, run_dir)

@@ -98,6 +98,11 @@ class Liveness:
                 if (reason := self._lost(peer)) is not None:
                     raise PeerLost(f"{reason} (this process was waiting for {waiting_for})")
 
+    def finished(self, peer: tuple[str, int]) -> bool:
+        """Whether ``peer`` finished healthy (its last beat said so: ``finish``)."""
+        with self._check_lock:
+            return self._beats(peer)[1]
+
     def lost(self, peer: tuple[str, int]) -> str | None:
         """Why ``peer`` (watched, not one of ``peers``: a rollout engine host) counts as gone, or None while it beats
         or once it finished healthy. The same rules as ``check``, without raising."""

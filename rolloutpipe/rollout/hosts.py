@@ -88,11 +88,6 @@ def stop_key(transport: Transport) -> str:
     return transport.key("engines", "stop")
 
 
-def host_of(engine_index: int, engines_per_node: int) -> tuple[int, int]:
-    """Rollout rank of engine ``engine_index``'s host, and the engine's index on that node."""
-    return divmod(engine_index, engines_per_node)
-
-
 def host_name() -> str:
     """This node's name as Slurm knows it (the local cluster's virtual nodes share one machine), else its host name."""
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
@@ -280,6 +275,8 @@ class RemoteEngines:
     def __init__(self, cfg: Config, transport: Transport, *, api_key: str | None, on_result: OnResult) -> None:
         self.cfg, self.transport, self.api_key, self.on_result = cfg, transport, api_key, on_result
         self.num_hosts = cfg.launcher.rollout.nodes
+        self.own_host = host_name()
+        """The manager's own node (its engines have no registration)."""
         self.watch = HostWatch(transport.liveness)
         self.registrations: dict[str, Registration] = {}
         self._num_requests = [0] * self.num_hosts
@@ -310,15 +307,12 @@ class RemoteEngines:
         deadline = time.monotonic() + self.cfg.rollout.server_start_timeout_s + self.cfg.pipeline.peer_timeout_s
         waiting = set(range(1, self.num_hosts))
         while waiting and time.monotonic() < deadline:
-            waiting = {r for r in waiting if self.watch.lost(r) is None and not self._finished(r)}
+            waiting = {r for r in waiting
+                       if self.watch.lost(r) is None and not self.watch.liveness.finished(("rollout", r))}
             time.sleep(POLL_S)
         if waiting:
             log.warning("engine hosts %s did not confirm the stop within rollout.server_start_timeout_s + "
                         "pipeline.peer_timeout_s", sorted(waiting))
-
-    def _finished(self, rank: int) -> bool:
-        record = self.transport.read_record(self.transport.key("alive", "rollout", rank)) or {}
-        return record.get("finished") is True
 
     def _wait(self, rank: int, name: str) -> Engine:
         key = registration_key(self.transport, rank, name)

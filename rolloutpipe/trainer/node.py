@@ -95,7 +95,6 @@ class TrainerNode:
                     if json.loads(line)["step"] < self.first_step]
             self.metrics_path.write_text("".join(line + "\n" for line in kept))
         self.progress = None
-        self._stopped_for_requeue = False
         self._closing = threading.Event()
         self._watch: threading.Thread | None = None
         self._stopping = False
@@ -127,7 +126,6 @@ class TrainerNode:
         (RunRequeued); the requeued job resumes from it."""
         if not self._stopping:
             return
-        self._stopped_for_requeue = True
         reason = (f"Slurm warned of the job's time limit; trainer rank 0 stopped after step {step}'s checkpoint, "
                   "which the requeued job resumes from")
         self.transport.abort(reason, requeue=True)
@@ -151,7 +149,7 @@ class TrainerNode:
               f"within {grace - 2 * requeue_margin_s(grace):.0f}s (launcher.requeue_grace_s={grace:g})",
               file=sys.stderr, flush=True)
         while time.monotonic() < signalled + grace - 2 * requeue_margin_s(grace):
-            if self._stopped_for_requeue or self._closing.wait(0.5):
+            if self._stopping or self._closing.wait(0.5):  # the stop at a checkpoint is under way
                 return
         transport.abort(
             f"Slurm warned of the job's time limit and the step in progress did not end within "

@@ -114,10 +114,8 @@ class EngineFactory:
         nodes (request spans carry it: the trace and timeline group engines by host); None on one node."""
         if self.remote is None:
             return None
-        from rolloutpipe.rollout.hosts import host_name
-
         registration = self.remote.registrations.get(name)
-        rank, host = (registration.rank, registration.host) if registration else (0, host_name())
+        rank, host = (registration.rank, registration.host) if registration else (0, self.remote.own_host)
         return f"rollout rank {rank} ({host})"
 
     def stop_hosts(self) -> None:
