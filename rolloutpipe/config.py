@@ -66,10 +66,17 @@ class PipelineConfig:
     any engine) or ``distributed`` (trainer rank 0 broadcasts to the engines; HTTP engines only)."""
     weight_sync_bucket_mb: float = 512.0
     """With ``weight_sync=distributed``: tensors per /update_weights_from_distributed call, up to this size."""
+    weights_visible_timeout_s: float = 120.0
+    """With ``weight_sync=disk``: how long the rollout node waits for a policy file the trainer wrote to show up
+    complete on its side of a shared file system (NFS and Lustre can lag behind the writer) before it stops the run.
+    The engines are never asked to load a file that is missing, short or not the one the trainer wrote (SGLang's
+    /update_weights_from_disk takes the server down when the load fails)."""
 
     def __post_init__(self) -> None:
         if self.weight_sync_bucket_mb <= 0:
             raise ValueError(f"pipeline.weight_sync_bucket_mb={self.weight_sync_bucket_mb} must be > 0.")
+        if self.weights_visible_timeout_s < 0:
+            raise ValueError(f"pipeline.weights_visible_timeout_s={self.weights_visible_timeout_s} must be >= 0.")
         if self.peer_timeout_s <= 2 * self.heartbeat_s:
             raise ValueError(
                 f"pipeline.peer_timeout_s={self.peer_timeout_s} must exceed twice pipeline.heartbeat_s="

@@ -237,3 +237,70 @@ def test_text_without_a_tokenizer_is_refused_saying_to_send_input_ids():
         assert status == 400 and "send input_ids" in json.loads(raw)["error"]["message"]
     finally:
         server.close()
+
+
+# --- the weights file before /update_weights_from_disk ----------------------------------------------------------
+
+
+def _rollout_node(run_dir, timeout_s: float):
+    """What RolloutNode.checked_weights_file reads of its node: the run dir, the timeout, the health check."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(env=SimpleNamespace(run_dir=run_dir),
+                           cfg=SimpleNamespace(pipeline=SimpleNamespace(weights_visible_timeout_s=timeout_s)),
+                           check_health=lambda waiting_for: None)
+
+
+def _published(run_dir, version: int, data: bytes) -> dict:
+    import hashlib
+
+    from rolloutpipe.control.weight_sync import weights_file
+
+    return {"path": weights_file(version), "policy_version": version, "size": len(data),
+            "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def test_a_weights_file_that_shows_up_late_and_complete_is_waited_for(tmp_path):
+    """A shared file system may show the trainer's file late, then short: SGLang's /update_weights_from_disk on
+    such a path fails and takes the server down, so the node waits until the file is the one published."""
+    from rolloutpipe.control.weight_sync import weights_file
+    from rolloutpipe.rollout.node import RolloutNode
+
+    data = bytes(range(256)) * 64
+    record = _published(tmp_path, 3, data)
+    path = tmp_path / weights_file(3)
+    path.parent.mkdir(parents=True)
+
+    def lagging_writer():
+        time.sleep(0.3)
+        path.write_bytes(data[:1000])  # visible, still short
+        time.sleep(0.3)
+        path.write_bytes(data)
+
+    writer = threading.Thread(target=lagging_writer)
+    writer.start()
+    try:
+        assert RolloutNode.checked_weights_file(_rollout_node(tmp_path, 60.0), record, 3) == path
+    finally:
+        writer.join()
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "were not there 0.2s after the trainer wrote them"),
+    (b"x" * 10, "had 10 of their 4096 bytes 0.2s after the trainer wrote them"),
+    (b"x" * 4096, "does not have the sha256 the trainer published for policy_version 2"),
+], ids=["missing", "short", "other-content"])
+def test_a_weights_file_that_is_not_the_published_one_stops_the_run_saying_why(tmp_path, content, message):
+    from rolloutpipe.control.weight_sync import weights_file
+    from rolloutpipe.rollout.node import RolloutNode
+
+    record = _published(tmp_path, 2, bytes(4096))
+    path = tmp_path / weights_file(2)
+    path.parent.mkdir(parents=True)
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(RuntimeError, match=message) as err:
+        RolloutNode.checked_weights_file(_rollout_node(tmp_path, 0.2), record, 2)
+    if content is None or len(content) < 4096:
+        assert "file system both node groups share" in str(err.value)
+        assert "pipeline.weights_visible_timeout_s" in str(err.value)

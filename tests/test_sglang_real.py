@@ -200,11 +200,11 @@ def test_fgd_priorities_put_the_frontier_group_first_on_a_server_that_queues(cli
     """One request at a time (--max-running-requests 1) and a blocker running: the six queued requests of groups
     2, 1, 0 (submitted in that order) run by priority, the group index, so group 0 (FGD's frontier) ends first.
     Before the fix group 0's requests went without a priority and SGLang ran them last."""
-    blocker = request("step=1/group=9/sample=0", [5, 6, 7], max_new_tokens=40)
+    blocker = request("step=1/group=9/sample=0", [5, 6, 7], max_new_tokens=LONG)
     client.submit(blocker)
     queued = [request(f"step=1/group={g}/sample={s}", [8 + g, 9, 10], seed=g * 2 + s, max_new_tokens=4, priority=g)
               for g in (2, 1, 0) for s in (0, 1)]
-    time.sleep(0.5)  # the blocker is admitted first (its result below says it ran; the order is what is checked)
+    time.sleep(0.5)  # the blocker runs (for seconds: LONG) while the others queue behind it
     for r in queued:
         client.submit(r)
     client.results.wait_for([blocker.request_id, *[r.request_id for r in queued]])

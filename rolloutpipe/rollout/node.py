@@ -129,11 +129,24 @@ class RolloutNode:
         return time.time() - start
 
     def checked_weights_file(self, record: dict, version: int) -> Path:
-        """Policy ``version``'s file, once it is the one the trainer wrote: the run's own file, with its digest."""
+        """Policy ``version``'s file, once it is the one the trainer wrote: the run's own file, complete, with its
+        digest. A file not there yet or still short (a shared file system that lags behind the trainer's node) is
+        waited for, up to pipeline.weights_visible_timeout_s; the engines never see a path that would fail."""
         path = self.env.run_dir / weights_file(version)
         if record.get("path") != weights_file(version) or record.get("policy_version") != version:
             raise RuntimeError(f"the weights record of policy_version {version} names {record.get('path')!r}, not "
                                f"{weights_file(version)!r}; refusing to load it.")
+        timeout_s = self.cfg.pipeline.weights_visible_timeout_s
+        deadline = time.monotonic() + timeout_s
+        while (lag := _not_visible_yet(path, record.get("size"))) is not None:
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"policy_version {version}'s weights {path} {lag} {timeout_s:g}s after the trainer wrote them. "
+                    "The rollout node loads them from the run directory, which must be on a file system both node "
+                    "groups share (run.dir); raise pipeline.weights_visible_timeout_s if it is shared but slow, or "
+                    "use pipeline.weight_sync=distributed.")
+            self.check_health(f"policy_version {version}'s weights to show up complete at {path}")
+            time.sleep(0.1)
         if file_digest(path) != record.get("sha256"):
             raise RuntimeError(f"{path} does not have the sha256 the trainer published for policy_version "
                                f"{version}: the file was changed after it was written; refusing to load it.")
@@ -240,3 +253,14 @@ def check_context(cfg: Config, prompts: list[Prompt]) -> None:
             "its requests. Lower rollout_max_response_len or data.max_prompt_len (longer prompts are refused when "
             "the data is read), or serve a model with a longer context."
         )
+
+
+def _not_visible_yet(path: Path, size: int | None) -> str | None:
+    """Why ``path`` cannot be the trainer's file of ``size`` bytes yet (None: it may be; its digest decides)."""
+    try:
+        have = path.stat().st_size
+    except FileNotFoundError:
+        return "were not there"
+    if size is not None and have < size:
+        return f"had {have} of their {size} bytes"
+    return None

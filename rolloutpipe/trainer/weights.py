@@ -108,7 +108,7 @@ class WeightPublisher:
             path = self.run_dir / weights_file(version)
             self.trainer.save_weights(path)
             self.transport.put_record(key, {"path": weights_file(version), "policy_version": version,
-                                            "sha256": file_digest(path)})
+                                            "size": path.stat().st_size, "sha256": file_digest(path)})
         elif serves:  # the rollout node has the engines receive the plan's buckets while they are sent
             state = self.trainer.hf_state()
             buckets = self.broadcaster.plan(state)
