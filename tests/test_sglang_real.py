@@ -263,6 +263,35 @@ def test_weights_loaded_from_disk_are_served_with_their_version(client, tmp_path
     assert max(abs(a - b) for a, b in zip(result.output_logprobs, want)) < 1e-4
 
 
+def test_sglangs_own_bench_serving_runs_against_the_embedded_engines_server(model_dir, tmp_path):
+    """``python -m sglang.benchmark.serving --backend sglang`` (streaming, text in and out, its own token counts)
+    against the embedded engine's server: every request succeeds with the token counts it asked for."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    model_yaml = tmp_path / "model.yaml"
+    model_yaml.write_text(OmegaConf.to_yaml(OmegaConf.structured(MODEL)))
+    embedded = server_process.embedded_server(name="embedded", model_config_yaml=model_yaml, concurrency=8,
+                                              log_dir=tmp_path, num_threads=1, api_key=None).start()
+    try:
+        embedded.wait_ready(timeout_s=START_TIMEOUT_S)
+        port = embedded.url.rsplit(":", 1)[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang", "--host", "127.0.0.1",
+             "--port", port, "--dataset-name", "random-ids", "--random-input-len", "8", "--random-output-len", "16",
+             "--random-range-ratio", "1.0", "--num-prompts", "8", "--tokenizer", str(model_dir),
+             "--output-file", str(tmp_path / "bench.jsonl")],
+            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    finally:
+        embedded.stop()
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "bench.jsonl").read_text().splitlines()[-1])
+    assert summary["completed"] == 8
+    assert summary["total_input_tokens"] == 8 * 8
+    assert summary["total_output_tokens"] == summary["total_output_tokens_retokenized"] == 8 * 16
+
+
 # --- whole runs: the job starts its SGLang servers (rollout.engine=sglang) ---------------------------------------
 
 
