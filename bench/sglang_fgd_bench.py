@@ -9,9 +9,12 @@ random-init Qwen3 whose responses are long-tailed (EOS with probability ~1/45 pe
 ``--response-len``), 8 prompts x 4 samples a step in two training batches of 4 groups. Settings, each where
 SGLang itself decides the order in which requests run:
 
-    kv_pressure     one engine whose KV cache (--max-total-tokens) holds about a third of the step's tokens: requests
-                    queue for memory, and running ones are retracted (SGLang retracts the request with the fewest
-                    generated tokens and puts it back in the queue)
+    kv_pressure     one engine whose KV cache (--max-total-tokens 512) holds about a third of the step's tokens:
+                    SGLang admits a request only when its reservation (prompt + 0.7 x max_new_tokens, the ratio
+                    decaying while nothing is retracted) fits, so requests queue for memory
+    retraction      the same, admitting on a reservation of 0.05 x max_new_tokens (SGLANG_INIT_NEW_TOKEN_RATIO): the
+                    running requests outgrow the cache and SGLang retracts some (the one with the fewest generated
+                    tokens first) back into the queue
     request_limit   one engine running at most 4 requests (--max-running-requests) of the step's 32
     two_engines     two engines, each running at most 4 requests
 
@@ -41,10 +44,15 @@ from pipeline_bench import aligned_table, run_one, wait_quiet  # noqa: E402
 
 CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
             "--mem-fraction-static", "0.2", "--disable-cuda-graph", "--sleep-on-idle"]
-SETTINGS = {
+SETTINGS: dict[str, dict] = {
     "kv_pressure": {"engines": 1, "args": ["--max-total-tokens", "512", "--max-running-requests", "32"]},
+    "retraction": {"engines": 1, "args": ["--max-total-tokens", "512", "--max-running-requests", "32"],
+                   "environ": {"SGLANG_INIT_NEW_TOKEN_RATIO": "0.05", "SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR": "0.05"}},
     "request_limit": {"engines": 1, "args": ["--max-total-tokens", "8192", "--max-running-requests", "4"]},
-    "two_engines": {"engines": 2, "args": ["--max-total-tokens", "8192", "--max-running-requests", "4"]},
+    "two_engines": {"engines": 2, "args": ["--max-total-tokens", "8192", "--max-running-requests", "4"],
+                    # SGLang's CPU path binds engine j (base GPU id j) to NUMA node j, or to the j-th '|'-separated
+                    # core group of this variable: both engines get every core
+                    "environ": {"SGLANG_CPU_OMP_THREADS_BIND": "|".join([f"0-{os.cpu_count() - 1}"] * 2)}},
 }
 ADMISSION = {"fifo": ["rollout.admission=fifo"], "fgd": ["rollout.admission=fgd"]}
 COLUMNS = [("perf/first_group_s", "first_grp_s"), ("perf/rollout_to_train_end_s", "r2t_s"),
@@ -94,7 +102,13 @@ def main() -> None:
                              f"rollout_max_response_len={args.response_len}", f"rollout.num_engines={spec['engines']}",
                              f"rollout.sglang_launch_args=[{','.join([*CPU_ARGS, *spec['args']])}]", *extra]
                 wait_quiet(0.25, 30.0)
-                steps, foreign = run_one(run_dir, overrides)
+                saved = dict(os.environ)
+                os.environ.update(spec.get("environ", {}))  # read by the SGLang servers the job starts
+                try:
+                    steps, foreign = run_one(run_dir, overrides)
+                finally:
+                    os.environ.clear()
+                    os.environ.update(saved)
                 records[admission].append(steps[1:])
                 num_retracted[admission].append(retracted(run_dir))
                 print(f"  {setting} {admission} repeat {rep}: done (other jobs used {foreign:.2f} cores, "
