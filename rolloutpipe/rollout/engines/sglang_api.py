@@ -46,7 +46,9 @@ Facts about 0.5.23 that shape this module (read in its source):
   receives one broadcast from rank 0 per listed tensor, in list order, and loads them. Both answer
   ``{"success", "message"}``, HTTP 400 on failure. rolloutpipe/control/weight_sync.py is the trainer's side.
 - ``/update_weights_from_disk`` takes a *directory* (``model_path``) and loads every ``*.safetensors`` in it;
-  ``model_dir_for`` turns the trainer's one-file-per-version layout into that.
+  ``model_dir_for`` turns the trainer's one-file-per-version layout into that. A load that fails takes the server
+  down (its rollback reloads from the bad path), so the rollout node hands it only a file that is there with the
+  size and sha256 the trainer published (``RolloutNode.checked_weights_file``).
 """
 
 from __future__ import annotations
