@@ -119,11 +119,12 @@ def wait_quiet(max_cores: float, max_wait_s: float) -> None:
             return
 
 
-def run_one(run_dir: Path, overrides: list[str]) -> tuple[list[dict], float]:
-    """The run's metrics records, and the cores other jobs on the machine used meanwhile (the noise)."""
+def run_one(run_dir: Path, overrides: list[str], environ: dict[str, str] | None = None) -> tuple[list[dict], float]:
+    """The run's metrics records, and the cores other jobs on the machine used meanwhile (the noise); ``environ``:
+    the job's environment (None: this process's)."""
     busy, start, ours = machine_busy_s(), time.monotonic(), {}
     with subprocess.Popen([sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", *overrides], cwd=REPO,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as job:
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=environ) as job:
         stderr = []
         reader = threading.Thread(target=lambda: stderr.append(job.stderr.read()), daemon=True)
         reader.start()

@@ -42,8 +42,8 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from pipeline_bench import aligned_table, run_one, wait_quiet  # noqa: E402
 
-CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-            "--mem-fraction-static", "0.2", "--disable-cuda-graph", "--sleep-on-idle"]
+from tests import sglang_cpu  # noqa: E402  (the CPU recipe of the SGLang tier)
+
 SETTINGS: dict[str, dict] = {
     "kv_pressure": {"engines": 1, "args": ["--max-total-tokens", "512", "--max-running-requests", "32"]},
     "retraction": {"engines": 1, "args": ["--max-total-tokens", "512", "--max-running-requests", "32"],
@@ -84,10 +84,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4, help="RL steps per run (step 0 is dropped)")
     parser.add_argument("--response-len", type=int, default=64)
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "runs" / f"sglang-fgd-{time.strftime('%Y%m%d-%H%M%S')}")
+    parser.add_argument("--out", type=Path,
+                        default=REPO / "bench" / "runs" / f"sglang-fgd-{time.strftime('%Y%m%d-%H%M%S')}")
     args = parser.parse_args()
-    os.environ.update({"SGLANG_USE_CPU_ENGINE": "1", "RP_SGLANG_CPU_SEEDED_SAMPLER": "1",  # tests/sglang_cpu
-                       "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "sglang_cpu"), str(REPO)])})
     model_dir = save_model(args.out / "tiny-hf")
     rows = [["setting", "admission", *(short for _, short in COLUMNS), "retracted", "r2t range", "first_grp vs fifo",
              "r2t vs fifo", "wait vs fifo"]]
@@ -100,15 +99,12 @@ def main() -> None:
                 run_dir = args.out / setting / f"{admission}-{rep}"
                 overrides = [*WORKLOAD, f"model.path={model_dir}", f"num_rollout={args.steps}",
                              f"rollout_max_response_len={args.response_len}", f"rollout.num_engines={spec['engines']}",
-                             f"rollout.sglang_launch_args=[{','.join([*CPU_ARGS, *spec['args']])}]", *extra]
+                             f"rollout.sglang_launch_args=[{','.join([*sglang_cpu.LAUNCH_ARGS, *spec['args']])}]",
+                             *extra]
                 wait_quiet(0.25, 30.0)
-                saved = dict(os.environ)
-                os.environ.update(spec.get("environ", {}))  # read by the SGLang servers the job starts
-                try:
-                    steps, foreign = run_one(run_dir, overrides)
-                finally:
-                    os.environ.clear()
-                    os.environ.update(saved)
+                # the SGLang servers the job starts read them
+                environ = {**os.environ, **sglang_cpu.environ(REPO), **spec.get("environ", {})}
+                steps, foreign = run_one(run_dir, overrides, environ)
                 records[admission].append(steps[1:])
                 num_retracted[admission].append(retracted(run_dir))
                 print(f"  {setting} {admission} repeat {rep}: done (other jobs used {foreign:.2f} cores, "
@@ -117,7 +113,8 @@ def main() -> None:
                for a, recs in records.items()}
         for admission in ADMISSION:
             m, base = med[admission], med["fifo"]
-            per_repeat = [statistics.median(r["perf/rollout_to_train_end_s"] for r in rep) for rep in records[admission]]
+            per_repeat = [statistics.median(r["perf/rollout_to_train_end_s"] for r in rep)
+                          for rep in records[admission]]
             rows.append([setting, admission, *(f"{m[key]:.3f}" for key, _ in COLUMNS),
                          f"{statistics.median(num_retracted[admission]):.0f}",
                          f"{min(per_repeat):.2f}-{max(per_repeat):.2f}",

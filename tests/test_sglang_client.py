@@ -32,12 +32,15 @@ API_KEY = "k" * 64
 class Results:
     def __init__(self) -> None:
         self.by_id: dict[str, GenerationResult] = {}
+        self.order: list[str] = []
+        """Request ids in the order their results came."""
         self._changed = threading.Condition()
 
     def __call__(self, result: GenerationResult) -> None:
         with self._changed:
             assert result.request_id not in self.by_id, f"{result.request_id} reported twice"
             self.by_id[result.request_id] = result
+            self.order.append(result.request_id)
             self._changed.notify_all()
 
     def wait_for(self, n: int, timeout_s: float = 30.0) -> dict[str, GenerationResult]:

@@ -251,7 +251,7 @@ def _rollout_node(run_dir, timeout_s: float):
                            check_health=lambda waiting_for: None)
 
 
-def _published(run_dir, version: int, data: bytes) -> dict:
+def _published(version: int, data: bytes) -> dict:
     import hashlib
 
     from rolloutpipe.control.weight_sync import weights_file
@@ -267,7 +267,7 @@ def test_a_weights_file_that_shows_up_late_and_complete_is_waited_for(tmp_path):
     from rolloutpipe.rollout.node import RolloutNode
 
     data = bytes(range(256)) * 64
-    record = _published(tmp_path, 3, data)
+    record = _published(3, data)
     path = tmp_path / weights_file(3)
     path.parent.mkdir(parents=True)
 
@@ -294,7 +294,7 @@ def test_a_weights_file_that_is_not_the_published_one_stops_the_run_saying_why(t
     from rolloutpipe.control.weight_sync import weights_file
     from rolloutpipe.rollout.node import RolloutNode
 
-    record = _published(tmp_path, 2, bytes(4096))
+    record = _published(2, bytes(4096))
     path = tmp_path / weights_file(2)
     path.parent.mkdir(parents=True)
     if content is not None:

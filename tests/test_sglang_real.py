@@ -13,6 +13,7 @@ first. On a GPU, ``--enable-deterministic-inference`` gives the same guarantees 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -23,22 +24,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from rolloutpipe.model import ModelConfig, TinyModelConfig, build_tiny_tokenizer, load_model, save_hf_checkpoint
 from rolloutpipe.rollout.engines import server_process, sglang_api
 from rolloutpipe.rollout.engines.http_client import SGLangEngine
-from rolloutpipe.types import FinishReason, GenerationRequest, GenerationResult
+from rolloutpipe.trainer.logprobs import token_logprobs
+from rolloutpipe.types import FinishReason, GenerationRequest
+from tests import sglang_cpu
 from tests.conftest import REPO, SMALL, node_environ, read_metrics, read_samples, wait_for
+from tests.test_hosts import final_weights, samples
+from tests.test_sglang_client import Results
 
 pytestmark = [pytest.mark.sglang_real, pytest.mark.multiprocess]
 
-SUPPORT = REPO / "tests" / "sglang_cpu"
-CPU_ENVIRON = {"SGLANG_USE_CPU_ENGINE": "1", "RP_SGLANG_CPU_SEEDED_SAMPLER": "1",
-               "PYTHONPATH": f"{SUPPORT}{os.pathsep}{REPO}"}
-CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-            "--mem-fraction-static", "0.2", "--max-total-tokens", "4096", "--disable-cuda-graph", "--sleep-on-idle",
-            "--disable-radix-cache", "--max-running-requests", "1"]
+CPU_ENVIRON = sglang_cpu.environ(REPO)
+CPU_ARGS = [*sglang_cpu.LAUNCH_ARGS, "--max-total-tokens", "4096", "--disable-radix-cache",
+            "--max-running-requests", "1"]
 START_TIMEOUT_S = 300.0
 """A guard against a hang: SGLang starts in about 25 s here."""
 MODEL = ModelConfig(tiny=TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -77,12 +79,10 @@ def model_dir(tmp_path_factory) -> Path:
     return directory
 
 
-def start_sglang(name: str, model_dir: Path, log_dir: Path, *, priority_scheduling: bool = True,
-                 extra_args: tuple[str, ...] = ()) -> server_process.ServerProcess:
+def start_sglang(name: str, model_dir: Path, log_dir: Path) -> server_process.ServerProcess:
     server = server_process.sglang_server(
         name=name, model_path=str(model_dir), dtype="float32", concurrency=1, seed=0, base_gpu_id=0,
-        priority_scheduling=priority_scheduling, extra_args=[*CPU_ARGS, *extra_args], log_dir=log_dir,
-        api_key=API_KEY, deterministic=False)
+        priority_scheduling=True, extra_args=CPU_ARGS, log_dir=log_dir, api_key=API_KEY, deterministic=False)
     server.start().wait_ready(timeout_s=START_TIMEOUT_S)
     return server
 
@@ -90,8 +90,6 @@ def start_sglang(name: str, model_dir: Path, log_dir: Path, *, priority_scheduli
 @pytest.fixture(scope="module")
 def no_eos_model_dir(tmp_path_factory) -> Path:
     """The same model without an EOS id: a request runs to max_new_tokens unless aborted."""
-    import json
-
     directory = tmp_path_factory.mktemp("tiny-hf-no-eos")
     save_hf_checkpoint(load_model(MODEL, VOCAB), build_tiny_tokenizer(), directory)
     for name in ("config.json", "generation_config.json"):
@@ -107,26 +105,6 @@ def server(no_eos_model_dir, tmp_path_factory):
     server = start_sglang("sglang0", no_eos_model_dir, tmp_path_factory.mktemp("engines"))
     yield server
     server.stop()
-
-
-class Results:
-    def __init__(self) -> None:
-        self.by_id: dict[str, GenerationResult] = {}
-        self.order: list[str] = []
-        self._changed = threading.Condition()
-
-    def __call__(self, result: GenerationResult) -> None:
-        with self._changed:
-            self.by_id[result.request_id] = result
-            self.order.append(result.request_id)
-            self._changed.notify_all()
-
-    def wait_for(self, ids: list[str], timeout_s: float = 120.0) -> dict[str, GenerationResult]:
-        """A guard against a hang, not a check of speed."""
-        with self._changed:
-            assert self._changed.wait_for(lambda: all(i in self.by_id for i in ids), timeout_s), \
-                f"{sorted(set(ids) - set(self.by_id))} did not come back"
-        return self.by_id
 
 
 @pytest.fixture
@@ -146,10 +124,10 @@ def request(request_id: str, prompt: list[int], *, seed: int = 1, max_new_tokens
 
 
 def trainer_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> list[float]:
-    ids = torch.tensor([prompt + response])
+    """The trainer's log-probs of ``response`` (trainer/logprobs.token_logprobs on the model's logits)."""
     with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1: -1].double()
-    return (logits / temperature).log_softmax(-1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1).tolist()
+        logits = model(input_ids=torch.tensor([prompt + response])).logits[:, len(prompt) - 1: -1]
+    return token_logprobs(logits, torch.tensor([response]), temperature)[0].tolist()
 
 
 # --- the client against the server -------------------------------------------------------------------------------
@@ -164,7 +142,7 @@ def test_log_probs_match_the_trainers_recompute_and_each_seed_gives_its_own_samp
                     temperature=requests[0].temperature)
     for r in [*requests, *again, other]:
         client.submit(r)
-    got = client.results.wait_for([r.request_id for r in [*requests, *again, other]])
+    got = client.results.wait_for(len(requests) + len(again) + 1, timeout_s=120)
     model = load_model(MODEL, VOCAB)
     diffs = []
     for r, twin in zip(requests, again):
@@ -207,7 +185,7 @@ def test_fgd_priorities_put_the_frontier_group_first_on_a_server_that_queues(cli
     time.sleep(0.5)  # the blocker runs (for seconds: LONG) while the others queue behind it
     for r in queued:
         client.submit(r)
-    client.results.wait_for([blocker.request_id, *[r.request_id for r in queued]])
+    client.results.wait_for(1 + len(queued), timeout_s=120)
     finished = [i.split("/")[1] for i in client.results.order if i != blocker.request_id]
     assert finished == ["group=0", "group=0", "group=1", "group=1", "group=2", "group=2"], client.results.order
 
@@ -219,7 +197,7 @@ def test_abort_ends_the_request_with_its_partial_output_and_spares_a_longer_rid(
     client.submit(ten)
     time.sleep(0.5)  # one runs (for seconds: LONG), ten waits behind it
     client.abort(one.request_id)
-    got = client.results.wait_for([one.request_id, ten.request_id], timeout_s=240)
+    got = client.results.wait_for(2, timeout_s=240)
     assert got[one.request_id].finish_reason is FinishReason.ABORT
     assert got[ten.request_id].finish_reason is FinishReason.LENGTH, "aborting sample=1 must spare sample=10"
     assert len(got[ten.request_id].output_ids) == LONG
@@ -257,7 +235,7 @@ def test_weights_loaded_from_disk_are_served_with_their_version(client, tmp_path
     client.update_weights_from_disk(str(path), 1)
     r = request("step=4/group=0/sample=0", [5, 6, 7, 8], max_new_tokens=12)
     client.submit(r)
-    result = client.results.wait_for([r.request_id])[r.request_id]
+    result = client.results.wait_for(1, timeout_s=120)[r.request_id]
     assert result.policy_version == 1
     want = trainer_logprobs(new, r.input_ids, result.output_ids, r.temperature)
     assert max(abs(a - b) for a, b in zip(result.output_logprobs, want)) < 1e-4
@@ -266,8 +244,6 @@ def test_weights_loaded_from_disk_are_served_with_their_version(client, tmp_path
 def test_sglangs_own_bench_serving_runs_against_the_embedded_engines_server(model_dir, tmp_path):
     """``python -m sglang.benchmark.serving --backend sglang`` (streaming, text in and out, its own token counts)
     against the embedded engine's server: every request succeeds with the token counts it asked for."""
-    import json
-
     from omegaconf import OmegaConf
 
     model_yaml = tmp_path / "model.yaml"
@@ -317,14 +293,6 @@ def finish(proc: subprocess.Popen, timeout_s: float = 600) -> str:
             proc.kill()
     assert proc.returncode == 0, stderr[-4000:]
     return stderr
-
-
-def samples(run_dir: Path) -> dict[str, list[int]]:
-    return {row["id"]: row["response_ids"] for row in read_samples(run_dir)}
-
-
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(run_dir / "checkpoints" / "final" / "model.safetensors"))
 
 
 def max_weight_diff(a: Path, b: Path) -> float:

@@ -89,7 +89,9 @@ class _SeededConfig:
         if self._deterministic and name == "enable_deterministic_inference":
             return True
         value = getattr(self._bag, name)
-        return _SeededConfig(value, deterministic=True) if not self._deterministic and name == "deterministic" else value
+        if not self._deterministic and name == "deterministic":
+            return _SeededConfig(value, deterministic=True)
+        return value
 
 
 MASK32 = 0xFFFFFFFF
