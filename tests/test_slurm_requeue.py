@@ -39,11 +39,11 @@ def run_processes(run_id: str) -> list[tuple[int, str]]:
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
 
 TIME_LIMIT_STEPS = 240
-SLOW = {"RP_TEST_REWARD_SLEEP_S": "0.02"}
-"""With it, the time-limit run's steps take about half a second (its rewards wait): 2 minutes of steps, longer than
-a 2-minute job runs before Slurm's warning (which comes up to a minute early: it checks time limits periodically),
-so the job is warned and requeued at least once, and each start makes progress. The uninterrupted reference runs
-without the wait: the same rewards, the same update."""
+SLOW = {"RP_TEST_REWARD_SLEEP_UNTIL_REQUEUED_S": "0.1"}
+"""With it, the time-limit run's first start cannot finish before the time limit on any machine: its rewards wait
+0.1 s each (one reward worker, 16 samples a step: at least 1.6 s a step, 240 steps at least 6 minutes, against a
+2-minute limit), so the job is warned and requeued at least once, and the first start makes progress. Requeued
+starts run without the wait. The uninterrupted reference runs without it too: the same rewards, the same update."""
 PREEMPTED_STEPS = 80
 
 
