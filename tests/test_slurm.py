@@ -53,12 +53,12 @@ def _installed(module: str) -> bool:
 def launch(run_dir: Path, *overrides: str, wait: bool = True, timeout_s: float = 240,
            environ: dict[str, str] | None = None):
     args = [sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", *SLURM, *overrides]
+    env = {**node_environ(), **(environ or {})}
     if wait:
-        return subprocess.run(args, cwd=run_dir.parent, env={**node_environ(), **(environ or {})},
-                              capture_output=True, text=True, timeout=timeout_s)
+        return subprocess.run(args, cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=timeout_s)
     # stdout (the trainer's step lines) is dropped: nobody reads it while the job runs, and a full pipe would block
-    return subprocess.Popen(args, cwd=run_dir.parent, env=node_environ(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(args, cwd=run_dir.parent, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
 
 
 def stop_if_running(launcher: subprocess.Popen, run_dir: Path) -> None:

@@ -43,7 +43,9 @@ SLOW = {"RP_TEST_REWARD_SLEEP_UNTIL_REQUEUED_S": "0.1"}
 """With it, the time-limit run's first start cannot finish before the time limit on any machine: its rewards wait
 0.1 s each (one reward worker, 16 samples a step: at least 1.6 s a step, 240 steps at least 6 minutes, against a
 2-minute limit), so the job is warned and requeued at least once, and the first start makes progress. Requeued
-starts run without the wait. The uninterrupted reference runs without it too: the same rewards, the same update."""
+starts run without the wait. The preempted run's first start, with it, cannot end before the test requeues it (80
+steps, at least 2 minutes; the requeue comes after 20). The uninterrupted reference runs without it: the same rewards,
+the same update."""
 PREEMPTED_STEPS = 80
 
 
@@ -95,7 +97,7 @@ def test_a_job_past_its_time_limit_requeues_itself_and_ends_with_the_uninterrupt
 def test_scontrol_requeue_from_outside_mid_step_resumes_to_the_uninterrupted_weights(job_dir, uninterrupted):
     run_dir = job_dir("preempted")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    launcher = launch(run_dir, *workload(PREEMPTED_STEPS), wait=False)
+    launcher = launch(run_dir, *workload(PREEMPTED_STEPS), wait=False, environ=SLOW)  # cannot end before the requeue
     try:
         job_id = job_id_of(run_dir)
         wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= 20, "20 steps",
