@@ -142,6 +142,9 @@ class SimEngine:
     def num_in_flight(self) -> int:
         return len(self._waiting) - self._head + self._num_running
 
+    def new_step(self) -> None:
+        """The engines serve new weights (nothing of this model depends on the old ones)."""
+
     def submit(self, request: SimRequest) -> None:
         request.submitted_s = self.loop.now
         self._waiting.append(request)

@@ -106,6 +106,42 @@ class OverheadModel:
     """Between the engines serving new weights and the next step's first admission."""
 
 
+class SchedulerKind(enum.Enum):
+    slots = "slots"
+    """At most ``rollout.concurrency`` requests run, the rest wait in submission order (sim/engine.py)."""
+    sglang = "sglang"
+    """SGLang's scheduler: KV-pool admission, priority order, preemption, retraction, radix cache (this file)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class SchedulerModel:
+    kind: SchedulerKind = SchedulerKind.slots
+    max_total_tokens: int | None = None
+    """KV pool of one engine in tokens (SGLang's ``--max-total-tokens``; None: it never limits)."""
+    max_running_requests: int | None = None
+    """SGLang's ``--max-running-requests`` (None: ``rollout.concurrency``)."""
+    init_new_token_ratio: float = 0.7
+    """SGLANG_INIT_NEW_TOKEN_RATIO (x --schedule-conservativeness, 1.0)."""
+    min_new_token_ratio_factor: float = 0.14
+    """SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR."""
+    new_token_ratio_decay_steps: int = 600
+    """SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS."""
+    retract_decode_steps: int = 20
+    """SGLANG_RETRACT_DECODE_STEPS."""
+    clip_max_new_tokens: int = 4096
+    """SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION."""
+    priority_scheduling: bool | None = None
+    """None: on under FGD, as the launcher starts SGLang (rollout/hosts.py)."""
+    radix_cache: bool = True
+    """False: --disable-radix-cache."""
+
+    def __post_init__(self) -> None:
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ValueError(f"sim.scheduler.max_total_tokens={self.max_total_tokens} must be at least 1 (or null).")
+        if not 0 < self.init_new_token_ratio <= 1 or not 0 < self.min_new_token_ratio_factor <= 1:
+            raise ValueError("sim.scheduler.init_new_token_ratio and min_new_token_ratio_factor must be in (0, 1].")
+
+
 class LengthKind(enum.Enum):
     lognormal = "lognormal"
     geometric = "geometric"
@@ -168,6 +204,8 @@ class RewardModel:
 @dataclass(kw_only=True, slots=True)
 class SimConfig:
     engine: EngineModel = field(default_factory=EngineModel)
+    scheduler: SchedulerModel = field(default_factory=SchedulerModel)
+    """What decides which request runs: a request count (SimEngine) or SGLang's scheduler (sim/sglang.py)."""
     trainer: TrainerModel = field(default_factory=TrainerModel)
     overheads: OverheadModel = field(default_factory=OverheadModel)
     lengths: LengthModel = field(default_factory=LengthModel)

@@ -26,18 +26,18 @@ import gc
 import heapq
 import statistics
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 
 from rolloutpipe.config import Config, PipelineMode
 from rolloutpipe.observe.metrics import RolloutStats, TrainStats, reduce_step
-from rolloutpipe.rollout.admission import Admission, GroupAssembler, RolloutSchedule
+from rolloutpipe.rollout.admission import Admission, AdmissionPolicy, GroupAssembler, RolloutSchedule
 from rolloutpipe.rollout.data import PromptSource
 from rolloutpipe.rollout.dispatcher import Release
 from rolloutpipe.rollout.rewards import OnTimeout
 from rolloutpipe.sim.engine import EventLoop, SimEngine, SimRequest
-from rolloutpipe.sim.models import LengthModel, SimConfig
+from rolloutpipe.sim.models import LengthModel, SchedulerKind, SimConfig
 from rolloutpipe.trainer.batching import BatchConsumer, MicroBatch
 from rolloutpipe.types import CompleteGroup, Prompt, Span
 
@@ -67,9 +67,8 @@ class Simulation:
         self.sim = sim
         self.mode = job.pipeline.mode
         self.loop = EventLoop()
-        self.engines = [SimEngine(name=f"engine{i}", concurrency=job.rollout.concurrency, model=sim.engine,
-                                  loop=self.loop, on_result=self._on_result)
-                        for i in range(job.rollout.num_engines)]
+        self.engines: list[Any] = [self._engine(f"engine{i}") for i in range(job.rollout.num_engines)]
+        """SimEngines, or SGLangSimEngines (sim.scheduler.kind=sglang: interpreted, sim/sglang.py)."""
         rng = np.random.default_rng(job.seed)
         prompt_lens = sim.lengths.draw_prompts(rng, sim.num_prompts)
         pass_rates = sim.rewards.draw_pass_rates(rng, sim.num_prompts)
@@ -78,6 +77,20 @@ class Simulation:
                    for i, (n, p) in enumerate(zip(prompt_lens, pass_rates))]
         self.source = PromptSource(prompts, shuffle=True, seed=job.seed)
         self.spans: list[Span] = []
+
+    def _engine(self, name: str) -> Any:
+        job, sim = self.job, self.sim
+        if sim.scheduler.kind is SchedulerKind.slots:
+            return SimEngine(name=name, concurrency=job.rollout.concurrency, model=sim.engine, loop=self.loop,
+                             on_result=self._on_result)
+        from rolloutpipe.sim.sglang import SGLangSimEngine
+
+        priority = sim.scheduler.priority_scheduling
+        return SGLangSimEngine(name=name, model=sim.engine, scheduler=sim.scheduler,
+                               max_running_requests=sim.scheduler.max_running_requests or job.rollout.concurrency,
+                               max_new_tokens=job.rollout_max_response_len,
+                               priority_scheduling=job.rollout.admission is AdmissionPolicy.fgd
+                               if priority is None else priority, loop=self.loop, on_result=self._on_result)
 
     def run(self, num_steps: int | None = None) -> SimResult:
         # Millions of short-lived objects and no reference cycles: the cyclic collector would only cost time.
@@ -127,6 +140,8 @@ class Simulation:
         n: int = job.n_samples_per_prompt
         self.loop.clear()
         self.loop.now = start_s
+        for engine in self.engines:
+            engine.new_step()  # new weights: SGLang flushes its cache
         rng = np.random.default_rng((job.seed, step))
         draws = _StepDraws(rng, sim.lengths, n, job.rollout_max_response_len, version)
         admission = Admission(policy=job.rollout.admission, engines=self.engines, concurrency=job.rollout.concurrency)
