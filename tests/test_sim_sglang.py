@@ -157,18 +157,24 @@ def test_retraction_takes_the_request_with_the_fewest_generated_tokens_back_to_t
     assert order == [0, 2, 1]
 
 
-def test_priority_scheduling_runs_the_lowest_group_first_and_preempts_for_it():
+@pytest.mark.parametrize("threshold", [0, 1, 10])
+def test_priority_scheduling_runs_the_lowest_group_first_and_preempts_beyond_the_threshold(threshold):
     loop, started = EventLoop(), {}
     engine = SGLangSimEngine(name="e", model=MODEL, max_running_requests=1, max_new_tokens=50,
-                             scheduler=SchedulerModel(kind=SchedulerKind.sglang), priority_scheduling=True,
-                             loop=loop, on_result=lambda n, done, a, t: started.update(
+                             scheduler=SchedulerModel(kind=SchedulerKind.sglang,
+                                                      priority_preemption_threshold=threshold),
+                             priority_scheduling=True, loop=loop, on_result=lambda n, done, a, t: started.update(
                                  {r.request_id: r.started_s for r in done}))
     for group in (2, 1):
         engine.submit(SimRequest(group, group, 0, 4, 30, 1.0, 0))
     loop.at(0.01, lambda _: engine.submit(SimRequest(0, 0, 0, 4, 30, 1.0, 0)))  # group 0 comes while 1 runs
     loop.at(10.0, lambda _: loop.stop())
     loop.run()
-    assert engine.num_preempted == 1, "group 0 takes the only slot from group 1"
+    if threshold == 0:
+        assert engine.num_preempted == 1, "group 0 takes the only slot from group 1"
+    else:
+        assert engine.num_preempted == 0, "groups 0 and 1 are not more than the threshold apart"
+        assert started[1] < started[0]
     assert started[0] < started[2] and started[1] < started[2], "group 2 waits for both"
 
 

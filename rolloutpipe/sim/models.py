@@ -132,6 +132,9 @@ class SchedulerModel:
     """SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION."""
     priority_scheduling: bool | None = None
     """None: on under FGD, as the launcher starts SGLang (rollout/hosts.py)."""
+    priority_preemption_threshold: int = 10
+    """--priority-scheduling-preemption-threshold: a request preempts running ones whose priority value is more
+    than this above its own (FGD's priorities are group indices: groups more than 10 apart)."""
     radix_cache: bool = True
     """False: --disable-radix-cache."""
 

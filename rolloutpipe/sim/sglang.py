@@ -16,8 +16,9 @@ engine whose only limit is a request count. ``SGLangSimEngine`` decides what run
                  request that does not fit stops the pass
     order        first come first served; under priority scheduling (what the launcher asks for under FGD) sorted by
                  (priority, time queued): the group index, lower first
-    preemption   under priority scheduling, a request that finds every slot taken preempts running requests of a
-                 strictly lower priority (the lowest, latest first) when their reservations make room for it
+    preemption   under priority scheduling, a request that finds every slot taken preempts running requests whose
+                 priority value is more than ``priority_preemption_threshold`` (SGLang's 10) above its own (the
+                 lowest, latest first) when their reservations make room for it
     retraction   when a decode step does not fit the KV pool, running requests are retracted (the fewest generated
                  tokens first, the longest prompt among equals) until it fits, at least one kept; they go back to the
                  queue with their tokens (recomputed by a prefill when readmitted) and the ratio becomes
@@ -56,6 +57,7 @@ class SGLangSimEngine:
         self.max_new = max_new_tokens
         self.clip = scheduler.clip_max_new_tokens
         self.priority_scheduling = priority_scheduling
+        self.preemption_threshold = scheduler.priority_preemption_threshold
         self.radix_cache = scheduler.radix_cache
         self.retract_decode_steps = scheduler.retract_decode_steps
         self.init_ratio = min(scheduler.init_new_token_ratio, 1.0)
@@ -252,11 +254,12 @@ class SGLangSimEngine:
         return admitted
 
     def _preemptible(self, run: _Run, rem: float) -> list[_Run]:
-        """Running requests of strictly lower priority, lowest and latest first, whose reservations make room."""
+        """Running requests of a priority value more than the threshold above the request's, lowest and latest
+        first, whose reservations make room."""
         to_free = self._extend(run) + min(self.max_new - run.generated, self.clip) - rem
         victims = []
         for other in sorted(self.running, key=lambda r: (-r.priority, -r.queued)):
-            if other.priority <= run.priority:
+            if other.priority - run.priority <= self.preemption_threshold:
                 break
             victims.append(other)
             to_free -= self.ratio * self._left(other)
