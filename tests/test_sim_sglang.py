@@ -24,7 +24,7 @@ def reference(requests, *, capacity, max_running, max_new, priority, radix, init
     get_next_batch_to_run / update_running_batch, schedule_policy.PrefillAdder, schedule_batch.retract_decode):
     every request (id, group, prompt_len, response_len) queued at time 0. Returns {id: finish time}, retractions."""
     queue = [{"id": i, "group": g, "prompt": p, "length": n, "gen": 0, "queued": i} for i, g, p, n in requests]
-    running, cached, finish, t, seq, retracted = [], set(), {}, 0.0, len(queue), 0
+    running, cached, finish, t, seq, retracted, full = [], set(), {}, 0.0, len(queue), 0, False
     ratio, min_ratio = init_ratio, init_ratio * min_factor
     decay = (init_ratio - min_ratio) / decay_steps
 
@@ -37,20 +37,25 @@ def reference(requests, *, capacity, max_running, max_new, priority, radix, init
         return (0 if radix and r["group"] in cached else r["prompt"]) + r["gen"]
 
     def done():
+        nonlocal full
         for r in [r for r in running if r["gen"] == r["length"]]:
             finish[r["id"]] = t
             running.remove(r)
+            full = False
 
     while queue or running:
         if priority:
             queue.sort(key=lambda r: (r["group"], r["queued"]))
+        if priority or not running:
+            full = False  # batch_is_full: priority preemption resets it before every pass
         rem = capacity - used() - ratio * sum(min(max_new - r["gen"], clip) for r in running)
         admitted = []
-        for r in queue:
+        for r in [] if full else queue:
             if len(running) + len(admitted) >= max_running:
                 break
             need = extend(r) + min(max_new - r["gen"], clip)
             if not need < rem:
+                full = bool(admitted or running)
                 break
             admitted.append(r)
             rem -= need
@@ -72,6 +77,7 @@ def reference(requests, *, capacity, max_running, max_new, priority, radix, init
                 r["queued"] = seq
                 queue.append(r)
                 retracted += 1
+                full = False
                 if used() + len(running) <= capacity:
                     break
             ratio = min(1.0, (sum(r["gen"] for r in running) + 20 * len(running)) / (max_new * len(running) + 1))
@@ -116,10 +122,12 @@ CASES = {
     "kv_pressure": dict(capacity=400, max_running=32, priority=False, radix=True),
     "kv_pressure_priority": dict(capacity=400, max_running=32, priority=True, radix=True),
     # long responses and a fast-decaying ratio: room for the queue's head opens between two finishes
-    "kv_opens_mid_decode": dict(capacity=400, max_running=32, priority=False, radix=False, shortest=50,
+    "kv_opens_mid_decode": dict(capacity=400, max_running=32, priority=True, radix=False, shortest=50,
                                 scheduler={"new_token_ratio_decay_steps": 10}),
-    "retraction": dict(capacity=300, max_running=32, priority=False, radix=False,
+    "retraction": dict(capacity=300, max_running=32, priority=True, radix=False,
                        scheduler={"init_new_token_ratio": 0.05, "min_new_token_ratio_factor": 0.5}),
+    "retraction_fifo": dict(capacity=300, max_running=32, priority=False, radix=True, shortest=30,
+                            scheduler={"init_new_token_ratio": 0.01, "min_new_token_ratio_factor": 0.5}),
 }
 
 
@@ -134,8 +142,8 @@ def test_the_engine_equals_sglangs_loop_run_one_iteration_at_a_time(case, seed):
          "new_token_ratio_decay_steps": "decay_steps"}[k]: v for k, v in scheduler.items()})
     assert [got[i] for i, *_ in requests] == pytest.approx([expected[i] for i, *_ in requests], rel=1e-9)
     assert len(engine.retracted) == retracted
-    if case == "retraction":
-        assert retracted > 0, "the retraction case must retract"
+    if case.startswith("retraction"):
+        assert retracted > 0, "the retraction cases must retract"
 
 
 def test_retraction_takes_the_request_with_the_fewest_generated_tokens_back_to_the_queue():

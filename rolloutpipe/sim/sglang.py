@@ -13,7 +13,8 @@ engine whose only limit is a request count. ``SGLangSimEngine`` decides what run
                  running requests (and the full ``extend + max_new`` of each one admitted before it in this pass).
                  ``ratio`` (new_token_ratio) starts at ``init_new_token_ratio``, falls by
                  ``(init - init * min_factor) / decay_steps`` on each decode step, and is reset when idle. The first
-                 request that does not fit stops the pass
+                 request that does not fit stops the pass, and no pass is tried again until a running request leaves
+                 (SGLang's batch_is_full), except under priority scheduling, which tries every iteration
     order        first come first served; under priority scheduling (what the launcher asks for under FGD) sorted by
                  (priority, time queued): the group index, lower first
     preemption   under priority scheduling, a request that finds every slot taken preempts running requests whose
@@ -66,6 +67,10 @@ class SGLangSimEngine:
         self.ratio = self.init_ratio
         self.queue: list[_Run] = []
         self.running: list[_Run] = []
+        self.batch_full = False
+        """SGLang's ``running_batch.batch_is_full``: set when admission stops for want of tokens, cleared when a
+        running request leaves (finishes, is retracted or aborted). While set, no admission is tried, except under
+        priority scheduling (SGLang clears it before every pass, to try preemption)."""
         self.cached: set[int] = set()
         """Groups whose prompt is in this engine's radix cache (this step: the simulator clears it between steps)."""
         self.retracted: list[int] = []
@@ -97,6 +102,8 @@ class SGLangSimEngine:
                 if run.request.request_id == request_id:
                     self._catch_up()
                     del where[i]
+                    if where is self.running:
+                        self.batch_full = False
                     self.on_result(self.name, [run.request], True, self.loop.now)
                     self._replan()
                     return
@@ -141,7 +148,7 @@ class SGLangSimEngine:
         steps = min(self._remaining(run) for run in self.running) - 1  # the finishing step is a change
         if self.capacity != float("inf"):
             steps = min(steps, int((self.capacity - self._used()) // b))  # the next one retracts
-        if self.queue and len(self.running) < self.max_running:
+        if self.queue and len(self.running) < self.max_running and not self._latched():
             steps = min(steps, self._steps_until_admissible(steps))
         return max(steps, 0)
 
@@ -222,12 +229,17 @@ class SGLangSimEngine:
     def _finish(self) -> None:
         done = [run for run in self.running if run.generated >= run.request.response_len]
         if done:
+            self.batch_full = False
             self.running = [run for run in self.running if run.generated < run.request.response_len]
             self._done.extend(run.request for run in done)
 
     def _admit(self) -> list[_Run]:
         """SGLang's PrefillAdder over the queue: the requests that join now (taken out of the queue); under
         priority scheduling the running requests preempted for them go back to the queue."""
+        if self.priority_scheduling or not self.running:
+            self.batch_full = False
+        if self.batch_full:
+            return []
         rem = self.capacity - self._used() - self._reserved(self.running)
         admitted: list[_Run] = []
         preempted: list[_Run] = []
@@ -242,6 +254,7 @@ class SGLangSimEngine:
                     preempted.append(victim)
             need = self._extend(run) + min(self.max_new - run.generated, self.clip)
             if not need < rem:
+                self.batch_full = bool(admitted or self.running)
                 break
             admitted.append(run)
             rem -= need
@@ -281,6 +294,7 @@ class SGLangSimEngine:
         if self._used() + len(keep) > self.capacity:
             raise ValueError(f"simulated SGLang engine {self.name}: one request outgrows its KV pool of "
                              f"{self.capacity} tokens (SGLang aborts it); raise sim.scheduler.max_total_tokens.")
+        self.batch_full = False
         for run in retracted:
             self.retracted.append(run.request.request_id)
             self._requeue(run)
@@ -330,13 +344,17 @@ class SGLangSimEngine:
 
     def _admissible(self) -> bool:
         """Whether a request of the queue would join before the next decode step."""
-        if not self.queue:
+        if not self.queue or self._latched():
             return False
         head = self._ordered_queue()[0]
         rem = self.capacity - self._used() - self._reserved(self.running)
         if len(self.running) >= self.max_running:
             return self.priority_scheduling and bool(self._preemptible(head, rem))
         return self._extend(head) + min(self.max_new - head.generated, self.clip) < rem
+
+
+    def _latched(self) -> bool:
+        return self.batch_full and bool(self.running) and not self.priority_scheduling
 
 
 def _request_id(request: SimRequest) -> int:
