@@ -55,14 +55,15 @@ def test_fgd_admits_frontier_groups_first_then_the_rest_in_group_order():
     assert order == [7, 9, 3, 4, 12]
 
 
-def test_fifo_submits_everything_at_once_round_robin_and_aborts_only_unfinished_requests():
+def test_fifo_submits_everything_at_once_a_group_to_an_engine_and_aborts_only_unfinished_requests():
     engines = [FakeEngine("e0"), FakeEngine("e1")]
     admission = Admission(policy=AdmissionPolicy.fifo, engines=engines, concurrency=1)
-    for g in range(2):
+    for g in range(3):
         admission.add_group(g, group_requests(g))
-    assert engines[0].running == ["group=0/sample=0", "group=1/sample=0"]
-    assert engines[1].running == ["group=0/sample=1", "group=1/sample=1"]
-    admission.finished("group=1/sample=0", "e0")
+    # a group's samples share their prompt: one engine's prefix cache serves them all; the groups take turns
+    assert engines[0].running == ["group=0/sample=0", "group=0/sample=1", "group=2/sample=0", "group=2/sample=1"]
+    assert engines[1].running == ["group=1/sample=0", "group=1/sample=1"]
+    admission.finished("group=1/sample=0", "e1")
     assert admission.abort_groups([1]) == 1
     assert engines[1].aborted == ["group=1/sample=1"] and engines[0].aborted == []
 

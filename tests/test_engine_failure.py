@@ -85,23 +85,24 @@ def group_requests(group: int, n: int = 4):
 def test_requests_of_a_dead_engine_are_resubmitted_with_their_seeds_and_its_late_results_ignored():
     rollout = Rollout(num_engines=2)
     e0, e1 = rollout.engines
-    rollout.admission.add_group(0, group_requests(0))
+    for g in range(2):  # FIFO: group 0 on engine0, group 1 on engine1
+        rollout.admission.add_group(g, group_requests(g, n=2))
     e0.finish("step=0/group=0/sample=0")  # counted: it finished before the failure
     held = [r.request_id for r in e0.running]
-    assert held == ["step=0/group=0/sample=2"]
+    assert held == ["step=0/group=0/sample=1"]
     e0.error = RuntimeError("scheduler thread raised")
     rollout.supervisor.check()
 
     assert [(r.request_id, r.sampling_seed) for r in e1.running] == [
-        ("step=0/group=0/sample=1", 1), ("step=0/group=0/sample=3", 3), ("step=0/group=0/sample=2", 2)]
+        ("step=0/group=1/sample=0", 100), ("step=0/group=1/sample=1", 101), ("step=0/group=0/sample=1", 1)]
     replacement = rollout.engines[0]
     assert replacement.name == "engine0-restart1" and e0.shut_down
-    e0.finish("step=0/group=0/sample=2")  # the dead engine's late result: the request is on engine1 now
+    e0.finish("step=0/group=0/sample=1")  # the dead engine's late result: the request is on engine1 now
     for request in list(e1.running):
         e1.finish(request.request_id)
     ids = sorted(r.request_id for r in rollout.counted)
-    assert ids == [f"step=0/group=0/sample={s}" for s in range(4)], "every sample exactly once"
-    assert next(r for r in rollout.counted if r.request_id.endswith("sample=2")).engine == "engine1"
+    assert ids == [f"step=0/group={g}/sample={s}" for g in range(2) for s in range(2)], "every sample exactly once"
+    assert next(r for r in rollout.counted if r.request_id == "step=0/group=0/sample=1").engine == "engine1"
     assert rollout.admission.num_in_flight() == 0
     (name, span), = rollout.spans.spans
     assert name == "rollout/engine_restart" and span["engine"] == "engine0" and span["num_retried"] == 1
@@ -114,7 +115,8 @@ def test_a_restarted_engine_serves_the_current_weights_and_takes_new_requests():
     rollout.supervisor.check()
     replacement = rollout.engines[1]
     assert replacement.weights == ("/run/weights/policy_v3.safetensors", 3)
-    rollout.admission.add_group(0, group_requests(0))
+    for g in range(2):
+        rollout.admission.add_group(g, group_requests(g, n=2))
     assert len(replacement.running) == 2 and len(rollout.engines[0].running) == 2
 
 
@@ -157,12 +159,13 @@ def test_aborted_requests_of_a_dead_engine_are_not_retried():
 
 def test_an_engine_holding_requests_that_hands_none_back_within_the_timeout_is_restarted():
     rollout = Rollout(num_engines=2, request_timeout_s=0.05)
-    rollout.admission.add_group(0, group_requests(0))
+    for g in range(2):
+        rollout.admission.add_group(g, group_requests(g, n=2))
     rollout.supervisor.check()
     assert rollout.restarted == []
-    rollout.engines[1].finish("step=0/group=0/sample=1")
+    rollout.engines[1].finish("step=0/group=1/sample=0")
     time.sleep(0.03)
-    rollout.engines[1].finish("step=0/group=0/sample=3")  # engine1 makes progress, engine0 does not
+    rollout.engines[1].finish("step=0/group=1/sample=1")  # engine1 makes progress, engine0 does not
     time.sleep(0.03)
     rollout.supervisor.check()
     assert [e.name for e in rollout.restarted] == ["engine0-restart1"]

@@ -63,12 +63,13 @@ class TwoHosts:
 def test_an_engine_restarting_on_its_node_is_out_of_service_until_its_host_registers_it():
     hosts = TwoHosts()
     e2 = hosts.engines[2]
-    hosts.admission.add_group(0, group_requests(0))  # round robin: one request on each engine
+    for g in range(4):  # FIFO: a group to an engine, round robin; one request on each engine
+        hosts.admission.add_group(g, group_requests(g, n=1))
     e2.error = RuntimeError("server exited with code -9")
     hosts.supervisor.check()
     assert hosts.names() == ["engine0", "engine1", "engine3"], "out of service while its host restarts it"
     assert sorted(r.request_id for e in hosts.engines for r in e.running) == [
-        f"step=0/group=0/sample={s}" for s in range(4)], "its request went to an engine in service"
+        f"step=0/group={g}/sample=0" for g in range(4)], "its request went to an engine in service"
     hosts.supervisor.check()  # the host has not registered it yet: nothing changes, nothing blocks
     assert hosts.names() == ["engine0", "engine1", "engine3"]
 
@@ -76,7 +77,8 @@ def test_an_engine_restarting_on_its_node_is_out_of_service_until_its_host_regis
     hosts.supervisor.check()
     replacement = hosts.engines[-1]
     assert replacement.name == "engine2-restart1" and replacement.weights == WEIGHTS, "back, on the current weights"
-    hosts.admission.add_group(1, group_requests(1))
+    for g in range(4, 8):
+        hosts.admission.add_group(g, group_requests(g, n=1))
     assert len(replacement.running) == 1, "and in service"
     (name, span), = hosts.spans.spans
     assert name == "rollout/engine_restart" and span["replacement"] == "engine2-restart1" and span["num_retried"] == 1
@@ -91,13 +93,15 @@ def test_an_engine_still_restarting_at_a_step_boundary_joins_the_next_step_when_
     hosts.restarts["engine3"].ready = True
     hosts.supervisor.check()
     assert hosts.engines[-1].weights == ("/run/weights/policy_v3.safetensors", 3)
-    hosts.admission.add_group(0, group_requests(0))
+    for g in range(4):
+        hosts.admission.add_group(g, group_requests(g, n=1))
     assert [len(e.running) for e in hosts.engines] == [1, 1, 1, 1]
 
 
 def test_a_lost_engine_host_retires_its_engines_and_the_run_goes_on_with_the_others():
     hosts = TwoHosts()
-    hosts.admission.add_group(0, group_requests(0, n=8))
+    for g in range(8):
+        hosts.admission.add_group(g, group_requests(g, n=1))
     for engine in hosts.engines[2:]:
         engine.error = RuntimeError("cannot reach the engine server")
     hosts.supervisor.check()
@@ -110,9 +114,10 @@ def test_a_lost_engine_host_retires_its_engines_and_the_run_goes_on_with_the_oth
     for engine in hosts.engines:
         for request in list(engine.running):
             engine.finish(request.request_id)
-    assert sorted(r.request_id for r in hosts.counted) == [f"step=0/group=0/sample={s}" for s in range(8)]
+    assert sorted(r.request_id for r in hosts.counted) == [f"step=0/group={g}/sample=0" for g in range(8)]
     hosts.begin_step(1)
-    hosts.admission.add_group(0, group_requests(0))
+    for g in range(4):
+        hosts.admission.add_group(g, group_requests(g, n=1))
     assert [len(e.running) for e in hosts.engines] == [2, 2], "the next step runs on the engines that remain"
 
 

@@ -165,8 +165,9 @@ class EngineView(Protocol):
 
 class AdmissionPolicy(enum.Enum):
     fifo = "fifo"
-    """Submit every request of the step at once in prompt order, spread over the engines request by request
-    (a router's round robin), and let the engines interleave them: Slime's behaviour, the baseline."""
+    """Submit every request of the step at once in prompt order, a group's samples to one engine and the groups
+    round robin over the engines (what a cache-aware router does with samples that share their prompt: SGLang's
+    radix cache prefills the prompt once), and let the engines interleave them: Slime's behaviour, the baseline."""
     fgd = "fgd"
     """Frontier-group dispatch: hold requests on the rollout node and fill free engine slots with the
     frontier groups first, all samples of a group together, on the engine with the most free slots."""
@@ -232,7 +233,7 @@ class Admission:
 
     Engine failure (the EngineSupervisor decides when): ``take_out`` puts a failed engine's unfinished requests
     back in line, unchanged (same id, same seed), and they go to the engines in service as new ones would:
-    under FIFO at once, round robin; under FGD by ``pump``, frontier groups first. ``put_back`` puts its
+    under FIFO at once, round robin one by one; under FGD by ``pump``, frontier groups first. ``put_back`` puts its
     replacement (``engines`` is the supervisor's list, replaced in place) into service. A result counts only
     if it comes from the engine the request is assigned to now (``finished``), so a late result of the failed
     engine is ignored and no sample is counted twice.
@@ -264,8 +265,7 @@ class Admission:
 
     def add_group(self, group: int, requests: Sequence[Request]) -> None:
         if self.policy is AdmissionPolicy.fifo:
-            for request in requests:
-                self._submit_round_robin(group, request)
+            self._submit_round_robin(group, requests)
         else:
             self._waiting[group] = list(requests)
 
@@ -347,7 +347,7 @@ class Admission:
                  if request.request_id in held and request.request_id not in self._aborted]  # submission order
         for group, request in retry:
             if self.policy is AdmissionPolicy.fifo:
-                self._submit_round_robin(group, request)
+                self._submit_round_robin(group, [request])
             else:
                 self._waiting.setdefault(group, []).append(request)
         self._waiting = dict(sorted(self._waiting.items()))
@@ -361,7 +361,7 @@ class Admission:
         self._capacity = self.concurrency * len(self._serving)
         orphans, self._orphans = self._orphans, []
         for group, request in orphans:
-            self._submit_round_robin(group, request)
+            self._submit_round_robin(group, [request])
 
     def _in_service(self) -> list[EngineView]:
         return [e for e in self.engines if e not in self._out_of_service]
@@ -377,12 +377,13 @@ class Admission:
                 best, fewest = engine, num
         return best
 
-    def _submit_round_robin(self, group: int, request: Request) -> None:
+    def _submit_round_robin(self, group: int, requests: Sequence[Request]) -> None:
+        """FIFO: ``requests`` (a group's, or one to retry) to the next engine in service, in turn."""
         engines = self._serving
         if not engines:
-            self._orphans.append((group, request))
+            self._orphans.extend((group, request) for request in requests)
             return
-        self._submit(group, [request], engines[self._next_engine % len(engines)])
+        self._submit(group, requests, engines[self._next_engine % len(engines)])
         self._next_engine += 1
 
     def _submit(self, group: int, requests: Sequence[Request], engine: EngineView) -> None:
