@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4, help="RL steps per run (step 0 is dropped)")
-    parser.add_argument("--response-len", type=int, default=64)
+    parser.add_argument("--response-len", type=int, default=160)
     parser.add_argument("--out", type=Path,
                         default=REPO / "bench" / "runs" / f"sglang-fgd-{time.strftime('%Y%m%d-%H%M%S')}")
     args = parser.parse_args()
