@@ -29,9 +29,10 @@ engine whose only limit is a request count. ``SGLangSimEngine`` decides what run
 
 Time moves the way SimEngine's does: between two changes (a finish, a retraction, an admission becoming possible)
 every running request gains a token per decode step, so a run of ``k`` plain decode steps is one closed form and one
-event; a change is one iteration done at once. A request submitted during a run of plain steps is considered at the
-boundary of the step in progress (SimEngine's approximation). Inside such a run, a preemption that becomes possible
-only because reservations shrink is found at the run's end.
+event; a change is one iteration done at once. A request submitted during a run of plain steps is considered as if
+it had come when the step in progress began, at most one step early (SimEngine's approximation). Inside such a run,
+a preemption that becomes possible only because reservations shrink is found at the run's end. This file is not in
+the mypyc build (sim/compiled.py): it runs interpreted, called from the compiled simulation.
 """
 
 from __future__ import annotations
