@@ -165,9 +165,8 @@ class EngineView(Protocol):
 
 class AdmissionPolicy(enum.Enum):
     fifo = "fifo"
-    """Submit every request of the step at once in prompt order, a group's samples to one engine and the groups
-    round robin over the engines (what a cache-aware router does with samples that share their prompt: SGLang's
-    radix cache prefills the prompt once), and let the engines interleave them: Slime's behaviour, the baseline."""
+    """Submit every request of the step at once in prompt order, a group to an engine, round robin (a cache-aware
+    router's choice: one radix cache prefills the shared prompt), and let the engines interleave them: Slime's way."""
     fgd = "fgd"
     """Frontier-group dispatch: hold requests on the rollout node and fill free engine slots with the
     frontier groups first, all samples of a group together, on the engine with the most free slots."""

@@ -5,8 +5,10 @@ What is real and what is modelled:
     real (imported, not copied)                      modelled (sim/models.py), on a virtual clock
     ----------------------------------------------   ------------------------------------------------
     admission.RolloutSchedule: admission of groups,  engines: decode time per iteration from the running
-      dynamic filtering, replacements, placement       batch and its context, prefill, concurrency
-      in training batches (admission.StepSlots)      response lengths: log-normal, geometric or a histogram
+      dynamic filtering, replacements, placement       batch and its context, prefill, concurrency, or
+      in training batches (admission.StepSlots)        SGLang's scheduler (sim/sglang.py: KV-pool admission,
+                                                       priority, preemption, retraction, radix cache)
+                                                     response lengths: log-normal, geometric or a histogram
     admission.Admission: FIFO / FGD dispatch          rewards: a pass rate per prompt (Beta distributed)
     admission.GroupAssembler + grpo advantages       reward latency, publish latency, weight sync
     dispatcher.Release: sync vs cgp release          trainer: time per micro-batch from its padded tokens,
