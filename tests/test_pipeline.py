@@ -28,6 +28,11 @@ PARITY = [*SMALL, "reward.name=letter_fraction_jittered", "reward.import_modules
           "reward.num_workers=8", "trainer.max_grad_norm=1e9", "rollout_max_response_len=12"]
 """Two engines, eight reward workers and seeded reward delays: each mode's groups complete in another order;
 responses of up to 12 tokens, so some end early and micro-batches differ in their token counts."""
+CGP_JITTER = "5"
+"""The cgp runs' delays: step 0's groups 0-3 wait 0.50, 0.32, 0.26 and 0.13 s, so group 1's rewards end before
+group 0's whatever the engines do (FIFO puts groups 0 and 2 on one engine, 1 and 3 on the other, and the first
+two groups' samples take the eight reward workers first), and cgp publishes out of group order. (With "2", 0.25,
+0.31, 0.21, 0.41 s, the reward workers' queue put the groups back in order once FIFO kept each group on one engine.)"""
 
 ONE_STEP = ["num_rollout=1"]
 """float32 and bfloat16 compare one RL step of one optimizer step (16 samples, 6 micro-batches on one rank). The
@@ -105,7 +110,7 @@ LONG_RESPONSES = ["rollout_max_response_len=32"]
 def test_pipelined_update_equals_synchronous_update(job_dir, dtype, num_ranks, extra, cgp_extra):
     """``cgp_extra`` applies to the cgp run only (sync keeps micro_batch_size micro-batches)."""
     runs = {}
-    for mode, jitter, only in (("sync", "1", []), ("cgp", "2", cgp_extra)):
+    for mode, jitter, only in (("sync", "1", []), ("cgp", CGP_JITTER, cgp_extra)):
         run_dir = job_dir(f"{mode}-{num_ranks}")
         result = run_job(run_dir, *PARITY, f"model.dtype={dtype}", f"pipeline.mode={mode}",
                          f"trainer.num_ranks={num_ranks}", *extra, *only, environ={"RP_TEST_REWARD_JITTER": jitter})
@@ -173,7 +178,7 @@ def test_evaluation_in_the_tail_changes_neither_the_samples_nor_the_update(job_d
     rank): eval requests take the engines' free slots and run beside training requests, so if they changed anything
     trained (a sample, a batch, a reward, the loss) the two runs would differ."""
     runs = {}
-    for mode, jitter, evaluation in (("sync", "1", ["eval.interval=0"]), ("cgp", "2", ["eval.interval=1"])):
+    for mode, jitter, evaluation in (("sync", "1", ["eval.interval=0"]), ("cgp", CGP_JITTER, ["eval.interval=1"])):
         run_dir = job_dir(mode)
         result = run_job(run_dir, *PARITY, "model.dtype=float64", f"pipeline.mode={mode}", *evaluation,
                          environ={"RP_TEST_REWARD_JITTER": jitter})
