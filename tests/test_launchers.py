@@ -31,6 +31,33 @@ def het_step(proc_id: int, tasks_per_group: list[int], nodelist_0: str = "node[7
     return env
 
 
+def test_the_slurm_launcher_waits_out_sacct_reading_a_requeued_job_as_failed(tmp_path, monkeypatch):
+    """After a requeue, sacct (slurmdbd) can read the ended attempt FAILED while slurmctld already holds the next
+    one: seen in the suite, where the launcher then reported a requeued job as failed. A job squeue still lists has
+    not ended; the launcher waits on, and reports what the job finally did."""
+    from types import SimpleNamespace
+
+    from rolloutpipe.launch import slurm
+
+    sacct = iter(["RUNNING", "REQUEUED", "FAILED", "FAILED", "PENDING", "RUNNING", "COMPLETED"])
+    listed = {"REQUEUED": True, "FAILED": True, "PENDING": True, "RUNNING": True, "COMPLETED": False}
+    now = {"state": "RUNNING"}
+
+    def get_state(job_id, mode):
+        now["state"] = next(sacct)
+        return now["state"]
+
+    monkeypatch.setattr(slurm, "_queued", lambda job_id: listed[now["state"]])
+    monkeypatch.setattr(slurm, "_release_requeued", lambda job_id, announce: None)
+    monkeypatch.setattr(slurm.time, "sleep", lambda s: None)
+    job = SimpleNamespace(job_id="7", num_tasks=2, paths=SimpleNamespace(folder=tmp_path),
+                          watcher=SimpleNamespace(get_state=get_state))
+    assert slurm.SlurmLauncher()._wait(job, poll_s=0.0, follow=tmp_path / "log.out") == "COMPLETED"
+    listed["FAILED"] = False  # a job that really failed: sacct says so and squeue no longer lists it
+    sacct = iter(["RUNNING", "FAILED"])
+    assert slurm.SlurmLauncher()._wait(job, poll_s=0.0, follow=tmp_path / "log.out") == "FAILED"
+
+
 def test_het_group_0_is_the_rollout_and_later_tasks_are_trainer_ranks_in_procid_order():
     envs = [NodeEnv.from_environ(het_step(p, [1, 4])) for p in range(5)]
     assert [(e.role, e.rank, e.world_size) for e in envs] == [

@@ -212,7 +212,8 @@ class SlurmLauncher:
         return 1
 
     def _wait(self, job, poll_s: float, follow: Path) -> str:
-        """COMPLETED as soon as every task returned, else the job's state once sacct says it is finished."""
+        """COMPLETED as soon as every task returned, else the job's state once sacct says it is finished and squeue
+        no longer lists it."""
         started, last_asked, last_state, followed, ran = time.monotonic(), float("-inf"), "", 0, False
         while True:
             followed = _echo_new_lines(follow, followed)
@@ -228,7 +229,9 @@ class SlurmLauncher:
                     _release_requeued(job.job_id, announce=last_state not in ("REQUEUED", "PENDING"))
                 ran = ran or state == "RUNNING"
                 last_state = state
-                if state not in UNFINISHED_STATES:
+                # sacct reads slurmdbd, which lags the controller: a requeued job's last attempt reads FAILED there
+                # until the next one starts. A job squeue still lists has not ended.
+                if state not in UNFINISHED_STATES and not _queued(job.job_id):
                     return state
                 too_long = time.monotonic() - started > self.forgotten_after_s
                 if state == "UNKNOWN" and too_long and not _queued(job.job_id):
