@@ -110,7 +110,7 @@ class SchedulerKind(enum.Enum):
     slots = "slots"
     """At most ``rollout.concurrency`` requests run, the rest wait in submission order (sim/engine.py)."""
     sglang = "sglang"
-    """SGLang's scheduler: KV-pool admission, priority order, preemption, retraction, radix cache (this file)."""
+    """SGLang's scheduler: KV-pool admission, priority order, preemption, retraction, radix cache (sim/sglang.py)."""
 
 
 @dataclass(kw_only=True, slots=True)

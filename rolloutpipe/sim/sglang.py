@@ -156,7 +156,7 @@ class SGLangSimEngine:
     def _steps_until_admissible(self, limit: int) -> int:
         """The first j <= limit after which the queue's head would fit, with the ratio and reservations of then."""
         head = self._ordered_queue()[0]
-        need = self._extend(head) + min(self.max_new - head.generated, self.clip)
+        need = self._need(head)
         b, used, clip = len(self.running), self._used(), self.clip
         left = sorted((self.max_new - run.generated for run in self.running), reverse=True)
         above = [0]  # above[p]: the sum of the p largest
@@ -253,7 +253,7 @@ class SGLangSimEngine:
                     rem += self.ratio * self._left(victim) + self._kv_released(victim)
                     self.running.remove(victim)
                     preempted.append(victim)
-            need = self._extend(run) + min(self.max_new - run.generated, self.clip)
+            need = self._need(run)
             if not need < rem:
                 self.batch_full = bool(admitted or self.running)
                 break
@@ -270,7 +270,7 @@ class SGLangSimEngine:
     def _preemptible(self, run: _Run, rem: float) -> list[_Run]:
         """Running requests of a priority value more than the threshold above the request's, lowest and latest
         first, whose reservations make room."""
-        to_free = self._extend(run) + min(self.max_new - run.generated, self.clip) - rem
+        to_free = self._need(run) - rem
         victims = []
         for other in sorted(self.running, key=lambda r: (-r.priority, -r.queued)):
             if other.priority - run.priority <= self.preemption_threshold:
@@ -323,6 +323,10 @@ class SGLangSimEngine:
     def _left(self, run: _Run) -> int:
         return min(self.max_new - run.generated, self.clip)
 
+    def _need(self, run: _Run) -> int:
+        """What admitting a queued request reserves: its prefill and its whole (clipped) remaining budget."""
+        return self._extend(run) + self._left(run)
+
     def _reserved(self, runs: list[_Run]) -> float:
         return self.ratio * sum(self._left(run) for run in runs)
 
@@ -351,7 +355,7 @@ class SGLangSimEngine:
         rem = self.capacity - self._used() - self._reserved(self.running)
         if len(self.running) >= self.max_running:
             return self.priority_scheduling and bool(self._preemptible(head, rem))
-        return self._extend(head) + min(self.max_new - head.generated, self.clip) < rem
+        return self._need(head) < rem
 
 
     def _latched(self) -> bool:
