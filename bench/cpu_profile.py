@@ -10,6 +10,13 @@ the CPU seconds each thread spent inside it, and the engines' CPU per generated 
 the trainer's compute window. CPU seconds of an engine thread per token that grow while the wall time of the
 window grows as much say the core is slower (memory system, host); CPU that other threads take on the
 rollout core says the engine lost its core to them.
+
+This sampler costs a few percent of a core (``own load`` in its output), and on a 2-core machine where cgp keeps
+both cores busy that load has to preempt the engines or the trainer: it disturbs what it measures. ``--light``
+reads only the trainer's main thread (``/proc/<pid>/task/<pid>/schedstat``: CPU and run-queue wait) and the
+rollout process's CPU, every 10 ms, and prints per step the trainer's compute wall, CPU and run-queue wait
+(time it was ready to run but another task had its core) and the rollout window's wall and the rollout
+process's CPU.
 """
 
 from __future__ import annotations
@@ -105,11 +112,57 @@ def cpu_in(samples: list[tuple[float, float]], start: float, end: float) -> floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--light", action="store_true", help="only the trainer's main thread and the rollout's CPU")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     run_dir = (args.out / "run").resolve()
     job = subprocess.Popen([sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", *args.overrides],
                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    started, own = time.time(), time.process_time()
+    if args.light:
+        light(job, run_dir)
+    else:
+        full(job, run_dir)
+    print(f"\nown load: {(time.process_time() - own) / (time.time() - started):.3f} cores (this sampler)")
+
+
+def light(job: subprocess.Popen, run_dir: Path) -> None:
+    """Per step: the trainer main thread's compute wall, CPU and run-queue wait; the rollout window and CPU."""
+    found: dict[str, int] = {}
+    trainer: list[tuple[float, float, float]] = []  # (time, cpu s, run-queue wait s)
+    rollout: list[tuple[float, float]] = []
+    while job.poll() is None:
+        if len(found) < 2:
+            found = {label: pid for pid, label in job_pids(run_dir).items() if label in ("trainer0", "rollout0")}
+            time.sleep(0.2)
+            continue
+        now, pid = time.time(), found["trainer0"]
+        try:
+            on_cpu, queued = Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[:2]
+            stat = Path(f"/proc/{found['rollout0']}/stat").read_text()
+        except OSError:
+            break
+        trainer.append((now, int(on_cpu) * 1e-9, int(queued) * 1e-9))
+        fields = stat[stat.rindex(")") + 2:].split()
+        rollout.append((now, (int(fields[11]) + int(fields[12])) * TICK_S))
+        time.sleep(0.01)
+    if job.wait() != 0:
+        raise SystemExit(f"run failed ({job.returncode}); see {run_dir}")
+    spans = windows(run_dir)
+    cpu, queue = [(t, c) for t, c, _ in trainer], [(t, q) for t, _, q in trainer]
+    steps = sorted(spans["trainer"])[1:]
+    compute = [spans["trainer"][k][3] for k in steps]  # each step's compute spans
+    wall = statistics.median(sum(e - s for s, e in spans_) for spans_ in compute)
+    on = statistics.median(sum(cpu_in(cpu, s, e) for s, e in spans_) for spans_ in compute)
+    waited = statistics.median(sum(cpu_in(queue, s, e) for s, e in spans_) for spans_ in compute)
+    print(f"trainer compute spans, median of steps {steps[0]}..{steps[-1]}: wall {wall:.3f} s, CPU {on:.3f} s, "
+          f"run-queue wait {waited:.3f} s")
+    windows_ = [spans["rollout"][k] for k in sorted(spans["rollout"])[1:]]
+    print(f"rollout window: wall {statistics.median(w[1] - w[0] for w in windows_):.3f} s, rollout process CPU "
+          f"{statistics.median(cpu_in(rollout, w[0], w[1]) for w in windows_):.3f} s")
+
+
+def full(job: subprocess.Popen, run_dir: Path) -> None:
     series: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)
     labels: dict[int, str] = {}
     names: dict[int, str] = {}
@@ -148,7 +201,8 @@ def main() -> None:
                 totals["machine (all processes)"] += cpu_in(machine, start, end)
             for key, v in totals.items():
                 per_thread[key].append(v)
-        print(f"\n{side} {'window' if side == 'rollout' else 'compute spans'}, median of steps {steps[0]}..{steps[-1]}: wall {statistics.median(walls):.3f} s")
+        what = "window" if side == "rollout" else "compute spans"
+        print(f"\n{side} {what}, median of steps {steps[0]}..{steps[-1]}: wall {statistics.median(walls):.3f} s")
         if side == "rollout":
             tokens = [spans[side][k][2] for k in steps]
             engines = [sum(v[i] for key, v in per_thread.items() if "engine-" in key.split("/")[-1])

@@ -58,6 +58,20 @@ def assert_import_pulls_none_of(modules: list[str], heavy: list[str]) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (Linux: /proc/<pid>/task/<tid>/children)."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        for children in Path(f"/proc/{current}/task").glob("*/children"):
+            try:
+                todo += [int(c) for c in children.read_text().split()]
+            except OSError:
+                pass
+    return found
+
+
 def listening_addresses(*pids: int) -> list[str]:
     """``host:port`` of every TCP socket these processes listen on (Linux: /proc), e.g. ``127.0.0.1:31337``."""
     inodes = set()

@@ -4,8 +4,10 @@ the config checks at the launch edge, a local Hydra sweep and TorchX's local_cwd
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,10 +16,11 @@ from omegaconf import OmegaConf
 from rolloutpipe.config import ConfigError, load_config
 from rolloutpipe.control.env import NodeEnv, Role, expand_hostlist, slurm_store_port
 from rolloutpipe.launch.config import LauncherKind
+from rolloutpipe.launch.local import plan_cpus
 from rolloutpipe.launch.sacct import combine_states, read_sacct
 from rolloutpipe.launch.slurm import batch_script, check_allocation, check_launch, submission_environ
 
-from .conftest import REPO, SMALL, assert_import_pulls_none_of, node_environ, read_metrics
+from .conftest import REPO, SMALL, assert_import_pulls_none_of, descendants, node_environ, read_metrics
 
 RUN = {"RP_RUN_ID": "r1", "RP_RUN_SECRET": "ab" * 32, "RP_RUN_DIR": "/shared/run"}
 
@@ -244,6 +247,40 @@ def test_a_sweep_refuses_one_run_dir_for_all_its_points(tmp_path):
     assert result.returncode != 0
     assert "run.dir and run.id name one run" in result.stderr
     assert not (tmp_path / "one" / "config.yaml").exists()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the node groups share the CPU when there is one")
+def test_the_local_launcher_pins_every_thread_of_each_node_group_to_its_own_cpus(tmp_path):
+    # Every thread: the one `import torch` starts before a node knows its CPUs, the engines', rewards' and store's,
+    # and the child processes'. Read once the first step has ended (each thread's last affinity counts: a node's
+    # main thread starts on all CPUs and pins itself).
+    rollout_cpus, trainer_cpus = plan_cpus(sorted(os.sched_getaffinity(0)), 1)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", *SMALL, "num_rollout=4"],
+                            cwd=tmp_path, env=node_environ(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    allowed: dict[tuple[int, str], tuple[str, set[int]]] = {}  # (tid, its process's role) -> (name, its CPUs)
+    while proc.poll() is None:
+        if not (run_dir / "metrics.jsonl").exists():
+            time.sleep(0.05)
+            continue
+        for pid in descendants(proc.pid)[1:]:
+            try:
+                role = next(line[len(b"RP_ROLE="):].decode() for line in
+                            Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if line.startswith(b"RP_ROLE="))
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    name = (task / "comm").read_text().strip()
+                    allowed[(int(task.name), role)] = (name, set(os.sched_getaffinity(int(task.name))))
+            except (OSError, StopIteration):  # gone, or not a node group's (the launcher's own children)
+                continue
+    _, stderr = proc.communicate()
+    assert proc.returncode == 0, stderr[-3000:]
+    roles = {role for _, role in allowed}
+    assert roles == {"rollout", "trainer"}, f"threads of {roles} seen"
+    expected = {"rollout": set(rollout_cpus), "trainer": set(trainer_cpus[0])}
+    stray = {f"{role} thread {tid} ({name})": sorted(cpus) for (tid, role), (name, cpus) in allowed.items()
+             if not cpus <= expected[role]}
+    assert not stray, f"threads not on their node group's CPUs {expected}: {stray}"
 
 
 @pytest.mark.multiprocess

@@ -22,23 +22,18 @@ from pathlib import Path
 import pytest
 
 from rolloutpipe.control.env import NodeEnv, Role, free_port
-from tests.conftest import REPO, SMALL, listening_addresses, node_environ, read_metrics, start_nodes, wait_for
+from tests.conftest import (
+    REPO,
+    SMALL,
+    descendants,
+    listening_addresses,
+    node_environ,
+    read_metrics,
+    start_nodes,
+    wait_for,
+)
 
 DISTRIBUTED = ["rollout.engine=embedded_http", "pipeline.weight_sync=distributed", "rollout.num_engines=2"]
-
-
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it (Linux: /proc/<pid>/task/<tid>/children)."""
-    found, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        found.append(current)
-        for children in Path(f"/proc/{current}/task").glob("*/children"):
-            try:
-                todo += [int(c) for c in children.read_text().split()]
-            except OSError:
-                pass
-    return found
 
 
 @pytest.mark.parametrize("mode,extra", [("disk", []), ("distributed", DISTRIBUTED)])

@@ -38,14 +38,14 @@ def main() -> int:
 
 
 def _run(env: NodeEnv, who: str) -> int:
+    if env.cpus:  # before torch is imported: the thread it starts then inherits the CPUs as all later ones do
+        os.sched_setaffinity(0, env.cpus)
     import torch
 
     from rolloutpipe.config import ConfigError, read_config
     from rolloutpipe.control.transport import RunRequeued, TransportError
     from rolloutpipe.pipeline import run_node
 
-    if env.cpus:
-        os.sched_setaffinity(0, env.cpus)
     try:
         cfg = read_config(env.config_path)
     except ConfigError as err:
