@@ -49,7 +49,7 @@ WORKLOAD = ["rollout_batch_size=8", "n_samples_per_prompt=8", "global_batch_size
 
 def run_one(run_dir: Path, overrides: list[str]) -> list[dict]:
     """bench/pipeline_bench.py's run, and each step's time from its start to the next step's start."""
-    records = pipeline_bench.run_one(run_dir, overrides)
+    records, _ = pipeline_bench.run_one(run_dir, overrides)  # (records, other jobs' load)
     starts: dict[int, float] = {}  # a step starts at its eval phase, or else at its first training request
     for s in read_spans(run_dir):
         if s.role == "rollout" and s.name in ("eval/phase", "rollout/request") and s.step not in starts:
@@ -87,6 +87,8 @@ def main() -> None:
     parser.add_argument("--response-len", type=int, default=96, help="rollout_max_response_len (eval's too)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "runs" / f"eval-{time.strftime('%Y%m%d-%H%M%S')}")
     args = parser.parse_args()
+    if args.steps < 3:
+        parser.error("--steps must be at least 3: step 0 is dropped, and a step's time needs the next step's start")
     records: dict[str, list[dict]] = {m: [] for m in MODES}
     for rep in range(args.repeats):
         for mode, overrides in MODES.items():
