@@ -25,7 +25,13 @@ from .conftest import REPO, SMALL, node_environ, read_metrics, wait_for
 NUM_STEPS = 5
 GRACE_S = 10
 WORKLOAD = [*SMALL, f"num_rollout={NUM_STEPS}", "rollout.engine=embedded_http", "trainer.num_ranks=2",
-            "run.checkpoint_every=1", f"launcher.stop_grace_s={GRACE_S}"]
+            "run.checkpoint_every=1", f"launcher.stop_grace_s={GRACE_S}", "reward.name=letter_fraction_waiting",
+            "reward.import_modules=[tests.fixtures.dense_rewards]"]
+SLOW = {"RP_TEST_REWARD_SLEEP_S": "0.2"}
+"""The stopped run's rewards wait 0.2 s each (one reward worker, 16 samples a step): the steps after step 0's
+checkpoint take at least 9.6 s, so the signal, sent as soon as that checkpoint is seen, comes before the run can end
+on any machine (without it a fast machine finished the run, final checkpoint and all, as the signal arrived). The
+printed resume command runs without the wait."""
 
 
 @dataclass(frozen=True)
@@ -99,8 +105,8 @@ def test_a_stopped_run_leaves_no_process_behind_and_the_printed_command_resumes_
     log_path = tmp_path / "launcher.log"
     with log_path.open("w") as log:  # its own session, like a shell's job: nothing of the run is in pytest's
         launcher = subprocess.Popen([sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", *WORKLOAD],
-                                    cwd=tmp_path, env=node_environ(), stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+                                    cwd=tmp_path, env={**node_environ(), **SLOW}, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
     run: list[Proc] = []
     try:
         wait_for(lambda: (run_dir / "checkpoints" / "step=0").exists(), "checkpoint of step 0", running=[launcher])
