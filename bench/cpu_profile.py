@@ -152,14 +152,14 @@ def light(job: subprocess.Popen, run_dir: Path) -> None:
     cpu, queue = [(t, c) for t, c, _ in trainer], [(t, q) for t, _, q in trainer]
     steps = sorted(spans["trainer"])[1:]
     compute = [spans["trainer"][k][3] for k in steps]  # each step's compute spans
-    wall = statistics.median(sum(e - s for s, e in spans_) for spans_ in compute)
-    on = statistics.median(sum(cpu_in(cpu, s, e) for s, e in spans_) for spans_ in compute)
-    waited = statistics.median(sum(cpu_in(queue, s, e) for s, e in spans_) for spans_ in compute)
+    wall = statistics.median(sum(e - s for s, e in step_spans) for step_spans in compute)
+    on = statistics.median(sum(cpu_in(cpu, s, e) for s, e in step_spans) for step_spans in compute)
+    waited = statistics.median(sum(cpu_in(queue, s, e) for s, e in step_spans) for step_spans in compute)
     print(f"trainer compute spans, median of steps {steps[0]}..{steps[-1]}: wall {wall:.3f} s, CPU {on:.3f} s, "
           f"run-queue wait {waited:.3f} s")
-    windows_ = [spans["rollout"][k] for k in sorted(spans["rollout"])[1:]]
-    print(f"rollout window: wall {statistics.median(w[1] - w[0] for w in windows_):.3f} s, rollout process CPU "
-          f"{statistics.median(cpu_in(rollout, w[0], w[1]) for w in windows_):.3f} s")
+    rollout_windows = [spans["rollout"][k] for k in sorted(spans["rollout"])[1:]]
+    print(f"rollout window: wall {statistics.median(w[1] - w[0] for w in rollout_windows):.3f} s, rollout process CPU "
+          f"{statistics.median(cpu_in(rollout, w[0], w[1]) for w in rollout_windows):.3f} s")
 
 
 def full(job: subprocess.Popen, run_dir: Path) -> None:
