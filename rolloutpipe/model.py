@@ -136,11 +136,13 @@ def load_model(cfg: ModelConfig, vocab_size: int) -> torch.nn.Module:
     return model.to(cfg.dtype.torch).eval()
 
 
-def save_hf_checkpoint(model: torch.nn.Module, tokenizer, directory: Path) -> None:
-    """Weights (safetensors), config and tokenizer in the HF layout, loadable by transformers."""
+def save_hf_checkpoint(model: torch.nn.Module, tokenizer, directory: Path,
+                       state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """Weights (safetensors), config and tokenizer in the HF layout, loadable by transformers; ``state_dict``: these
+    weights instead of the model's own (a copy of them: trainer/restore.py)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory, safe_serialization=True)
+    model.save_pretrained(directory, safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(directory)

@@ -227,7 +227,7 @@ def open_transport(cfg: Config, env: NodeEnv) -> Transport:
     is_host = env.role is Role.rollout and env.rank == 0
     transport = Transport.open(
         address=StoreAddress(host=env.store_host, port=env.store_port, hosted_by="rollout rank 0"),
-        is_host=is_host, run_id=env.run_id, secret=env.secret, run_dir=env.run_dir,
+        is_host=is_host, run_id=env.run_id, secret=env.attempt_key, run_dir=env.run_dir,
         connect_timeout_s=cfg.pipeline.connect_timeout_s,
     )
     peers = [("rollout", 0)] + [("trainer", r) for r in range(cfg.trainer.num_ranks)]
@@ -264,6 +264,8 @@ def run_node(cfg: Config, env: NodeEnv) -> None:
         who = f"{env.role.value} rank {env.rank}"
         transport.abort(f"{who} was stopped by {err.name}" if isinstance(err, Stopped)
                         else f"{who} failed: {type(err).__name__}: {err}")
+        if isinstance(node, TrainerNode):
+            node.stop(err)  # rank 0: the last finished step's checkpoint (trainer/restore.py), the attempt's outcome
         if transport.is_host:  # keep the store up until every waiter has had a poll to read the reason
             time.sleep(transport.poll_s + 0.5)
         raise

@@ -17,7 +17,7 @@ import pytest
 from safetensors.torch import load_file
 
 from rolloutpipe.control.checkpoint import latest_checkpoint
-from rolloutpipe.control.env import free_port
+from rolloutpipe.control.env import attempt_key, free_port
 from rolloutpipe.control.lifetime import REQUEUE_EXIT
 from rolloutpipe.control.transport import StoreAddress, Transport
 from rolloutpipe.observe.metrics import read_spans
@@ -41,9 +41,11 @@ WORKLOAD = [*SMALL, *DENSE_REWARD, "model.dtype=float64", "run.save_samples=true
             "global_batch_size=8", f"num_rollout={NUM_STEPS}"]
 
 
-def store_client(port: int, run_dir: Path) -> Transport:
+def store_client(port: int, run_dir: Path, attempt: int = 0) -> Transport:
+    """A client of start_nodes' run with the key of its attempt ``attempt`` (SLURM_RESTART_COUNT)."""
     return Transport.open(address=StoreAddress(host="127.0.0.1", port=port, hosted_by="rollout rank 0"),
-                          is_host=False, run_id="bytest", secret=b"k" * 32, run_dir=run_dir, connect_timeout_s=30)
+                          is_host=False, run_id="bytest", secret=attempt_key(b"k" * 32, "bytest", attempt),
+                          run_dir=run_dir, connect_timeout_s=30)
 
 
 def test_warned_run_stops_at_a_checkpoint_and_the_requeued_one_resumes_to_the_uninterrupted_weights(job_dir):
@@ -79,25 +81,89 @@ def test_warned_run_stops_at_a_checkpoint_and_the_requeued_one_resumes_to_the_un
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-9
 
 
+LONG_STEPS = {"RP_TEST_REWARD_SLEEP_UNTIL_REQUEUED_S": "0.6"}
+"""Until the job is requeued, each reward waits 0.6 s: with one reward worker and 16 samples a step, a step takes at
+least 9.6 s, longer than the 5 s trainer rank 0 gives the step in progress after the warning (requeue_grace_s=10
+minus two margins of 2.5 s), so the warning always lands in a step that cannot end in time."""
+
+
+def test_a_warning_during_a_step_longer_than_the_grace_period_loses_no_finished_step(job_dir):
+    """GPU steps last minutes, longer than Slurm's warning. Trainer rank 0 writes the last finished step's checkpoint
+    as soon as it is warned (run.checkpoint_every=100: none was due), drops the step in progress, and the requeued
+    run continues right after the last finished step: none is redone, and the weights are the uninterrupted run's."""
+    overrides = [*WORKLOAD, "reward.name=letter_fraction_waiting", "reward.num_workers=1",
+                 "launcher.requeue_grace_s=10"]
+    whole, split = job_dir("whole"), job_dir("split")
+    assert run_job(whole, *overrides).returncode == 0
+    split.mkdir(parents=True)
+    port = free_port()
+    procs = start_nodes(split, *overrides, port=port, environ=LONG_STEPS)
+    wait_for(lambda: (split / "metrics.jsonl").exists() and len(read_metrics(split)) >= 2, "two steps",
+             running=procs.values(), details=lambda: {r: p.communicate()[1][-2000:] for r, p in procs.items()})
+    store_client(port, split).put_record("rp/bytest/requeue", {"requested": True})  # what launch/requeue.py puts
+    outputs = {role: p.communicate(timeout=120) for role, p in procs.items()}
+    for role, p in procs.items():
+        assert p.returncode == REQUEUE_EXIT, outputs[role][1][-3000:]
+    kept = (split / "metrics.jsonl").read_text().splitlines()
+    last = len(kept) - 1
+    assert f"Slurm warned of the time limit: step {last}'s checkpoint is written" in outputs["trainer"][1]
+    assert "the step in progress did not end within launcher.requeue_grace_s=10s" in outputs["trainer"][1]
+    assert latest_checkpoint(split).step == last, "the last finished step is on disk"
+
+    procs = start_nodes(split, *overrides, environ={"SLURM_RESTART_COUNT": "1"})  # the requeued job
+    outputs = {role: p.communicate(timeout=180) for role, p in procs.items()}
+    for role, p in procs.items():
+        assert p.returncode == 0, outputs[role][1][-3000:]
+    lines = (split / "metrics.jsonl").read_text().splitlines()
+    assert lines[: last + 1] == kept, "no finished step redone"
+    assert [m["step"] for m in read_metrics(split)] == list(range(NUM_STEPS)), "every step once"
+    assert [(s["id"], s["response_ids"]) for s in read_samples(split)] == [
+        (s["id"], s["response_ids"]) for s in read_samples(whole)]
+    a, b = (load_file(str(d / "checkpoints" / "final" / "model.safetensors")) for d in (whole, split))
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-9
+
+
 STEP = """import sys, time
 from pathlib import Path
+from rolloutpipe.control.attempt import Outcome, write_outcome
+from rolloutpipe.control.env import attempt_key
 from rolloutpipe.control.transport import StoreAddress, Transport
 store = Transport.open(address=StoreAddress(host="127.0.0.1", port={port}, hosted_by="test"), is_host=False,
-                       run_id="bytest", secret=b"k" * 32, run_dir=Path("."), connect_timeout_s=30)
-while store.read_record("rp/bytest/requeue") is None:  # what trainer rank 0 waits for
+                       run_id="bytest", secret=attempt_key(b"k" * 32, "bytest", {restarts}), run_dir=Path("."),
+                       connect_timeout_s=30)
+while {warned} and store.read_record("rp/bytest/requeue") is None:  # what trainer rank 0 waits for
     time.sleep(0.1)
+if {outcome!r} != "none":  # what trainer rank 0 writes as the attempt ends, with the key of attempt {sealed_by}
+    # ("stale": the previous attempt's outcome, which stopped for its requeue, left in the run directory)
+    write_outcome(Path({run_dir!r}), attempt_key(b"k" * 32, "bytest", {sealed_by}), Outcome(
+        attempt={sealed_by}, finished={outcome!r} == "finished", requeue={outcome!r} in ("requeue", "stale"),
+        last_step=3, checkpoint_step=3, reason="test"))
 sys.exit({code})
 """
+LOST_HOST = 137
+"""srun's exit code when an engine host's task was SIGKILLed earlier in the run: the highest of every task's."""
 
 
-@pytest.mark.parametrize("code,restarts,requeued", [(REQUEUE_EXIT, 0, True), (REQUEUE_EXIT, 3, False), (0, 0, False)],
-                         ids=["stopped-requeued", "max-requeues-reached", "finished-meanwhile"])
-def test_the_wrapper_asks_the_run_to_stop_through_the_store_and_requeues_the_job_once_it_did(
-        tmp_path, code, restarts, requeued):
-    """Slurm's warning (SIGUSR1 to the batch shell) becomes a sealed record in the run's store; once the step ends
-    with REQUEUE_EXIT the job is requeued, unless launcher.max_requeues (3) is reached or the run finished."""
+@pytest.mark.parametrize("warned,outcome,code,restarts,requeued,returns", [
+    (True, "requeue", REQUEUE_EXIT, 0, True, REQUEUE_EXIT),
+    (True, "requeue", LOST_HOST, 0, True, LOST_HOST),
+    (True, "requeue", REQUEUE_EXIT, 3, False, REQUEUE_EXIT),
+    (True, "finished", 0, 0, False, 0),
+    (False, "finished", LOST_HOST, 0, False, 0),
+    (True, "failed", 1, 0, False, 1),
+    (True, "stale", REQUEUE_EXIT, 1, False, REQUEUE_EXIT),
+], ids=["stopped-requeued", "stopped-after-a-lost-engine-host", "max-requeues-reached", "finished-meanwhile",
+        "finished-after-a-lost-engine-host", "failed-on-its-own", "outcome-of-the-previous-attempt"])
+def test_the_wrapper_requeues_the_job_when_the_run_says_it_stopped_for_it(
+        tmp_path, warned, outcome, code, restarts, requeued, returns):
+    """Slurm's warning (SIGUSR1 to the batch shell) becomes a sealed record in the run's store; once the step ends,
+    the attempt's sealed outcome decides, not srun's exit code: stopped for the requeue -> requeued (unless
+    launcher.max_requeues, 3, is reached), even when an engine host lost earlier makes srun exit 137; finished -> the
+    job completes (exit 0), warned or not; failed on its own, or an outcome sealed in the previous attempt -> not
+    requeued."""
     host = Transport.open(address=StoreAddress(host="127.0.0.1", port=0, hosted_by="test"), is_host=True,
-                          run_id="bytest", secret=b"k" * 32, run_dir=tmp_path, connect_timeout_s=30)
+                          run_id="bytest", secret=attempt_key(b"k" * 32, "bytest", restarts), run_dir=tmp_path,
+                          connect_timeout_s=30)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text("launcher:\n  requeue_grace_s: 60\n")
@@ -105,19 +171,23 @@ def test_the_wrapper_asks_the_run_to_stop_through_the_store_and_requeues_the_job
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'scontrol.log'}\n")
     (bin_dir / "scontrol").chmod(0o755)
-    step = STEP.format(port=host.store.port, code=code)
+    step = STEP.format(port=host.store.port, code=code, restarts=restarts, warned=warned, run_dir=str(run_dir),
+                       outcome=outcome, sealed_by=restarts - 1 if outcome == "stale" else restarts)
     environ = {**node_environ(), "PATH": f"{bin_dir}:{os.environ['PATH']}", "RP_RUN_DIR": str(run_dir),
                "RP_RUN_ID": "bytest", "RP_RUN_SECRET": (b"k" * 32).hex(), "RP_STORE_PORT": str(host.store.port),
                "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST_HET_GROUP_0": "127.0.0.1",
                "SLURM_RESTART_COUNT": str(restarts)}
     wrapper = subprocess.Popen([sys.executable, "-m", "rolloutpipe.launch.requeue", "--", sys.executable, "-c", step],
                                cwd=REPO, env=environ, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.0)  # (a warning before the wrapper's handler is up is caught by the batch script's trap)
-    wrapper.send_signal(signal.SIGUSR1)  # Slurm's --signal=B:USR1@<grace>
+    if warned:
+        time.sleep(1.0)  # (a warning before the wrapper's handler is up is caught by the batch script's trap)
+        wrapper.send_signal(signal.SIGUSR1)  # Slurm's --signal=B:USR1@<grace>
     _, stderr = wrapper.communicate(timeout=60)
-    assert wrapper.returncode == code, stderr
-    assert "Slurm warned of the time limit" in stderr
+    assert wrapper.returncode == returns, stderr
+    assert ("Slurm warned of the time limit" in stderr) == warned
     log = tmp_path / "scontrol.log"
     assert (log.read_text() if log.exists() else "") == ("requeue 4242\n" if requeued else ""), stderr
     if restarts == 3:
         assert "not requeued: the job was requeued 3 times, launcher.max_requeues=3" in stderr
+    if outcome in ("failed", "stale"):
+        assert "not requeued: the run did not stop for the requeue" in stderr

@@ -54,20 +54,21 @@ def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
     return Checkpoint(directory=directory, step=state["step"], source_state=state["source"])
 
 
-def save_checkpoint(*, run_dir: Path, step: int, model: torch.nn.Module, tokenizer, optimizer: torch.optim.Optimizer,
-                    source_state: dict, config_yaml: str, keep_last: int) -> Path:
+def save_checkpoint(*, run_dir: Path, step: int, model: torch.nn.Module, model_state: dict[str, torch.Tensor],
+                    tokenizer, optimizer_state: dict, source_state: dict, config_yaml: str, keep_last: int) -> Path:
+    """Write step ``step``'s checkpoint from ``model_state`` (HF names; ``model`` gives the config and the layout) and
+    ``optimizer_state`` (an optimizer's ``state_dict``): trainer/restore.py's copy, so the live model may move on."""
     from rolloutpipe.model import save_hf_checkpoint
 
     final = run_dir / "checkpoints" / f"step={step}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_hf_checkpoint(model, tokenizer, tmp)
-    state = optimizer.state_dict()
-    save_file({f"{index}.{name}": value.contiguous() for index, moments in state["state"].items()
+    save_hf_checkpoint(model, tokenizer, tmp, state_dict=model_state)
+    save_file({f"{index}.{name}": value.contiguous() for index, moments in optimizer_state["state"].items()
                for name, value in moments.items()}, str(tmp / "optimizer.safetensors"))
     (tmp / "state.json").write_text(json.dumps({
         "step": step, "policy_version": step + 1, "source": source_state,
-        "optimizer_param_groups": state["param_groups"], "config": config_yaml,
+        "optimizer_param_groups": optimizer_state["param_groups"], "config": config_yaml,
     }))
     for path in tmp.iterdir():
         with path.open("rb") as f:

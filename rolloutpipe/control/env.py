@@ -12,13 +12,15 @@ Every launcher (local processes, Slurm, TorchX) starts the same entry point,
                      node list whose first host it is (TorchX's ``rank0_env``)
     RP_STORE_PORT
     RP_RUN_ID        names the run's store keys
-    RP_RUN_SECRET    hex; seals every store record and derives the engines' API key. Never written to disk
-                     by RolloutPipe, never printed; ``NodeEnv.take`` removes it from the process's
-                     environment, so no child process (engine servers, reward workers) inherits it
+    RP_RUN_SECRET    hex; the key of each attempt derives from it (control/attempt.py), which seals every
+                     store record and derives the engines' API key. Never written to disk by RolloutPipe,
+                     never printed; ``NodeEnv.take`` removes it from the process's environment, so no child
+                     process (engine servers, reward workers) inherits it
     RP_RUN_DIR       the run directory, shared by both node groups
     RP_CPUS          optional, e.g. "0,1": CPUs this process is pinned to
     RP_PARENT_PID    optional (the local launcher sets it): the process dies with its parent (control/lifetime.py)
-    SLURM_RESTART_COUNT  set by Slurm in a requeued job: the process resumes from the last checkpoint
+    SLURM_RESTART_COUNT  set by Slurm in a requeued job: the process resumes from the last checkpoint, and the
+                     attempt's key differs from every earlier attempt's
 
 Inside one step of a Slurm heterogeneous job (``srun --het-group=0 ... : --het-group=1 ...``) the
 launcher sets only RP_RUN_ID, RP_RUN_SECRET, RP_RUN_DIR (and optionally RP_STORE_PORT) and the rest
@@ -74,10 +76,16 @@ class NodeEnv:
         return self.run_dir / "config.yaml"
 
     @property
+    def attempt_key(self) -> bytes:
+        """What seals this attempt's records and signs its handles (control/attempt.py): no record of an earlier
+        attempt of a requeued job passes in this one."""
+        return attempt_key(self.secret, self.run_id, self.restart_count)
+
+    @property
     def engine_api_key(self) -> str:
-        """The API key of the engine servers the rollout node starts (``--api-key``): derived from the run's
-        secret, so it is the run's own and the secret itself never leaves the node process."""
-        return hmac.new(self.secret, b"rolloutpipe engine api key", hashlib.sha256).hexdigest()
+        """The API key of the engine servers the rollout node starts (``--api-key``): derived from the attempt's
+        key, so it is this attempt's own and the secret itself never leaves the node process."""
+        return hmac.new(self.attempt_key, b"rolloutpipe engine api key", hashlib.sha256).hexdigest()
 
     def to_environ(self) -> dict[str, str]:
         env = {
@@ -153,6 +161,12 @@ class NodeEnv:
             run_dir=Path(environ["RP_RUN_DIR"]),
             restart_count=int(environ.get("SLURM_RESTART_COUNT") or 0),
         )
+
+
+def attempt_key(secret: bytes, run_id: str, attempt: int) -> bytes:
+    """The key every record, handle and engine API key of attempt ``attempt`` (SLURM_RESTART_COUNT) derives from
+    (control/attempt.py)."""
+    return hmac.new(secret, f"rolloutpipe attempt\n{run_id}\n{attempt}".encode(), hashlib.sha256).digest()
 
 
 def free_port() -> int:

@@ -25,12 +25,15 @@ that live as long as their pool (rollout/rewards.py), so the signal comes when t
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 
 PARENT_PID_ENV = "RP_PARENT_PID"
 """Set by a parent for a child it starts: the child dies with that process (``die_with_parent``)."""
@@ -61,17 +64,46 @@ class Stopped(BaseException):
         return 128 + self.signum
 
 
+class _Deferral(threading.local):
+    """The main thread's ``stop_deferred`` depth, and a stop signal that came meanwhile."""
+
+    depth = 0
+    pending: int | None = None
+
+
+_deferral = _Deferral()
+
+
 def raise_on_stop_signals() -> None:
-    """From now on the first stop signal raises ``Stopped`` on the main thread; later ones are ignored, so the
-    cleanup the first one starts runs to its end (whoever sent them SIGKILLs after its grace period)."""
+    """From now on the first stop signal raises ``Stopped`` on the main thread (at the end of a ``stop_deferred``
+    block if it is inside one); later ones are ignored, so the cleanup the first one starts runs to its end
+    (whoever sent them SIGKILLs after its grace period)."""
 
     def handler(signum, frame) -> None:
         for s in STOP_SIGNALS:
             signal.signal(s, signal.SIG_IGN)
+        if _deferral.depth:
+            _deferral.pending = signum
+            return
         raise Stopped(signum)
 
     for s in STOP_SIGNALS:
         signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def stop_deferred() -> Iterator[None]:
+    """A stop signal that arrives inside raises ``Stopped`` only when the block ends: for work that must not be left
+    half-done, such as copying the last finished step's state (trainer/restore.py). Python runs signal handlers on
+    the main thread only, so this guards the main thread; keep the block short, the sender's grace period runs."""
+    _deferral.depth += 1
+    try:
+        yield
+    finally:
+        _deferral.depth -= 1
+    if _deferral.depth == 0 and _deferral.pending is not None:
+        signum, _deferral.pending = _deferral.pending, None
+        raise Stopped(signum)
 
 
 def requeue_margin_s(grace_s: float) -> float:

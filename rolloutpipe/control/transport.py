@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from rolloutpipe.control.codec import decode_group, encode_group
 from rolloutpipe.control.env import listen_socket
+from rolloutpipe.control.seal import Forged, seal, unseal
 from rolloutpipe.types import CompleteGroup, GroupHandle
 
 log = logging.getLogger(__name__)
@@ -72,10 +73,6 @@ class PeerCheck(Protocol):
 
 class HandleRejected(TransportError):
     pass
-
-
-class Forged(ValueError):
-    """A store value that is not this run's: unsealed, sealed with another secret, or moved from another key."""
 
 
 class PeerLost(TransportError):
@@ -241,27 +238,11 @@ class Transport:
         self.delete(self.key("serving", f"policy_version={version}"))
 
     # -- sealed records ----------------------------------------------------------------------------
-    def _mac(self, key: str, body: bytes) -> str:
-        return hmac.new(self.secret, key.encode() + b"\n" + body, hashlib.sha256).hexdigest()
-
     def seal(self, key: str, record: dict) -> str:
-        """``record`` as the value of ``key``: JSON with an HMAC over the key and the JSON text."""
-        body = json.dumps(record, sort_keys=True, separators=(",", ":"))
-        return json.dumps({"mac": self._mac(key, body.encode()), "body": body})
+        return seal(self.secret, key, record)
 
     def unseal(self, key: str, raw: bytes) -> dict:
-        """The record sealed as ``key``'s value; raises Forged for anything else."""
-        try:
-            sealed = json.loads(raw)
-            body, mac = sealed["body"], sealed["mac"]
-            genuine = isinstance(body, str) and isinstance(mac, str) and hmac.compare_digest(
-                mac, self._mac(key, body.encode()))
-        except (ValueError, TypeError, KeyError, AttributeError):
-            genuine = False
-        if not genuine:
-            raise Forged(f"{key}: not sealed with this run's secret (written by a process outside the run, or "
-                         "copied from another key)")
-        return json.loads(body)
+        return unseal(self.secret, key, raw)
 
     def refuse(self, key: str, raw: bytes, why: str) -> None:
         """Log, once per distinct value, that a value at ``key`` was refused."""

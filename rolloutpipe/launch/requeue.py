@@ -7,12 +7,16 @@ the one ``srun`` step. What happens then:
 
     USR1 (the warning)      a sealed ``requeue`` record in the run's store (on the first rollout node, where the
                             batch script runs; retried until the store is up), never a signal to the tasks (one
-                            that came before a task set its handler would kill it): trainer rank 0 stops the run
-                            after the step in progress and its checkpoint, or drops the step if it cannot end
-                            in time (trainer/node.py); every task then exits REQUEUE_EXIT
-    the step ends           with REQUEUE_EXIT: ``scontrol requeue <job>`` while SLURM_RESTART_COUNT <
-                            launcher.max_requeues, else a line that says how to resume by hand; with 0 the run is
-                            complete (its last step was running), with another code it failed: no requeue
+                            that came before a task set its handler would kill it): trainer rank 0 writes the last
+                            finished step's checkpoint at once, then stops the run after the step in progress and
+                            its checkpoint, or drops that step if it cannot end in time (trainer/node.py); every
+                            task then exits REQUEUE_EXIT
+    the step ends           the decision comes from the attempt's sealed outcome (control/attempt.py), not from
+                            srun's exit code (the highest of every task's: 137 for an engine host lost earlier):
+                            stopped to be requeued: ``scontrol requeue <job>`` while SLURM_RESTART_COUNT <
+                            launcher.max_requeues, else a line that says how to resume by hand; finished: exit 0
+                            (the job is COMPLETED, whatever an engine host's task returned); anything else failed:
+                            no requeue, srun's code
     one margin before the   the step has not ended (a hung task): requeue anyway; Slurm stops what is left
     time limit
     SIGTERM, SIGINT         (scancel, a preemption, an ``scontrol requeue`` from outside) forwarded to srun; Slurm's
@@ -39,7 +43,9 @@ import sys  # noqa: E402
 import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from rolloutpipe.control.lifetime import REQUEUE_EXIT, requeue_margin_s
+from rolloutpipe.control.attempt import read_outcome
+from rolloutpipe.control.env import attempt_key
+from rolloutpipe.control.lifetime import requeue_margin_s
 
 WARNED_ENV = "RP_SLURM_WARNED"
 """Set by the batch script's ``trap`` when Slurm's warning came before this wrapper started."""
@@ -52,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     grace_s, max_requeues = requeue_settings(Path(os.environ["RP_RUN_DIR"]) / "config.yaml")
     job_id, restarts = os.environ.get("SLURM_JOB_ID"), int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    key = attempt_key(bytes.fromhex(os.environ["RP_RUN_SECRET"]), os.environ["RP_RUN_ID"], restarts)
     warned_s: list[float] = []
 
     def warned() -> None:
@@ -60,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         warned_s.append(time.monotonic())
         say(f"Slurm warned of the time limit (launcher.requeue_grace_s={grace_s}): the run stops at its next "
             f"checkpoint, then the job is requeued (requeue {restarts + 1} of launcher.max_requeues={max_requeues})")
-        threading.Thread(target=ask_to_stop, args=(step,), name="ask-to-stop", daemon=True).start()
+        threading.Thread(target=ask_to_stop, args=(step, key), name="ask-to-stop", daemon=True).start()
 
     def on_signal(signum, frame) -> None:
         if signum == signal.SIGUSR1:
@@ -79,8 +86,19 @@ def main(argv: list[str] | None = None) -> int:
             break
         time.sleep(0.2)
     code = step.poll()
-    if not warned_s or code not in (None, REQUEUE_EXIT):  # done (0), or failed on its own: nothing to requeue
-        return step.wait() if code is None else code
+    outcome = None if code is None else read_outcome(Path(os.environ["RP_RUN_DIR"]), key, restarts)
+    if outcome is not None and outcome.finished:
+        if code != 0:
+            say(f"the run finished (every step trained, the final policy written); srun's exit code {code} is a task "
+                "the run survived losing (an engine host): the job ends as completed")
+        return 0
+    if not warned_s:  # failed or stopped from outside: Slurm's own requeue, if any
+        return code
+    if code is not None and (outcome is None or not outcome.requeue):
+        say(f"not requeued: the run did not stop for the requeue ("
+            f"{outcome.reason if outcome is not None else 'trainer rank 0 wrote no outcome'}); see the tasks' logs, "
+            "then continue it with run.resume=auto and the same run.dir")
+        return code
     if restarts >= max_requeues or job_id is None:
         say(f"not requeued: the job was requeued {restarts} times, launcher.max_requeues={max_requeues}. The run "
             "stopped at its last checkpoint; continue it with run.resume=auto and the same run.dir")
@@ -90,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     return step.wait() if code is None else code
 
 
-def ask_to_stop(step: subprocess.Popen) -> None:
-    """Put the sealed ``requeue`` record into the run's store, trying until it is up or the step has ended."""
+def ask_to_stop(step: subprocess.Popen, key: bytes) -> None:
+    """Put the ``requeue`` record, sealed with the attempt's ``key``, into the run's store, trying until it is up or
+    the step has ended."""
     from rolloutpipe.control.env import expand_hostlist, slurm_store_port
     from rolloutpipe.control.transport import StoreAddress, Transport
 
@@ -101,7 +120,7 @@ def ask_to_stop(step: subprocess.Popen) -> None:
         try:
             transport = Transport.open(
                 address=StoreAddress(host=host, port=port, hosted_by="rollout rank 0"), is_host=False,
-                run_id=os.environ["RP_RUN_ID"], secret=bytes.fromhex(os.environ["RP_RUN_SECRET"]),
+                run_id=os.environ["RP_RUN_ID"], secret=key,
                 run_dir=Path(os.environ["RP_RUN_DIR"]), connect_timeout_s=5.0)
             transport.put_record(transport.key("requeue"), {"requested": True})
             return

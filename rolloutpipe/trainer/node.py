@@ -15,7 +15,18 @@ Trainer main loop (pipeline.run_trainer, on each rank's main thread)
                and on rank 0 the engines serving the new policy (sync and cgp)
     shuts down healthy: rank 0 sets ``trainer/done`` after the final checkpoint and the trace, so the
                rollout keeps hosting the store until then; on any error (a stop signal too: launch/node.py)
-               pipeline.run_node writes ``abort`` and the process exits non-zero
+               pipeline.run_node writes ``abort``, rank 0 writes the last finished step's checkpoint from its
+               restore point (``stop``, trainer/restore.py) and the attempt's outcome (control/attempt.py),
+               and the process exits non-zero
+
+Requeue watch (rank 0, a thread of its own: ``_requeue_watch``)
+    consumes   the batch script's sealed ``requeue`` record (launch/requeue.py: Slurm warned of the time limit)
+    produces   at once, the last finished step's checkpoint; then either the stop after the step in progress
+               (``end_step`` checkpoints it and the main loop raises RunRequeued) or, if that step does not end
+               two margins before the grace period does, an ``abort`` with ``requeue``: the step in progress is
+               dropped, every finished one is on disk
+    waits for  the record (0.5 s polls on a store client of its own), then the step's end
+    shuts down on ``close`` (healthy or not), or when the store is gone
 """
 
 from __future__ import annotations
@@ -30,16 +41,18 @@ import torch
 import torch.distributed as dist
 
 from rolloutpipe.config import Config, PipelineMode, ResumeMode
-from rolloutpipe.control.checkpoint import latest_checkpoint, load_optimizer, save_checkpoint
+from rolloutpipe.control.attempt import Outcome, write_outcome
+from rolloutpipe.control.checkpoint import latest_checkpoint, load_optimizer
 from rolloutpipe.control.clock import sync_clock
 from rolloutpipe.control.env import NodeEnv, trainer_process_group_backend
-from rolloutpipe.control.lifetime import requeue_margin_s
+from rolloutpipe.control.lifetime import requeue_margin_s, stop_deferred
 from rolloutpipe.control.transport import RunRequeued, SealedStore, Transport, TransportError
 from rolloutpipe.model import load_model, load_tokenizer, save_hf_checkpoint
 from rolloutpipe.observe.metrics import RolloutStats, SpanRecorder, TrainStats, reduce_step, summary_line
 from rolloutpipe.observe.timeline import finish_run
 from rolloutpipe.observe.tracking import open_tracker
 from rolloutpipe.trainer.config import OldLogprobSource, TrainerBackend
+from rolloutpipe.trainer.restore import RestorePoint
 from rolloutpipe.trainer.torch_backend import PolicyTrainer
 from rolloutpipe.trainer.weights import WeightPublisher
 
@@ -87,6 +100,12 @@ class TrainerNode:
         if self.resumed is not None:
             load_optimizer(self.trainer.optimizer, self.resumed)
             self.first_step = self.resumed.step + 1
+        self.restore = RestorePoint(run_dir=env.run_dir, tokenizer=self.tokenizer,
+                                    config_yaml=(env.run_dir / "config.yaml").read_text(),
+                                    keep_last=cfg.run.keep_last_checkpoints, on_disk=self.first_step - 1)
+        """Rank 0's copy of the last finished step: every checkpoint is written from it (restore.py)."""
+        self.last_step = self.first_step - 1
+        """The last step whose metrics are written."""
         if cfg.run.resume is ResumeMode.auto:  # the steps from first_step are redone: their old spans go
             self.spans.resume_at(self.first_step)
         if cfg.run.resume is ResumeMode.auto and self.is_writer and self.metrics_path.exists():
@@ -132,9 +151,9 @@ class TrainerNode:
         raise RunRequeued(reason)
 
     def _requeue_watch(self) -> None:
-        """Waits for the batch script's sealed ``requeue`` record (launch/requeue.py: Slurm warned of the time limit).
-        Then, if the step in progress has not ended well before the grace period does, drops it (the requeued job
-        redoes it from the last checkpoint) rather than be killed mid-checkpoint. Its own store client."""
+        """Waits for the batch script's sealed ``requeue`` record (launch/requeue.py: Slurm warned of the time limit),
+        writes the last finished step's checkpoint at once, then lets the step in progress end if it can well within
+        the grace period, or drops it (the requeued job redoes it). Its own store client."""
         transport = self.transport.connect_another()
         key = transport.key("requeue")
         try:
@@ -145,31 +164,44 @@ class TrainerNode:
             return  # the store is gone: the run is over
         self._requeue_requested_s = signalled = time.monotonic()
         grace = self.cfg.launcher.requeue_grace_s
-        print(f"[trainer rank 0] Slurm warned of the time limit: stopping after this step's checkpoint if it ends "
-              f"within {grace - 2 * requeue_margin_s(grace):.0f}s (launcher.requeue_grace_s={grace:g})",
-              file=sys.stderr, flush=True)
+        written = self.write_checkpoint()
+        kept = f"step {written}'s checkpoint is written" if written is not None else (
+            f"the last finished step ({self.restore.on_disk}) is on disk" if self.restore.on_disk >= 0
+            else "no step has finished yet")
+        print(f"[trainer rank 0] Slurm warned of the time limit: {kept}; stopping after the step in progress and its "
+              f"checkpoint if it ends within {grace - 2 * requeue_margin_s(grace):.0f}s (launcher.requeue_grace_s="
+              f"{grace:g}), else dropping it", file=sys.stderr, flush=True)
         while time.monotonic() < signalled + grace - 2 * requeue_margin_s(grace):
             if self._stopping or self._closing.wait(0.5):  # the stop at a checkpoint is under way
                 return
+        resume = (f"step {self.restore.on_disk}'s checkpoint" if self.restore.on_disk >= 0
+                  else "the start (no step has finished)")
         transport.abort(
             f"Slurm warned of the job's time limit and the step in progress did not end within "
-            f"launcher.requeue_grace_s={grace:g}s: it is dropped, and the requeued job redoes it from the last "
-            "checkpoint", requeue=True)
+            f"launcher.requeue_grace_s={grace:g}s: it is dropped, and the requeued job redoes it from {resume}",
+            requeue=True)
 
     def end_step(self, step: int, stats: TrainStats) -> None:
-        """The step's metrics record (rank 0 writes it: metrics.jsonl, the terminal, W&B), then its checkpoint."""
+        """The step's metrics record (rank 0 writes it: metrics.jsonl, the terminal, W&B), which finishes the step,
+        and the copy of its state (restore.py); then its checkpoint when one is due."""
         record = self.reduce(step, stats)
         if self.is_writer:
             record["run/requeues"] = self.env.restart_count
-            with self.metrics_path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+            source_state = self.transport.wait_record(self.transport.key(f"step={step}", "source_state"),
+                                                      what=f"step {step}'s prompt source state")
+            with stop_deferred():  # a stop finds the step either not finished or finished and copied
+                with self.metrics_path.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
+                self.tracker.log_step(record)
+                self.restore.capture(step, model=self.trainer.hf_model(), optimizer=self.trainer.optimizer,
+                                     source_state=source_state)
+                self.last_step = step
             self.progress.write(summary_line(record, self.cfg.num_rollout), file=sys.stdout)
             sys.stdout.flush()
             self.progress.update()
-            self.tracker.log_step(record)
             self._stopping = self.requeue_due(step)  # decided here, once: the checkpoint must be this step's
-            if self.checkpoint_due(step) or self._stopping:  # after the record: a checkpoint implies its metrics
-                self.save_checkpoint(step)
+            if self.checkpoint_due(step) or self._stopping:
+                self.write_checkpoint()
             # every rank is past the step's all-reduces in reduce(), so all of them have read its groups
             self.transport.forget_step(step, self.cfg.rollout_batch_size)
         self.spans.flush()
@@ -197,14 +229,34 @@ class TrainerNode:
         every = self.cfg.run.checkpoint_every
         return every > 0 and ((step + 1) % every == 0 or step + 1 == self.cfg.num_rollout)
 
-    def save_checkpoint(self, step: int) -> None:
-        source_state = self.transport.wait_record(self.transport.key(f"step={step}", "source_state"),
-                                                  what=f"step {step}'s prompt source state")
-        with self.spans.span("checkpoint/save", step=step):
-            save_checkpoint(run_dir=self.env.run_dir, step=step, model=self.trainer.hf_model(),
-                            tokenizer=self.tokenizer, optimizer=self.trainer.optimizer, source_state=source_state,
-                            config_yaml=(self.env.run_dir / "config.yaml").read_text(),
-                            keep_last=self.cfg.run.keep_last_checkpoints)
+    def write_checkpoint(self) -> int | None:
+        """Rank 0: the last finished step's checkpoint, from the restore point, unless it is on disk already (any
+        thread); returns the step written."""
+        if not self.is_writer:
+            return None
+        return self.restore.write(span=lambda step: self.spans.span("checkpoint/save", step=step))
+
+    def stop(self, err: BaseException) -> None:
+        """The run stops before its end (pipeline.run_node, any cause): rank 0 keeps every finished step, writing
+        the last one's checkpoint from the restore point, and says how the attempt ended (control/attempt.py)."""
+        if not self.is_writer:
+            return
+        try:
+            written = self.write_checkpoint()
+        except Exception as save_err:  # noqa: BLE001 - the stop's own cause is what the process reports
+            print(f"[trainer rank 0] could not write step {self.restore.step}'s checkpoint while stopping "
+                  f"({type(save_err).__name__}: {save_err}); a resume continues after step {self.restore.on_disk}",
+                  file=sys.stderr, flush=True)
+            written = None
+        if written is not None:
+            print(f"[trainer rank 0] stopping: step {written}'s checkpoint is written (the last finished step); a "
+                  "resume continues after it", file=sys.stderr, flush=True)
+        self._write_outcome(finished=False, requeue=isinstance(err, RunRequeued), reason=f"{type(err).__name__}: {err}")
+
+    def _write_outcome(self, *, finished: bool, requeue: bool, reason: str) -> None:
+        write_outcome(self.env.run_dir, self.env.attempt_key, Outcome(
+            attempt=self.env.restart_count, finished=finished, requeue=requeue, last_step=self.last_step,
+            checkpoint_step=self.restore.on_disk, reason=reason))
 
     def close(self) -> None:
         """Stop the requeue watch (its store client must not be torn down under it at exit)."""
@@ -220,6 +272,7 @@ class TrainerNode:
         if self.is_writer:
             save_hf_checkpoint(self.trainer.hf_model(), self.tokenizer, self.env.run_dir / "checkpoints" / "final")
             finish_run(self.env.run_dir, self.tracker)  # trace.json, lifecycle.jsonl, timeline.png, W&B
+            self._write_outcome(finished=True, requeue=False, reason="every step trained; the final policy is written")
             self.transport.put_record(self.transport.key("trainer", "done"), {"done": True})
         if self.distributed:
             dist.destroy_process_group()

@@ -1,9 +1,11 @@
-"""Run a node-group process with one fault armed: ``python -m tests.faults.inject <point> <nth>``.
+"""Run a node-group process with one fault armed: ``python -m tests.faults.inject <point> <nth> [SIGTERM]``.
 
 The process runs ``rolloutpipe.launch.node`` as usual, except that the ``nth`` call of the function named by
 ``point`` fails:
 - a ``POINTS`` entry kills the process with SIGKILL: no cleanup, no abort key, exactly like an OOM kill or a
-  node loss;
+  node loss; with ``SIGTERM`` as the third argument it sends itself SIGTERM instead, as a preemption, ``scancel``
+  or ``scontrol requeue`` does, and the process stops the way it would (the signal reaches the process before
+  ``kill`` returns, so its handler raises there: the call is not made);
 - ``engine_crash`` raises inside an embedded engine's scheduler thread (its next decode step), which sets
   ``engine.error`` as any crash of that thread would;
 - ``engine_server_killed`` SIGKILLs the server process of the SGLang-API engine being submitted to (the
@@ -22,6 +24,10 @@ import sys
 
 def kill_process(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def stop_process(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def crash_engine(engine, *args, **kwargs):
@@ -46,8 +52,10 @@ POINTS = {
 }
 
 
-def arm(point: str, nth: int) -> None:
+def arm(point: str, nth: int, how: str = "SIGKILL") -> None:
     module_name, path, fail = POINTS[point]
+    if how == "SIGTERM":
+        fail = stop_process
     owner = importlib.import_module(module_name)
     *parents, name = path.split(".")
     for parent in parents:
@@ -67,7 +75,7 @@ def arm(point: str, nth: int) -> None:
 
 
 if __name__ == "__main__":
-    arm(sys.argv[1], int(sys.argv[2]))
+    arm(sys.argv[1], int(sys.argv[2]), *sys.argv[3:4])
     from rolloutpipe.launch.node import main
 
     sys.exit(main())

@@ -71,6 +71,45 @@ def test_killed_and_resumed_run_trains_every_prompt_once_and_matches_the_uninter
     assert max((final[k] - uninterrupted[k]).abs().max().item() for k in final) < 1e-9
 
 
+# A stop (SIGTERM: a preemption, scancel, scontrol requeue) with no checkpoint due: every finished step is kept.
+# (point, the process it stops, which call of the point stops it, the last finished step: the checkpoint written)
+STOPS = [
+    ("mid_optimizer_step", "trainer", 4, 0),  # step 1's second optimizer step: the model is half-way through step 1
+    ("mid_rollout", "rollout", 24, 0),  # the 24th rewarded sample: step 1 is half generated
+    ("during_weight_sync", "rollout", 2, 0),  # step 1 is trained, its weights not served: its metrics not written
+]
+
+
+@pytest.mark.parametrize("point,victim,nth,finished", STOPS, ids=[f[0] for f in STOPS])
+def test_a_stop_writes_the_last_finished_steps_checkpoint_and_the_resume_matches_the_uninterrupted_run(
+        tmp_path, data, uninterrupted, point, victim, nth, finished):
+    """With run.checkpoint_every=100 no checkpoint is due, so only the stop checkpoint (trainer/restore.py) keeps
+    step ``finished``: written from the copy taken when its metrics were, not from the live model, which is already
+    one optimizer step into step 1 in the first case. The resumed run continues after it without redoing it."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    overrides = [*workload(data), "run.checkpoint_every=100"]
+    procs = start_nodes(run_dir, *overrides,
+                        commands={victim: ["-m", "tests.faults.inject", point, str(nth), "SIGTERM"]})
+    outputs = {role: p.communicate(timeout=180) for role, p in procs.items()}
+    assert procs[victim].returncode == 128 + 15, outputs[victim][1][-2000:]
+    assert f"stopping: step {finished}'s checkpoint is written (the last finished step)" in outputs["trainer"][1], (
+        outputs["trainer"][1][-3000:])
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step={finished}"]
+    kept = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in kept] == list(range(finished + 1))
+
+    resumed = run_job(run_dir, *overrides, "run.resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert lines[: finished + 1] == kept, "the finished steps' records are kept, not redone"
+    assert [json.loads(line)["step"] for line in lines] == list(range(NUM_STEPS))
+    trained = [s["prompt_index"] for s in read_samples(run_dir) if s["id"].endswith("sample=0")]
+    assert sorted(trained) == list(range(NUM_STEPS * PROMPTS_PER_STEP)), "every prompt trained exactly once"
+    final = load_file(str(run_dir / "checkpoints" / "final" / "model.safetensors"))
+    assert max((final[k] - uninterrupted[k]).abs().max().item() for k in final) < 1e-9
+
+
 # Engine failure: the run goes on. (point, rollout.engine, which call of the point fails): each in step 1
 ENGINE_FAULTS = [
     ("engine_crash", "embedded", 14),  # a decode step of step 1 raises in one engine's scheduler thread

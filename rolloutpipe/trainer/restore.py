@@ -1,0 +1,105 @@
+"""The restore point: the last finished step's training state, kept in host memory, so that a stop loses at most the
+step in progress.
+
+A step is finished when its metrics record is written (trainer/node.py ``end_step``). Right then trainer rank 0
+copies what a checkpoint of that step holds (the policy under HF names, the optimizer's state, the prompt source's
+state) into host buffers it reuses every step, and every checkpoint is written from that copy: the periodic ones
+(``run.checkpoint_every``) and the *stop checkpoint*. Whatever stops the run afterwards (Slurm's time-limit warning,
+SIGTERM from a preemption, ``scontrol requeue`` or ``scancel``, a peer that failed, a lost store) finds the last
+finished step's state intact in the copy, even in the middle of the next step's optimizer steps, and writes it
+before the process exits (``write``: a no-op when that step is on disk already). The resumed run continues after it
+and keeps its metrics. Only a process that gets no chance to run (SIGKILL, OOM, a lost node) falls back to the
+newest checkpoint on disk.
+
+Cost: one copy of the rank's training state per step, taken while the trainer waits for the next step's first
+group, and that much host memory (bench/restore_point.py measures both); the copy is made with stop signals held
+back (control/lifetime.py ``stop_deferred``), so a stop never finds it half-written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from rolloutpipe.control.checkpoint import save_checkpoint
+from rolloutpipe.control.lifetime import stop_deferred
+
+
+class RestorePoint:
+    """Trainer rank 0's copy of the last finished step; ``write`` may run on another thread than ``capture``."""
+
+    def __init__(self, *, run_dir: Path, tokenizer, config_yaml: str, keep_last: int, on_disk: int) -> None:
+        self.run_dir = run_dir
+        self.tokenizer = tokenizer
+        self.config_yaml = config_yaml
+        self.keep_last = keep_last
+        self.step: int | None = None
+        """The step the copy holds (None: nothing finished since this process started)."""
+        self.on_disk = on_disk
+        """The newest step with a complete checkpoint (-1: none)."""
+        self._model: torch.nn.Module | None = None
+        self._model_state: dict[str, torch.Tensor] = {}
+        self._optimizer_state: dict = {}
+        self._source_state: dict = {}
+        self._lock = threading.Lock()
+
+    def capture(self, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                source_state: dict) -> None:
+        """Copy step ``step``'s state (the live model and optimizer, right after the step's metrics record)."""
+        with stop_deferred(), self._lock, torch.no_grad():
+            self.step = None  # until the copy is whole
+            self._model = model
+            self._model_state = _copy_into(self._model_state, model.state_dict())
+            state = optimizer.state_dict()
+            self._optimizer_state = {"state": _copy_into(self._optimizer_state.get("state", {}), state["state"]),
+                                     "param_groups": _plain_copy(state["param_groups"])}
+            self._source_state = _plain_copy(source_state)
+            self.step = step
+
+    def write(self, *, span: Callable[[int], object] | None = None) -> int | None:
+        """Write the copy as ``checkpoints/step=<k>`` unless that step is on disk already; returns the step written."""
+        with self._lock:
+            if self.step is None or self.step <= self.on_disk:
+                return None
+            with span(self.step) if span is not None else contextlib.nullcontext():
+                save_checkpoint(run_dir=self.run_dir, step=self.step, model=self._model, model_state=self._model_state,
+                                tokenizer=self.tokenizer, optimizer_state=self._optimizer_state,
+                                source_state=self._source_state, config_yaml=self.config_yaml,
+                                keep_last=self.keep_last)
+            self.on_disk = self.step
+            return self.step
+
+
+def _copy_into(buffers: dict, source: dict) -> dict:
+    """``source`` (a tree of dicts and tensors) copied into CPU ``buffers`` of the same shapes, reused from the last
+    copy where they fit. Tensors that share storage in ``source`` (tied embeddings) share their copy too, as
+    ``save_pretrained`` expects."""
+    copies: dict[tuple, torch.Tensor] = {}
+
+    def copy(old: object, value: object) -> object:
+        if isinstance(value, dict):
+            return {k: copy(old.get(k) if isinstance(old, dict) else None, v) for k, v in value.items()}
+        if not isinstance(value, torch.Tensor):
+            return value
+        alias = (value.data_ptr(), value.shape, value.stride(), value.dtype)
+        if alias in copies:
+            return copies[alias]
+        fits = (isinstance(old, torch.Tensor) and old.shape == value.shape and old.dtype == value.dtype
+                and old.device.type == "cpu")
+        copies[alias] = old.copy_(value) if fits else value.detach().to("cpu", copy=True)
+        return copies[alias]
+
+    return copy(buffers, source)
+
+
+def _plain_copy(value: object) -> object:
+    """A deep copy of JSON-like data (lists, dicts, numbers, strings)."""
+    if isinstance(value, dict):
+        return {k: _plain_copy(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_plain_copy(v) for v in value)
+    return value
