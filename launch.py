@@ -62,9 +62,10 @@ def main(raw: DictConfig) -> None:
     inside_sbatch = cfg.launcher.kind is LauncherKind.sbatch
     print(f"run {cfg.run.id}: {cfg.pipeline.mode.value} mode, outputs in {run_dir}", flush=True,
           file=sys.stderr if inside_sbatch else sys.stdout)
-    if inside_sbatch:  # slurm/rolloutpipe.sbatch evaluates this line, then starts the step itself
-        port = f" RP_STORE_PORT={cfg.launcher.store_port}" if cfg.launcher.store_port else ""
-        print(f"export RP_RUN_DIR={shlex.quote(str(run_dir))} RP_RUN_ID={shlex.quote(cfg.run.id)}{port}")
+    if inside_sbatch:  # slurm/rolloutpipe.sbatch sources the file, then starts the step itself
+        from rolloutpipe.launch.slurm import write_sbatch_vars
+
+        write_sbatch_vars(cfg, run_dir)
         return
     code = make_launcher(cfg).launch(cfg, run_dir)
     if code == 0:

@@ -51,6 +51,7 @@ def test_the_slurm_launcher_waits_out_sacct_reading_a_requeued_job_as_failed(tmp
         return now["state"]
 
     monkeypatch.setattr(slurm, "_queued", lambda job_id: listed[now["state"]])
+    monkeypatch.setattr(slurm, "_result", lambda job, task: None)  # no task wrote a result (it reads submitit's)
     monkeypatch.setattr(slurm, "_release_requeued", lambda job_id, announce: None)
     monkeypatch.setattr(slurm.time, "sleep", lambda s: None)
     job = SimpleNamespace(job_id="7", num_tasks=2, paths=SimpleNamespace(folder=tmp_path),
@@ -194,23 +195,65 @@ def test_rollout_nodes_run_one_engine_host_each_and_the_engines_split_over_them(
                "launcher.rollout.gpus_per_node=8", "rollout_batch_size=16")
 
 
+SBATCH_VARS = {"RP_SBATCH_VARS": "/tmp/job-1.env"}
+"""What slurm/rolloutpipe.sbatch sets for launch.py launcher=sbatch: where the run's variables go."""
+
+
 def test_sbatch_mode_checks_the_allocation_against_the_config():
     cfg = cfg_of("launcher.kind=sbatch", "trainer.num_ranks=2")
     assert cfg.launcher.kind is LauncherKind.sbatch
     with pytest.raises(ConfigError, match="inside slurm/rolloutpipe.sbatch"):
         check_allocation(cfg, {})
+    with pytest.raises(ConfigError, match="names the file for the run's variables in RP_SBATCH_VARS"):
+        check_allocation(cfg, {"SLURM_HET_SIZE": "2", "SLURM_NTASKS_HET_GROUP_0": "1", "SLURM_NTASKS_HET_GROUP_1": "2"})
     with pytest.raises(ConfigError, match=r"\[1, 1\] tasks.*trainer.num_ranks=2"):
-        check_allocation(cfg, {"SLURM_HET_SIZE": "2", "SLURM_NTASKS_HET_GROUP_0": "1", "SLURM_NTASKS_HET_GROUP_1": "1"})
-    check_allocation(cfg, {"SLURM_HET_SIZE": "2", "SLURM_NTASKS_HET_GROUP_0": "1", "SLURM_NTASKS_HET_GROUP_1": "2"})
+        check_allocation(cfg, {**SBATCH_VARS, "SLURM_HET_SIZE": "2", "SLURM_NTASKS_HET_GROUP_0": "1",
+                                "SLURM_NTASKS_HET_GROUP_1": "1"})
+    check_allocation(cfg, {**SBATCH_VARS, "SLURM_HET_SIZE": "2", "SLURM_NTASKS_HET_GROUP_0": "1",
+                                "SLURM_NTASKS_HET_GROUP_1": "2"})
     with pytest.raises(ConfigError, match=r"\[2, 2\] tasks.*1 task per rollout node, launcher.rollout.nodes=1"):
-        check_allocation(cfg, {"SLURM_HET_SIZE": "2", "SLURM_NTASKS_HET_GROUP_0": "2", "SLURM_NTASKS_HET_GROUP_1": "2"})
+        check_allocation(cfg, {**SBATCH_VARS, "SLURM_HET_SIZE": "2", "SLURM_NTASKS_HET_GROUP_0": "2",
+                                "SLURM_NTASKS_HET_GROUP_1": "2"})
     two = cfg_of("launcher.kind=sbatch", "trainer.num_ranks=2", "launcher.rollout.nodes=2",
                  "rollout.engine=embedded_http")
     with pytest.raises(ConfigError, match="2 tasks on 1 nodes: one task per rollout node"):
-        check_allocation(two, {"SLURM_HET_SIZE": "2", "SLURM_NTASKS_HET_GROUP_0": "2",
+        check_allocation(two, {**SBATCH_VARS, "SLURM_HET_SIZE": "2", "SLURM_NTASKS_HET_GROUP_0": "2",
                                "SLURM_JOB_NUM_NODES_HET_GROUP_0": "1", "SLURM_NTASKS_HET_GROUP_1": "2"})
-    check_allocation(two, {"SLURM_HET_SIZE": "2", "SLURM_NTASKS_HET_GROUP_0": "2",
+    check_allocation(two, {**SBATCH_VARS, "SLURM_HET_SIZE": "2", "SLURM_NTASKS_HET_GROUP_0": "2",
                            "SLURM_JOB_NUM_NODES_HET_GROUP_0": "2", "SLURM_NTASKS_HET_GROUP_1": "2"})
+
+
+def test_the_sbatch_script_reaches_srun_when_the_launch_logs_warnings(tmp_path):
+    """slurm/rolloutpipe.sbatch, run by bash with Slurm's variables and a stand-in srun: launch.py launcher=sbatch logs
+    the memory plan's warning (a KV cache no GPU holds) through Hydra's log handler, on stdout, yet the script sources
+    the run's variables from the file it named and reaches srun; the requeued job sources the same file without
+    launching again."""
+    for name in ("launch.py", "conf"):  # the script runs from the repository root: a stand-in for it
+        (tmp_path / name).symlink_to(REPO / name)
+    (tmp_path / "slurm").mkdir()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f"#!/bin/sh\necho \"$RP_RUN_DIR|$RP_RUN_ID|$*\" >> {tmp_path / 'srun.log'}\n")
+    (bin_dir / "srun").chmod(0o755)
+    run_dir = tmp_path / "run"
+    environ = {**node_environ(), "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "777", "SLURM_HET_SIZE": "2",
+               "SLURM_NTASKS_HET_GROUP_0": "1", "SLURM_NTASKS_HET_GROUP_1": "1", "SLURM_RESTART_COUNT": "0"}
+    script = [str(REPO / "slurm" / "rolloutpipe.sbatch"), f"run.dir={run_dir}", "run.id=warned",
+              "rollout.engine=sglang", "rollout.concurrency=10000000"]
+    first = subprocess.run(["bash", *script], cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "memory plan: each rollout engine" in first.stdout + first.stderr, "the warning was logged"
+    assert (tmp_path / ".rolloutpipe" / "job-777.env").read_text() == (
+        f"export RP_RUN_DIR={run_dir}\nexport RP_RUN_ID=warned\n")
+    config = (run_dir / "config.yaml").stat().st_mtime_ns
+    requeued = subprocess.run(["bash", *script], cwd=tmp_path, env={**environ, "SLURM_RESTART_COUNT": "1"},
+                              capture_output=True, text=True, timeout=120)
+    assert requeued.returncode == 0, requeued.stdout + requeued.stderr
+    assert "memory plan" not in requeued.stdout + requeued.stderr, "the requeued job does not launch again"
+    assert (run_dir / "config.yaml").stat().st_mtime_ns == config
+    calls = (tmp_path / "srun.log").read_text().splitlines()
+    assert len(calls) == 2 and all(c.startswith(f"{run_dir}|warned|--unbuffered") for c in calls), calls
+    assert all("--het-group=0" in c and "--het-group=1" in c for c in calls), calls
 
 
 def test_submission_from_inside_a_job_does_not_leak_that_jobs_slurm_options(monkeypatch):

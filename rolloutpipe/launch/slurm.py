@@ -307,13 +307,18 @@ def run_task() -> None:
         raise RuntimeError(f"{env.role.value} rank {env.rank} exited with code {code}; its message is above.")
 
 
+SBATCH_VARS_ENV = "RP_SBATCH_VARS"
+"""Names the file launcher=sbatch writes the run's variables to, for slurm/rolloutpipe.sbatch to ``source``."""
+
+
 def check_allocation(cfg: Config, environ: dict[str, str] | None = None) -> None:
     """kind=sbatch: the job running slurm/rolloutpipe.sbatch must have the shape the config needs."""
     environ = dict(os.environ if environ is None else environ)
-    if "SLURM_HET_SIZE" not in environ:
+    if "SLURM_HET_SIZE" not in environ or not environ.get(SBATCH_VARS_ENV):
         raise ConfigError(
             "launcher=sbatch runs inside slurm/rolloutpipe.sbatch, a heterogeneous job "
-            "(sbatch slurm/rolloutpipe.sbatch [overrides]); to submit from here use launcher=slurm."
+            "(sbatch slurm/rolloutpipe.sbatch [overrides]), which names the file for the run's variables in "
+            f"{SBATCH_VARS_ENV}; to submit from here use launcher=slurm."
         )
     het_size = int(environ["SLURM_HET_SIZE"])
     tasks = [int(environ.get(f"SLURM_NTASKS_HET_GROUP_{k}", "1")) for k in range(het_size)]
@@ -331,6 +336,21 @@ def check_allocation(cfg: Config, environ: dict[str, str] | None = None) -> None
             f"het group 0 has {tasks[0]} tasks on {num_nodes} nodes: one task per rollout node (each starts its "
             "node's engine servers); set --ntasks-per-node=1 in its #SBATCH lines."
         )
+
+
+def write_sbatch_vars(cfg: Config, run_dir: Path) -> Path:
+    """kind=sbatch: the run's directory, id (and store port) as ``export`` lines in the file slurm/rolloutpipe.sbatch
+    names (``RP_SBATCH_VARS``), which it sources; a requeued job sources the same file again. A file, not stdout:
+    Hydra's log handler writes there too, and a warning in an ``eval`` broke the script before srun."""
+    run_vars = {"RP_RUN_DIR": str(run_dir), "RP_RUN_ID": str(cfg.run.id)}
+    if cfg.launcher.store_port:
+        run_vars["RP_STORE_PORT"] = str(cfg.launcher.store_port)
+    path = Path(os.environ[SBATCH_VARS_ENV])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in run_vars.items()))
+    tmp.rename(path)
+    return path
 
 
 def _task_main(folder: str) -> None:
