@@ -3,14 +3,25 @@ on errors, and keeps whole steps when a table is too long. One test starts a rea
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
 from rolloutpipe.config import ConfigError, load_config
-from rolloutpipe.observe.tracking import Tracker, WandbConfig, WandbMode, latest_steps, open_tracker
+from rolloutpipe.observe.tracking import (
+    Tracker,
+    WandbConfig,
+    WandbMode,
+    current_wandb_run_id,
+    latest_steps,
+    open_tracker,
+)
+
+from .conftest import DENSE_REWARD, SMALL, read_metrics, run_job, start_nodes
 
 
 class FakeRun:
@@ -132,3 +143,66 @@ def test_wandb_keys_are_checked_at_the_edge():
         load_config(OmegaConf.create({"wandb": {"mode": "sometimes"}}))
     with pytest.raises(ConfigError, match="wandb.init_timeout_s"):
         load_config(OmegaConf.create({"wandb": {"init_timeout_s": 0}}))
+
+
+def test_a_resume_that_redoes_logged_steps_moves_to_the_next_wandb_run(tmp_path):
+    assert current_wandb_run_id(tmp_path, "r.1", "train", redo=False) == "r-1-train"
+    assert current_wandb_run_id(tmp_path, "r.1", "train", redo=False) == "r-1-train", "a plain resume stays"
+    assert current_wandb_run_id(tmp_path, "r.1", "train", redo=True) == "r-1-train-redo1"
+    assert current_wandb_run_id(tmp_path, "r.1", "train", redo=False) == "r-1-train-redo1"
+    assert current_wandb_run_id(tmp_path, "r.1", "train", redo=True) == "r-1-train-redo2"
+    assert current_wandb_run_id(tmp_path, "r.1", "rollout", redo=False) == "r-1-rollout"
+
+
+def wandb_history(run_dir: Path, wandb_id: str) -> dict[int, dict]:
+    """What the offline W&B run ``wandb_id`` holds, step by step, read from its ``run-<id>.wandb`` files: W&B's
+    transaction log (LevelDB's log format, 32 KiB blocks of CRC'd chunks, after a 7-byte W&B header) of protobuf
+    records. Every offline start of the same id adds a file; ``wandb sync`` merges them the same way."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    history: dict[int, dict] = {}
+    for path in sorted(run_dir.glob(f"wandb/offline-run-*-{wandb_id}/run-{wandb_id}.wandb")):
+        data, pos, chunk, records = path.read_bytes(), 7, b"", []
+        while pos + 7 <= len(data):
+            left = 32768 - pos % 32768
+            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            if left < 7 or (length == 0 and kind == 0):  # the rest of a block is padding
+                pos += left
+                continue
+            payload, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+            chunk = payload if kind in (1, 2) else chunk + payload  # full, first; middle, last
+            if kind in (1, 4):
+                records.append(chunk)
+        for raw in records:
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(raw)
+            if record.WhichOneof("record_type") == "history":
+                items = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item}
+                history.setdefault(items["_step"], items)  # W&B keeps the first value of a step
+    return history
+
+
+def test_after_a_crash_the_wandb_run_shows_what_metrics_jsonl_shows(tmp_path):
+    """The trainer is SIGKILLed in step 3 (the last checkpoint is step 1's, and a killed process writes no stop
+    checkpoint): the resume redoes step 2, which W&B logged already and would ignore. The resumed run logs to
+    ``<id>-redo1``, which holds every step once with metrics.jsonl's values, the kept ones replayed first. (Offline,
+    the killed attempt's W&B service may not flush what it got: online it would be uploaded, and kept.)"""
+    pytest.importorskip("wandb")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    overrides = [*SMALL, *DENSE_REWARD, "num_rollout=5", "run.checkpoint_every=2", "wandb.mode=offline",
+                 "wandb.system_metrics=false"]
+    procs = start_nodes(run_dir, *overrides,
+                        commands={"trainer": ["-m", "tests.faults.inject", "mid_optimizer_step", "4"]})
+    outputs = {role: p.communicate(timeout=180) for role, p in procs.items()}
+    assert procs["trainer"].returncode == -9, outputs["trainer"][1][-2000:]
+    assert [m["step"] for m in read_metrics(run_dir)] == [0, 1, 2], "steps 0-2 were logged before the crash"
+    resumed = run_job(run_dir, *overrides, "run.resume=auto", "run.id=bytest")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (run_dir / "wandb" / "train.run_id").read_text().strip() == "bytest-train-redo1"
+    history = wandb_history(run_dir, "bytest-train-redo1")
+    metrics = read_metrics(run_dir)
+    assert sorted(history) == [m["step"] for m in metrics] == list(range(5))
+    assert [history[m["step"]]["train/loss"] for m in metrics] == [m["train/loss"] for m in metrics]

@@ -9,6 +9,11 @@ two together).
 What is logged.
     every step     the metrics.jsonl record, same names (``perf/trainer_wait_ratio``, ``train/loss``, ...),
                    at W&B step = RL step
+    on resume      the same W&B run, unless the resume redoes steps it already logged (a crash after the last
+                   checkpoint): W&B ignores a step below its last and its rewind is a private preview, so the
+                   resumed run then logs to a new W&B run, ``<id>-redo<n>``, which first gets the steps
+                   metrics.jsonl keeps; its charts show what metrics.jsonl shows, and the old run keeps the
+                   abandoned attempt. ``<run_dir>/wandb/<job_type>.run_id`` names the current one
     end of run     ``timeline/spans`` (the span table), ``timeline/groups`` (one lifecycle row per group),
                    ``timeline/picture`` (timeline.png), ``timeline/gantt`` (a Gantt panel: a table drawn by
                    the custom chart preset ``wandb.gantt_spec``; create it once per W&B entity from
@@ -187,12 +192,28 @@ def wandb_run_id(run_id: str, job_type: str | None) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "-", f"{run_id}-{job_type}" if job_type else run_id)[:64]
 
 
+def current_wandb_run_id(run_dir: Path, run_id: str, job_type: str, *, redo: bool) -> str:
+    """The W&B run this start logs to: the one the run used last (``wandb_run_id`` at first), or with ``redo`` the
+    next ``<id>-redo<n>``, remembered in ``<run_dir>/wandb/<job_type>.run_id`` (module docstring: on resume)."""
+    path = run_dir / "wandb" / f"{job_type}.run_id"
+    current = path.read_text().strip() if path.exists() else wandb_run_id(run_id, job_type)
+    if redo:
+        base, _, num = current.rpartition("-redo")
+        base, num = (base, int(num)) if base and num.isdigit() else (current, 0)
+        current = f"{base[:56]}-redo{num + 1}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(current + "\n")
+    return current
+
+
 def open_tracker(cfg: WandbConfig, *, run_dir: Path, run_id: str, config: Any, enabled: bool,
-                 job_type: str = "train") -> Tracker:
+                 job_type: str = "train", redo_history: list[dict] | None = None) -> Tracker:
     """A tracker for this process: a W&B run when ``enabled`` and ``cfg.mode`` is not disabled.
 
-    ``config`` is the job's Config (logged as the W&B run config) or a plain dict. The run starts on the
-    tracker's own thread; this waits for that start (at most 15 s, see ``Tracker.wait_started``).
+    ``config`` is the job's Config (logged as the W&B run config) or a plain dict. ``redo_history``: this start
+    redoes steps the W&B run logged already; the metrics records the resume keeps, which a new W&B run gets first
+    (module docstring: on resume). The run starts on the tracker's own thread; this waits for that start (at most
+    15 s, see ``Tracker.wait_started``).
     """
     if not enabled or cfg.mode is WandbMode.disabled:
         return Tracker()
@@ -205,6 +226,8 @@ def open_tracker(cfg: WandbConfig, *, run_dir: Path, run_id: str, config: Any, e
 
         config = OmegaConf.to_container(OmegaConf.structured(config), enum_to_str=True)
 
+    wandb_id = current_wandb_run_id(run_dir, run_id, job_type, redo=redo_history is not None)
+
     def start() -> Any:
         import wandb  # here, on the tracker's thread: importing wandb takes a second of CPU
 
@@ -216,7 +239,7 @@ def open_tracker(cfg: WandbConfig, *, run_dir: Path, run_id: str, config: Any, e
                 return wandb.init(
                     mode=mode.value, dir=str(run_dir), project=cfg.project, entity=cfg.entity,
                     name=cfg.name or run_id, group=cfg.group, tags=list(cfg.tags) or None, job_type=job_type,
-                    config=config, id=wandb_run_id(run_id, job_type), resume="allow",  # one run across resumes
+                    config=config, id=wandb_id, resume="allow",  # one run across resumes (module docstring)
                     settings=wandb.Settings(init_timeout=cfg.init_timeout_s, console="off", quiet=True,
                                             save_code=False, x_disable_stats=not cfg.system_metrics),
                 )
@@ -232,6 +255,8 @@ def open_tracker(cfg: WandbConfig, *, run_dir: Path, run_id: str, config: Any, e
     # online may take init_timeout_s (W&B waits about twice that) before the offline fallback starts
     tracker = Tracker(start, finish_timeout_s=cfg.finish_timeout_s, wait_start_s=3 * cfg.init_timeout_s + 30,
                       gantt_spec=cfg.gantt_spec)
+    for record in redo_history or []:  # the kept steps, before any new one
+        tracker.log_step(record)
     # Importing wandb and wandb.init parse Python source (pydantic reads docstrings with ast.parse), and
     # CPython 3.11 keeps one AST recursion counter per interpreter, so two threads parsing at once can fail
     # either of them with "SystemError: AST constructor recursion depth mismatch"

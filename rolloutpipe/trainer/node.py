@@ -75,15 +75,18 @@ class TrainerNode:
         """Rank 0 publishes weights and writes the run's outputs."""
         self.spans = SpanRecorder(role="trainer", rank=env.rank, path=env.run_dir / "spans" / f"trainer-{env.rank}.jsonl",
                                   clock=sync_clock(transport))
+        self.resumed = latest_checkpoint(env.run_dir) if cfg.run.resume is ResumeMode.auto else None
+        self.first_step = 0 if self.resumed is None else self.resumed.step + 1
+        self.metrics_path = env.run_dir / "metrics.jsonl"
+        kept, redone = self._metrics_to_keep() if self.is_writer else ([], False)
         self.tracker = open_tracker(cfg.wandb, run_dir=env.run_dir, run_id=env.run_id, config=cfg,
-                                    enabled=self.is_writer)
+                                    enabled=self.is_writer, redo_history=kept if redone else None)
         self.distributed = env.world_size > 1
         if self.distributed:
             pg_store = SealedStore(transport.connect_another(), transport.key("trainer_pg"))
             dist.init_process_group(trainer_process_group_backend(), store=pg_store, rank=env.rank,
                                     world_size=env.world_size)
         self.tokenizer = load_tokenizer(cfg.model)
-        self.resumed = latest_checkpoint(env.run_dir) if cfg.run.resume is ResumeMode.auto else None
         model_cfg = cfg.model if self.resumed is None else replace(cfg.model, path=str(self.resumed.directory))
         self.trainer = trainer_class(cfg.trainer.backend)(  # PolicyTrainer or MegatronTrainer
             model=load_model(model_cfg, len(self.tokenizer)), cfg=cfg.trainer, grpo=cfg.grpo,
@@ -95,11 +98,8 @@ class TrainerNode:
         )
         self.weights = WeightPublisher(cfg=cfg, run_dir=env.run_dir, transport=transport, trainer=self.trainer)
         """Rank 0's: policy k+1 to the engines, as a file or a broadcast (weights.py)."""
-        self.metrics_path = env.run_dir / "metrics.jsonl"
-        self.first_step = 0
         if self.resumed is not None:
             load_optimizer(self.trainer.optimizer, self.resumed)
-            self.first_step = self.resumed.step + 1
         self.restore = RestorePoint(run_dir=env.run_dir, tokenizer=self.tokenizer,
                                     config_yaml=(env.run_dir / "config.yaml").read_text(),
                                     keep_last=cfg.run.keep_last_checkpoints, on_disk=self.first_step - 1)
@@ -108,11 +108,8 @@ class TrainerNode:
         """The last step whose metrics are written."""
         if cfg.run.resume is ResumeMode.auto:  # the steps from first_step are redone: their old spans go
             self.spans.resume_at(self.first_step)
-        if cfg.run.resume is ResumeMode.auto and self.is_writer and self.metrics_path.exists():
-            # drop records of steps that will be redone: all of them when the run stopped before its first checkpoint
-            kept = [line for line in self.metrics_path.read_text().splitlines()
-                    if json.loads(line)["step"] < self.first_step]
-            self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        if redone:  # drop the records of steps that will be redone: all of them when none was checkpointed
+            self.metrics_path.write_text("".join(json.dumps(record) + "\n" for record in kept))
         self.progress = None
         self._closing = threading.Event()
         self._watch: threading.Thread | None = None
@@ -120,6 +117,15 @@ class TrainerNode:
         """Rank 0: the step just ended is where the run stops for a requeue (``end_step`` decided it)."""
         self._requeue_requested_s: float | None = None
         """When the batch script asked the run to stop for a requeue (``_requeue_watch``)."""
+
+    def _metrics_to_keep(self) -> tuple[list[dict], bool]:
+        """Rank 0 on resume: the metrics records of the steps before ``first_step``, and whether the file holds
+        records of later steps, which the resume redoes (a crash after the last checkpoint)."""
+        if self.cfg.run.resume is not ResumeMode.auto or not self.metrics_path.exists():
+            return [], False
+        records = [json.loads(line) for line in self.metrics_path.read_text().splitlines()]
+        kept = [r for r in records if r["step"] < self.first_step]
+        return kept, len(kept) < len(records)
 
     def start(self) -> int:
         """Rank 0 opens weight sync and tells the rollout to start; returns the first step to run."""
