@@ -88,13 +88,16 @@ def grpo(
 
 
 def _prepare(overrides: list[str]):
-    """Compose conf/ with the overrides (as launch.py does), check it, and write the run's config.yaml."""
+    """Compose conf/ with the overrides (as launch.py does), check it and the model (launch/preflight.py, as launch.py
+    does: before anything is queued), and write the run's config.yaml."""
     from rolloutpipe.config import compose_config
     from rolloutpipe.launch.config import LauncherKind
     from rolloutpipe.launch.local import prepare_run
+    from rolloutpipe.launch.preflight import check_model
 
     cfg = compose_config(overrides, CONF_DIR)
     if cfg.launcher.kind is not LauncherKind.local:
         raise ValueError(f"launcher={cfg.launcher.kind.value} does not apply here: TorchX is the launcher.")
+    check_model(cfg)
     run_dir = Path(cfg.run.dir or f"outputs/torchx/{datetime.now():%Y-%m-%d/%H-%M-%S}").resolve()
     return prepare_run(cfg, run_dir), run_dir

@@ -89,3 +89,16 @@ def test_the_launch_stops_with_exit_code_2_before_anything_starts(hf_dir, tmp_pa
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.startswith("error: model.path's config has attention_bias=true"), result.stderr
     assert not (tmp_path / "run" / "config.yaml").exists()
+
+
+def test_the_torchx_component_refuses_the_same_model_before_anything_is_queued(hf_dir, tmp_path):
+    """launchers/components.py runs launch.py's model checks: TorchX reports the same error and starts nothing."""
+    pytest.importorskip("torchx", reason="TorchX comes with the slurm extra: pip install -e '.[slurm]'")
+    path = variant(hf_dir, tmp_path, attention_bias=True)
+    component = f"{REPO / 'launchers' / 'components.py'}:grpo"
+    result = subprocess.run(["torchx", "run", "-s", "local_cwd", component, f"run.dir={tmp_path / 'run'}",
+                             f"model.path={path}", "trainer.backend=megatron"],
+                            cwd=tmp_path, env=node_environ(), capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "model.path's config has attention_bias=true" in result.stdout + result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "run" / "config.yaml").exists()
