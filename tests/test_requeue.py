@@ -48,7 +48,20 @@ def store_client(port: int, run_dir: Path, attempt: int = 0) -> Transport:
                           run_dir=run_dir, connect_timeout_s=30)
 
 
+def captured(client: Transport, keys: list[str], procs: dict) -> dict[str, bytes]:
+    """The raw values of ``keys`` in a running attempt's store, each as soon as it appears: what anyone who reaches
+    the store can read (reading needs no key)."""
+    found: dict[str, bytes] = {}
+    while len(found) < len(keys) and all(p.poll() is None for p in procs.values()):
+        found |= {k: client.get(k) for k in keys if k not in found and client.has(k)}
+        time.sleep(0.02)
+    return found
+
+
 def test_warned_run_stops_at_a_checkpoint_and_the_requeued_one_resumes_to_the_uninterrupted_weights(job_dir):
+    """Attempt 0 is warned and stops at a checkpoint; its sealed ``requeue`` record and the ``abort`` that stops it
+    for the requeue are read from its store and written into attempt 1's (same run id, secret and keys): refused, as
+    sealed with attempt 0's key, and attempt 1 runs to the end."""
     whole, split = job_dir("whole"), job_dir("split")
     assert run_job(whole, *WORKLOAD).returncode == 0
     split.mkdir(parents=True)
@@ -56,7 +69,9 @@ def test_warned_run_stops_at_a_checkpoint_and_the_requeued_one_resumes_to_the_un
     procs = start_nodes(split, *WORKLOAD, port=port)
     wait_for(lambda: (split / "metrics.jsonl").exists() and len(read_metrics(split)) >= 2, "two steps",
              running=procs.values(), details=lambda: {r: p.communicate()[1][-2000:] for r, p in procs.items()})
-    store_client(port, split).put_record("rp/bytest/requeue", {"requested": True})  # what launch/requeue.py puts
+    client = store_client(port, split)
+    client.put_record("rp/bytest/requeue", {"requested": True})  # what launch/requeue.py puts
+    replay = captured(client, ["rp/bytest/requeue", "rp/bytest/abort"], procs)
     outputs = {role: p.communicate(timeout=120) for role, p in procs.items()}
     for role, p in procs.items():
         assert p.returncode == REQUEUE_EXIT, outputs[role][1][-3000:]
@@ -65,11 +80,20 @@ def test_warned_run_stops_at_a_checkpoint_and_the_requeued_one_resumes_to_the_un
     assert f"stopped after step {stopped.step}'s checkpoint" in outputs["trainer"][1]
     assert [m["step"] for m in read_metrics(split)] == list(range(stopped.step + 1))
 
-    procs = start_nodes(split, *WORKLOAD, environ={"SLURM_RESTART_COUNT": "1"})  # the requeued job: same config
+    assert sorted(replay) == ["rp/bytest/abort", "rp/bytest/requeue"]
+    assert b"requeue" in replay["rp/bytest/abort"]
+
+    port = free_port()
+    procs = start_nodes(split, *WORKLOAD, port=port, environ={"SLURM_RESTART_COUNT": "1"})  # the requeued job
+    replayer = store_client(port, split, attempt=1)
+    for key, raw in replay.items():
+        replayer.set(key, raw)
     outputs = {role: p.communicate(timeout=180) for role, p in procs.items()}
     for role, p in procs.items():
         assert p.returncode == 0, outputs[role][1][-3000:]
     assert "Slurm requeued this job (1 time(s)): resuming from the run's last checkpoint" in outputs["trainer"][1]
+    for key in ("rp/bytest/requeue", "rp/bytest/abort"):  # read by trainer rank 0 (both), the rollout (abort)
+        assert f"refused a store record: {key}: not sealed with this run's secret" in outputs["trainer"][1]
     metrics = read_metrics(split)
     assert [m["step"] for m in metrics] == list(range(NUM_STEPS)), "every step once"
     assert [m["run/requeues"] for m in metrics] == [0] * (stopped.step + 1) + [1] * (NUM_STEPS - stopped.step - 1)

@@ -225,6 +225,36 @@ def test_a_duplicate_in_flight_rid_is_answered_400_and_a_4xx_is_a_request_error(
     assert server.exit_reason() is None
 
 
+def assert_no_engine_log_holds_a_key(engines: Path, key: str | None = None) -> int:
+    """Every engine log under ``engines``: private to the user (directories 0700, files 0600), without ``key``, and
+    wherever SGLang wrote its server arguments, the key replaced (it logs ``'api_key': '...'`` at INFO). Returns how many
+    of those it saw, so a caller can tell that the check met a logged key."""
+    import re
+    import stat
+
+    seen = 0
+    for path in [engines, *engines.rglob("*")]:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if path.is_dir():
+            assert mode == 0o700, (path, oct(mode))
+            continue
+        if path.suffix != ".log":
+            continue
+        assert mode == 0o600, (path, oct(mode))
+        text = path.read_text(errors="replace")
+        assert key is None or key not in text, path
+        values = re.findall(r"api_key(?:=|': )('[^']*'|None)", text)  # server_args=ServerArgs(...) or {...}
+        assert all(v in ("None", f"'{server_process.REDACTED.decode()}'") for v in values), (path, values)
+        seen += sum(v != "None" for v in values)
+    return seen
+
+
+def test_no_engine_log_holds_the_api_key(server):
+    """SGLang logs its server arguments, the API key among them; the node writes its log with the key replaced, in
+    a directory only the user can enter."""
+    assert assert_no_engine_log_holds_a_key(server.log_path.parent, API_KEY) >= 1, "SGLang logged no api_key here"
+
+
 def test_weights_loaded_from_disk_are_served_with_their_version(client, tmp_path):
     """Runs last among the client tests: the server serves policy_version 1 afterwards."""
     new = load_model(ModelConfig(init_seed=5, tiny=MODEL.tiny), VOCAB)
@@ -347,6 +377,8 @@ def test_sync_and_cgp_train_on_the_same_samples_to_the_same_weights(sync_run, cg
     same weights (a difference in any of the three would show)."""
     cgp_run, _ = cgp_run
     assert [m["step"] for m in read_metrics(cgp_run)] == [0, 1]
+    for run_dir in (sync_run, cgp_run):  # both servers, and the one restarted after the kill, logged their keys
+        assert assert_no_engine_log_holds_a_key(run_dir / "engines") >= 1
     ours, theirs = samples(sync_run), samples(cgp_run)
     assert len(ours) == 2 * 16 and ours == theirs
     assert max_weight_diff(sync_run, cgp_run) < 1e-5  # float32; only the order of additions differs

@@ -178,9 +178,11 @@ class NodeServers:
 
 def engine_log_dir(run_dir: Path, rank: int) -> Path:
     """Where rollout rank ``rank``'s engine servers log: ``<run>/engines`` on the manager's node (as on one node),
-    ``<run>/engines/host=<r>`` on the others."""
+    ``<run>/engines/host=<r>`` on the others; the user's alone (0700), as the logs are (server_process.py)."""
     path = run_dir / "engines" if rank == 0 else run_dir / "engines" / f"host={rank}"
     path.mkdir(parents=True, exist_ok=True)
+    for private in {run_dir / "engines", path}:
+        private.chmod(0o700)
     return path
 
 

@@ -2,26 +2,39 @@
 
 Each server runs in its own session (process group), so ``stop`` reaches whatever it spawned (SGLang starts a
 scheduler and a detokenizer process), and dies with the rollout node if that dies abruptly (control/lifetime.py:
-start servers on the node's main thread, which is what that ties them to). Its output goes to a log file that
-errors point to. It takes calls only with the run's engine API key, which it gets in its environment
-(``sglang_api.API_KEY_ENV``), never on its command line. It listens on its node's own address only (loopback
-when the whole job is on one machine: control/env.node_address).
+start servers on the node's main thread, which is what that ties them to). It takes calls only with the run's
+engine API key, which it gets in its environment (``sglang_api.API_KEY_ENV``), never on its command line. It
+listens on its node's own address only (loopback when the whole job is on one machine: control/env.node_address).
+
+Its output goes to a log file that errors point to, through the node: SGLang logs its whole server arguments at
+INFO, the API key among them, so the node copies the server's output into the log with the key replaced
+(``REDACTED``), and the log directory and files are the user's alone (0700, 0600).
+
+Log copier (one thread per server, ``log-<name>``)
+    consumes   the server's stdout and stderr (one pipe, inherited by whatever the server spawns), line by line
+    produces   the log file, the key replaced
+    waits for  the next line
+    shuts down at the pipe's end: every process of the server's group has exited (or was killed)
 """
 
 from __future__ import annotations
 
+import os
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 from rolloutpipe.control.env import free_port
 from rolloutpipe.control.lifetime import child_environ, die_with_parent, stop_groups
 from rolloutpipe.rollout.engines import sglang_api
 
 STOP_GRACE_S = 20.0
+REDACTED = b"<engine-api-key-removed>"
 
 
 class ServerProcess:
@@ -41,15 +54,16 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         """Start the process; ``wait_ready`` then waits for it (start several, then wait for all)."""
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log:
-            log.write(f"$ {shlex.join(self.command)}\n".encode())
-            log.flush()
-            environ = child_environ()
-            if self.api_key is not None:
-                environ[sglang_api.API_KEY_ENV] = self.api_key
-            self._proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                          env=environ)
+        log = open_private_log(self.log_path)
+        log.write(f"$ {shlex.join(self.command)}\n".encode())
+        log.flush()
+        environ = child_environ()
+        if self.api_key is not None:
+            environ[sglang_api.API_KEY_ENV] = self.api_key
+        self._proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      start_new_session=True, env=environ)
+        threading.Thread(target=copy_redacted, args=(self._proc.stdout, log, self.api_key), name=f"log-{self.name}",
+                         daemon=True).start()
         return self
 
     @property
@@ -97,6 +111,24 @@ class ServerProcess:
         if self._proc is not None and not self._stopped:
             self._stopped = True
             stop_groups([self._proc], 0.0)
+
+
+def open_private_log(path: Path) -> BinaryIO:
+    """``path`` for appending, readable by its owner only, in a directory only its owner can enter."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.chmod(0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.fchmod(fd, 0o600)  # (a log left by an earlier attempt keeps its old mode otherwise)
+    return os.fdopen(fd, "ab")
+
+
+def copy_redacted(stream: BinaryIO, log: BinaryIO, key: str | None) -> None:
+    """The log copier (module docstring): every line of ``stream`` into ``log``, ``key`` replaced, until the end."""
+    secret = key.encode() if key else None
+    with stream, log:
+        for line in iter(stream.readline, b""):
+            log.write(line.replace(secret, REDACTED) if secret else line)
+            log.flush()
 
 
 def die_with_the_rollout_node() -> None:
