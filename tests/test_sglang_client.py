@@ -177,6 +177,28 @@ def test_unreachable_server_is_an_engine_error_naming_its_url():
     engine.shutdown()
 
 
+def test_a_weight_load_on_a_vanished_node_is_given_up_when_its_host_is_lost(tmp_path):
+    """A node that vanished answers nothing: a socket that takes the connection and never replies stands in for it.
+    The weight load (10 minutes of timeout) is given up once the host watch says its engine host is lost, with that
+    reason, instead of holding the rollout until the timeout."""
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # never accepted: the client's request is sent, no answer ever comes
+    lost = threading.Event()
+    engine = SGLangEngine(name="engine5", endpoint=sglang_api.Endpoint(f"http://127.0.0.1:{silent.getsockname()[1]}"),
+                          concurrency=1, on_result=Results(), weight_update_timeout_s=600,
+                          server_error=lambda: "its engine host (rollout rank 1) is lost: test" if lost.is_set() else None)
+    threading.Timer(1.0, lost.set).start()  # the host watch notices (after pipeline.peer_timeout_s)
+    try:
+        with pytest.raises(RuntimeError, match=r"engine5: update_weights_from_disk given up: .* its engine host "
+                                               r"\(rollout rank 1\) is lost"):
+            engine.update_weights_from_disk(str(tmp_path / "policy_v1.safetensors"), 1)
+    finally:
+        silent.close()
+
+
 def test_a_server_that_dies_is_reported_with_its_log(tmp_path):
     dying = server_process.ServerProcess(name="engine3", command=[sys.executable, "-c", "print('boom'); exit(3)"],
                                          log_path=tmp_path / "engine3.log", url="http://127.0.0.1:9",

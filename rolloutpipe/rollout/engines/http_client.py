@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 
 ABORT_RETRY_S = 0.25
 SHUTDOWN_JOIN_S = 30.0
+CONTROL_POLL_S = 0.2
+"""How often a control call in progress checks that its server is still there (``SGLangEngine._control``)."""
 
 
 class RequestRefused(ValueError):
@@ -166,20 +168,43 @@ class SGLangEngine:
 
     def update_weights_from_disk(self, path: str, policy_version: int) -> None:
         self._check_idle("update_weights_from_disk")
-        sglang_api.update_weights_from_disk(self.endpoint, path, policy_version,
-                                            timeout_s=self._weight_update_timeout_s)
+        self._control("update_weights_from_disk", lambda: sglang_api.update_weights_from_disk(
+            self.endpoint, path, policy_version, timeout_s=self._weight_update_timeout_s))
         self._policy_version = policy_version
 
     def init_weights_update_group(self, group: WeightGroup, rank_offset: int) -> None:
         """Join the trainer's weight-update process group (rolloutpipe/control/weight_sync.py); blocks until it forms."""
-        sglang_api.init_weights_update_group(self.endpoint, group, rank_offset, timeout_s=self._weight_update_timeout_s)
+        self._control("init_weights_update_group", lambda: sglang_api.init_weights_update_group(
+            self.endpoint, group, rank_offset, timeout_s=self._weight_update_timeout_s))
 
     def update_weights_from_distributed(self, buckets: list[Bucket], group_name: str, policy_version: int) -> None:
         """Receive ``policy_version`` from the trainer's broadcasts (all engines of the group at the same time)."""
         self._check_idle("update_weights_from_distributed")
-        sglang_api.update_weights_from_distributed(self.endpoint, buckets, group_name, policy_version,
-                                                   timeout_s=self._weight_update_timeout_s)
+        self._control("update_weights_from_distributed", lambda: sglang_api.update_weights_from_distributed(
+            self.endpoint, buckets, group_name, policy_version, timeout_s=self._weight_update_timeout_s))
         self._policy_version = policy_version
+
+    def _control(self, what: str, call: Callable[[], None]) -> None:
+        """A control call (minutes of timeout: a weight load), made on a thread of its own and given up as soon as
+        ``server_error`` says the server is gone: a call to a node that vanished (its engine host lost: the host
+        watch says so within pipeline.peer_timeout_s) may get no answer at all until its timeout."""
+        failure: list[BaseException] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                call()
+            except BaseException as err:  # noqa: BLE001 - raised below, on the caller's thread
+                failure.append(err)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name=f"{self.name}-{what}", daemon=True).start()
+        while not done.wait(CONTROL_POLL_S):
+            if (reason := self._server_error()) is not None:
+                raise RuntimeError(f"engine {self.name}: {what} given up: the server at {self.url} {reason}")
+        if failure:
+            raise failure[0]
 
     def _check_idle(self, what: str) -> None:
         with self._lock:
