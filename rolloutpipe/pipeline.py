@@ -262,6 +262,8 @@ def run_node(cfg: Config, env: NodeEnv) -> None:
         transport.liveness.finish()
     except BaseException as err:
         who = f"{env.role.value} rank {env.rank}"
+        if isinstance(err, Stopped) and env.role is Role.rollout and env.rank > 0:
+            raise  # an engine host stopped, its servers with it: as when it is killed, the manager decides (hosts.py)
         transport.abort(f"{who} was stopped by {err.name}" if isinstance(err, Stopped)
                         else f"{who} failed: {type(err).__name__}: {err}")
         if isinstance(node, TrainerNode):

@@ -74,31 +74,46 @@ def host_pid(run_id: str, rank: int) -> int | None:
     return None
 
 
-def test_a_killed_engine_host_loses_no_sample_and_the_run_matches_the_one_node_run(
-        tmp_path, four_engine_data, one_rollout_node):
+SLOW_STEPS = ["reward.name=letter_fraction_waiting"]
+"""letter_fraction's rewards (the same samples and update as the reference), each after RP_TEST_REWARD_SLEEP_S=0.3 s:
+one reward worker, 16 samples, at least 4.8 s a step, so the two steps after the loss outlast pipeline.peer_timeout_s
+(4 s) and the host is declared lost while the run still needs its engines."""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_lost_engine_host_is_retired_and_the_run_matches_the_one_node_run(
+        tmp_path, four_engine_data, one_rollout_node, signum):
+    """Killed outright (no stop record, no final beat; its servers die with it), or stopped by SIGTERM (it stops its
+    servers and exits 143 without aborting the run): either way its engines fail, their requests go elsewhere, the
+    host is declared lost and its engines retired for the rest of the run, and no sample is lost."""
     run_dir, data, one_node = tmp_path / "run", four_engine_data, one_rollout_node
     run_dir.mkdir()
     launcher = subprocess.Popen([sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", "run.id=lose-host",
-                                 *workload(data), *TWO_NODES], cwd=tmp_path, env=node_environ(),
+                                 *workload(data), *TWO_NODES, *SLOW_STEPS], cwd=tmp_path,
+                                env={**node_environ(), "RP_TEST_REWARD_SLEEP_S": "0.3"},
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: (run_dir / "metrics.jsonl").exists(), "step 0 to finish", running=[launcher],
                  details=lambda: launcher.communicate()[1][-3000:])
         pid = host_pid("lose-host", 1)
         assert pid is not None, "rollout rank 1 is not running"
-        os.kill(pid, signal.SIGKILL)  # mid-run: no stop record, no final beat; its servers die with it
+        os.kill(pid, signum)
         _, stderr = launcher.communicate(timeout=240)
     finally:
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode == 0, stderr[-3000:]
-    assert "rollout rank 1 (engine host) ended by signal SIGKILL" in stderr
-
-    for engine in ("engine2", "engine3"):  # noticed at its next request or weight load: steps 1 and 2 need it
+    ended = "signal SIGKILL" if signum == signal.SIGKILL else "exit code 143 (stopped by SIGTERM)"
+    assert f"rollout rank 1 (engine host) ended with {ended}; the rollout manager takes its engines" in stderr
+    for engine in ("engine2", "engine3"):  # noticed at its next request, then retired once the host is lost
         assert f"engine {engine} failed" in stderr and f"{engine}.log" in stderr, stderr[-3000:]
-    # (whether the host is declared lost before the run ends depends on pipeline.peer_timeout_s against the time
-    # left; the retirement itself is checked with fake engines in tests/test_engine_failure.py)
-    assert [m["step"] for m in read_metrics(run_dir)] == list(range(NUM_STEPS))
+        assert (f"engine {engine} is out of service for the rest of the run: its engine host (rollout rank 1) is "
+                "lost") in stderr, stderr[-3000:]
+    lost = [s for s in request_spans(run_dir) if s[0] == "rollout/engine_lost"]
+    assert sorted(s[4]["engine"] for s in lost) == ["engine2", "engine3"], lost
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(NUM_STEPS))
+    assert metrics[-1]["rollout/num_engines"] == 2 and metrics[-1]["rollout/num_engine_hosts"] == 1
     assert samples(run_dir) == samples(one_node), "every sample of every step exactly once, and the same ones"
     reference, final = final_weights(one_node), final_weights(run_dir)
     assert max((final[k] - reference[k]).abs().max().item() for k in final) < 1e-9

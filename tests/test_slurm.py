@@ -51,14 +51,15 @@ def _installed(module: str) -> bool:
 
 
 def launch(run_dir: Path, *overrides: str, wait: bool = True, timeout_s: float = 240,
-           environ: dict[str, str] | None = None):
+           environ: dict[str, str] | None = None, stdout: bool = False):
     args = [sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", *SLURM, *overrides]
     env = {**node_environ(), **(environ or {})}
     if wait:
         return subprocess.run(args, cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=timeout_s)
-    # stdout (the trainer's step lines) is dropped: nobody reads it while the job runs, and a full pipe would block
-    return subprocess.Popen(args, cwd=run_dir.parent, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    # stdout (the trainer's step lines) is dropped unless asked for: then the caller must read it (communicate),
+    # or a full pipe blocks the launcher
+    return subprocess.Popen(args, cwd=run_dir.parent, env=env, stdout=subprocess.PIPE if stdout else subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
 
 
 def stop_if_running(launcher: subprocess.Popen, run_dir: Path) -> None:

@@ -134,9 +134,8 @@ class LocalLauncher:
             codes = {c.label: c.process.poll() for c in children}
             for child in [c for c in children if not c.essential and c.process.returncode not in (None, 0)]:
                 children.remove(child)  # the manager retires its engines; the run goes on without it
-                if child.process.returncode < 0:  # (else it stopped on its own, and said why)
-                    _say(f"{child.label} ended by {_describe(child.process.returncode)}; the rollout manager takes "
-                         "its engines out of service and the run goes on while rollout.min_engines remain")
+                _say(f"{child.label} ended with {_describe(child.process.returncode)}; the rollout manager takes its "
+                     "engines out of service and the run goes on while rollout.min_engines remain")
             if all(c.process.returncode == 0 for c in children):
                 return 0
             if culprit is None:

@@ -21,7 +21,9 @@ Engine host loop (main thread; nothing else runs in the process besides its hear
     waits for  those records, in POLL_S slices; each slice it checks the run (an abort, or the manager's heart-beat
                stopping, ends it non-zero after its servers are stopped)
     shuts down on ``engines/stop`` (written by the manager once the trainer is done): stops its servers, one
-               final heart-beat that says it finished, exit 0
+               final heart-beat that says it finished, exit 0. On SIGTERM (a node drained, a task signalled) it
+               stops its servers and exits 143 without aborting the run: the manager treats it as a lost host,
+               exactly as if it had been killed
 
 Failures. A failed engine of host r (its server exited, or an HTTP call to it failed) is handled by the
 supervisor as on one node: its requests go back in line at once, and a restart is requested from host r; the

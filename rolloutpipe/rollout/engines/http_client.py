@@ -11,7 +11,8 @@ Request threads (up to ``concurrency`` per engine, started as needed)
     shut down ``shutdown`` sets the stop flag, aborts what is running on the server and hands back every waiting
               request as aborted; each thread hands back its running request when it returns, then exits.
               On a failed call (server unreachable or lost, HTTP 5xx, a result from an unexpected weight
-              version) the error is kept in ``error`` with the server's URL, no further results are delivered,
+              version, a request aborted that the client did not abort: the server shutting down answers what
+              it holds that way) the error is kept in ``error`` with the server's URL, no further results are delivered,
               and ``submit``, ``num_in_flight`` and ``update_weights_from_disk`` raise; the rollout node then
               retries its requests elsewhere and replaces it (rolloutpipe/rollout/supervisor.py). The first
               failure is logged once, not once per request in flight.
@@ -273,6 +274,12 @@ class SGLangEngine:
                 raise sglang_api.SGLangError(
                     f"{self.url} generated {waiting.request.request_id} with weight_version {out.weight_version!r}, "
                     f"expected {self._policy_version}: weights changed during a step.")
+            with self._lock:
+                ours = waiting.request.request_id in self._aborting or self._stopping
+            if out.finish_reason is FinishReason.ABORT and not ours:
+                raise sglang_api.SGLangError(
+                    f"{self.url} aborted {waiting.request.request_id}, which the client did not abort: the server is "
+                    "going away (stopped, or its node drained).")
         except sglang_api.SGLangError as err:
             if not self._stopping and err.is_request_error:
                 self._refused(waiting.request, err)
