@@ -121,6 +121,34 @@ def test_a_lost_engine_host_retires_its_engines_and_the_run_goes_on_with_the_oth
     assert [len(e.running) for e in hosts.engines] == [2, 2], "the next step runs on the engines that remain"
 
 
+def test_a_host_that_beats_again_gets_its_retired_engines_back_on_the_current_weights():
+    """A host whose heart-beat stalled (a paused node, a healed partition) is declared lost, then beats again, picks
+    up the restart requests it missed and registers the fresh engines: they come back into service, with the policy
+    the others serve by then."""
+    hosts = TwoHosts()
+    for engine in hosts.engines[2:]:
+        engine.error = RuntimeError("cannot reach the engine server")
+    hosts.supervisor.check()
+    for restart in hosts.restarts.values():
+        restart.lost = "its engine host (rollout rank 1) is lost: it stopped heart-beating"
+    hosts.supervisor.check()
+    assert hosts.names() == ["engine0", "engine1"] and hosts.supervisor.retired == ["engine2", "engine3"]
+    hosts.supervisor.check()  # still lost: nothing changes, and the loss is reported once
+    assert len([name for name, _ in hosts.spans.spans if name == "rollout/engine_lost"]) == 2
+
+    hosts.begin_step(1)
+    hosts.supervisor.load_weights("/run/weights/policy_v3.safetensors", 3)
+    for restart in hosts.restarts.values():  # it beats again, and has registered engine2/3-restart1
+        restart.lost, restart.ready = None, True
+    hosts.supervisor.check()
+    assert hosts.names() == ["engine0", "engine1", "engine2-restart1", "engine3-restart1"]
+    assert hosts.supervisor.retired == []
+    assert {e.weights for e in hosts.engines} == {("/run/weights/policy_v3.safetensors", 3)}
+    for g in range(4):
+        hosts.admission.add_group(g, group_requests(g, n=1))
+    assert [len(e.running) for e in hosts.engines] == [1, 1, 1, 1], "all four in service"
+
+
 def test_below_rollout_min_engines_a_lost_host_stops_the_run():
     hosts = TwoHosts(min_engines=3)
     for engine in hosts.engines[2:]:

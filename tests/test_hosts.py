@@ -85,7 +85,7 @@ def test_a_lost_engine_host_is_retired_and_the_run_matches_the_one_node_run(
         tmp_path, four_engine_data, one_rollout_node, signum):
     """Killed outright (no stop record, no final beat; its servers die with it), or stopped by SIGTERM (it stops its
     servers and exits 143 without aborting the run): either way its engines fail, their requests go elsewhere, the
-    host is declared lost and its engines retired for the rest of the run, and no sample is lost."""
+    host is declared lost and its engines retired (it never beats again), and no sample is lost."""
     run_dir, data, one_node = tmp_path / "run", four_engine_data, one_rollout_node
     run_dir.mkdir()
     launcher = subprocess.Popen([sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", "run.id=lose-host",
@@ -107,8 +107,8 @@ def test_a_lost_engine_host_is_retired_and_the_run_matches_the_one_node_run(
     assert f"rollout rank 1 (engine host) ended with {ended}; the rollout manager takes its engines" in stderr
     for engine in ("engine2", "engine3"):  # noticed at its next request, then retired once the host is lost
         assert f"engine {engine} failed" in stderr and f"{engine}.log" in stderr, stderr[-3000:]
-        assert (f"engine {engine} is out of service for the rest of the run: its engine host (rollout rank 1) is "
-                "lost") in stderr, stderr[-3000:]
+        assert (f"engine {engine} is out of service until its host beats again: its engine host (rollout rank 1) "
+                "is lost") in stderr, stderr[-3000:]
     lost = [s for s in request_spans(run_dir) if s[0] == "rollout/engine_lost"]
     assert sorted(s[4]["engine"] for s in lost) == ["engine2", "engine3"], lost
     metrics = read_metrics(run_dir)
@@ -117,6 +117,50 @@ def test_a_lost_engine_host_is_retired_and_the_run_matches_the_one_node_run(
     assert samples(run_dir) == samples(one_node), "every sample of every step exactly once, and the same ones"
     reference, final = final_weights(one_node), final_weights(run_dir)
     assert max((final[k] - reference[k]).abs().max().item() for k in final) < 1e-9
+
+
+def test_a_host_whose_heart_beat_stalled_is_used_again_once_it_beats(tmp_path, four_engine_data):
+    """Rollout rank 1 is paused (SIGSTOP) for longer than pipeline.peer_timeout_s: declared lost, its engines are
+    retired and their requests generated elsewhere. Resumed (SIGCONT), it beats again, handles the restart requests it
+    missed and registers fresh engines, which come back into service with the current policy and generate again;
+    the samples and weights are those of a run without the pause (steps of >= 8 s: rewards wait 0.5 s each)."""
+    data = four_engine_data
+    overrides = [*workload(data), *TWO_NODES, *SLOW_STEPS, "num_rollout=5", "run.id=stall-host"]
+    reference = tmp_path / "reference"
+    assert run_job(reference, *overrides, timeout_s=400).returncode == 0
+    run_dir, log = tmp_path / "run", tmp_path / "launcher.err"
+    run_dir.mkdir()
+    with log.open("w") as err:
+        launcher = subprocess.Popen([sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", *overrides],
+                                    cwd=tmp_path, env={**node_environ(), "RP_TEST_REWARD_SLEEP_S": "0.5"},
+                                    stdout=subprocess.DEVNULL, stderr=err, text=True)
+    try:
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists(), "step 0 to finish", running=[launcher],
+                 details=lambda: log.read_text()[-3000:])
+        pid = host_pid("stall-host", 1)
+        assert pid is not None, "rollout rank 1 is not running"
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: log.read_text().count("is out of service until its host beats again") == 2,
+                     "both engines of rollout rank 1 retired", running=[launcher], timeout_s=120,
+                     details=lambda: log.read_text()[-3000:])
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        launcher.wait(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    stderr = log.read_text()
+    assert launcher.returncode == 0, stderr[-3000:]
+    for engine in ("engine2", "engine3"):
+        assert f"engine {engine}: its host beats again and registered {engine}-restart1" in stderr, stderr[-3000:]
+        assert f"engine {engine} restarted as {engine}-restart1" in stderr, stderr[-3000:]
+    served = {s[4]["engine"] for s in request_spans(run_dir) if s[0] == "rollout/request"}
+    assert {"engine2-restart1", "engine3-restart1"} <= served, "back in service, and generating"
+    assert read_metrics(run_dir)[-1]["rollout/num_engines"] == 4
+    assert samples(run_dir) == samples(reference), "every sample once, and the same ones"
+    expected, final = final_weights(reference), final_weights(run_dir)
+    assert max((final[k] - expected[k]).abs().max().item() for k in final) < 1e-9
 
 
 def server_pid(run_dir: Path, engine: str) -> int | None:

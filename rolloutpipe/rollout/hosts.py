@@ -28,8 +28,9 @@ Engine host loop (main thread; nothing else runs in the process besides its hear
 Failures. A failed engine of host r (its server exited, or an HTTP call to it failed) is handled by the
 supervisor as on one node: its requests go back in line at once, and a restart is requested from host r; the
 supervisor polls for the new registration (``RemoteRestart``) without holding up the rollout loop. A host that
-is lost (its heart-beat stops: ``HostWatch``) takes its engines out of service for the rest of the run and the
-run goes on while ``rollout.min_engines`` remain (supervisor.py). With ``pipeline.weight_sync=distributed`` the
+is lost (its heart-beat stops: ``HostWatch``) takes its engines out of service and the run goes on while
+``rollout.min_engines`` remain (supervisor.py); if it beats again (it had only stalled), it handles the restart
+requests it missed and its engines come back. With ``pipeline.weight_sync=distributed`` the
 weight-update group's members are fixed, so a lost host (as any engine failure) stops the run instead.
 """
 
@@ -250,27 +251,27 @@ class EngineHost:
 
 class HostWatch:
     """The manager's view of the other engine hosts' heart-beats (not fatal peers: a lost host loses its engines,
-    not the run). ``lost`` is read by the engines' error check from any thread, so it re-reads at most every POLL_S."""
+    not the run). A host is lost while its beat is silent for pipeline.peer_timeout_s, and back once it beats again
+    (a stall, not a death: the supervisor then puts its engines back). ``lost`` is read by the engines' error check
+    from any thread, so it re-reads at most every POLL_S."""
 
     def __init__(self, liveness: Liveness) -> None:
         self.liveness = liveness
-        self._lost: dict[int, str] = {}
+        self._lost: dict[int, str | None] = {}
+        """Each host's last reading: why it is lost, or None."""
         self._read_s: dict[int, float] = {}
         self._lock = threading.Lock()
 
     def lost(self, rank: int) -> str | None:
         with self._lock:
-            if rank in self._lost:
-                return self._lost[rank]  # for good: its engines died with it
             now = time.monotonic()
-            if now - self._read_s.get(rank, 0.0) < POLL_S:
-                return None
+            if now - self._read_s.get(rank, float("-inf")) < POLL_S:
+                return self._lost.get(rank)
             self._read_s[rank] = now
-        if (reason := self.liveness.lost(("rollout", rank))) is not None:
-            with self._lock:
-                self._lost[rank] = f"its engine host (rollout rank {rank}) is lost: {reason}"
+        reason = self.liveness.lost(("rollout", rank))
+        with self._lock:
+            self._lost[rank] = None if reason is None else f"its engine host (rollout rank {rank}) is lost: {reason}"
             return self._lost[rank]
-        return None
 
 
 class RemoteEngines:

@@ -16,8 +16,11 @@ failed) or, with ``rollout.request_timeout_s``, when it holds requests and hands
 
 An engine on another rollout node (rollout/hosts.py) is restarted by its host: step 2 becomes a request to it,
 and the slot is out of service until the host registers the fresh engine (``check`` polls for it; the loop goes
-on meanwhile). A lost host (its heart-beat stopped) retires its engines' slots for the rest of the run, and the
-run goes on while ``rollout.min_engines`` engines remain in service or on their way back.
+on meanwhile). A lost host (its heart-beat stopped) retires its engines' slots, and the run goes on while
+``rollout.min_engines`` engines remain in service or on their way back. A host whose heart-beat only stalled (a
+node paused, a network partition healed) beats again, picks up the restart requests it missed and registers
+fresh engines: ``check`` keeps polling the retired slots, and each comes back into service with the current
+policy, as after a restart.
 
 With ``pipeline.weight_sync=distributed`` (control/weight_sync.py) the engines form one process group with
 trainer rank 0, whose membership is fixed when it forms: a fresh engine could not join it, so there an engine failure stops the
@@ -55,7 +58,8 @@ class EngineSupervisor:
 
     ``engines`` is the rollout node's list of the engines in service; a failed engine is replaced in it, in
     place, so Admission and Evaluation (which hold the same list) see the replacement; one restarting on another
-    node is out of the list until it is back, a retired one for good. ``restart(slot, name, failed)`` builds a
+    node is out of the list until it is back, a retired one until its host beats again. ``restart(slot, name,
+    failed)`` builds a
     fresh engine serving policy_version 0, or returns a pending restart (``poll()``: the engine once it is up);
     ``where_to_look(engine)`` says where its log is.
     """
@@ -84,8 +88,8 @@ class EngineSupervisor:
         """Each incarnation's slot (its index at the start; the list's order changes when an engine is out)."""
         self._pending: dict[int, _Pending] = {}
         """Slots whose engine is restarting on another node."""
-        self.retired: list[str] = []
-        """Base names of the slots whose host is lost."""
+        self._retired: dict[int, _Pending] = {}
+        """Slots whose host is lost; their restart is polled again in case the host beats again."""
         self._last_progress_s: dict[str, float] = {}
         """Per engine name: when it last handed a result back or was seen holding nothing."""
         self._admission: Admission | None = None
@@ -110,6 +114,13 @@ class EngineSupervisor:
                 self._recover(self._slot_of[engine.name], engine, reason)
         for slot, pending in list(self._pending.items()):
             self._poll(slot, pending)
+        for slot, pending in list(self._retired.items()):
+            self._poll(slot, pending)
+
+    @property
+    def retired(self) -> list[str]:
+        """Base names of the slots out of service while their host is lost."""
+        return [self._names[slot] for slot in self._retired]
 
     def load_weights(self, path: str, policy_version: int) -> None:
         """Serve ``policy_version`` on every engine from now on (between steps); an engine that fails is replaced.
@@ -218,25 +229,30 @@ class EngineSupervisor:
         self._put_back(slot, failure, replacement)
 
     def _poll(self, slot: int, pending: _Pending) -> None:
+        """A slot restarting on another node, or retired with its host: back in service once the host registered
+        the fresh engine; retired while the host is lost."""
         from rolloutpipe.rollout.hosts import HostLost
 
         try:
             replacement = pending.restart.poll()
         except HostLost as lost:
-            del self._pending[slot]
-            self.retired.append(self._names[slot])
-            log.warning("engine %s is out of service for the rest of the run: %s. Its requests went to the other "
-                        "engines; %d engines remain in service (rollout.min_engines=%d).", self._names[slot], lost,
-                        len(self.engines), self.min_engines)
-            self.spans.add("rollout/engine_lost", step=self._step, start_s=pending.start_s, end_s=time.time(),
-                           engine=pending.failed.name, reason=str(lost))
-            self._check_enough(f"engine {pending.failed.name} is lost: {lost}")
+            if slot in self._pending:  # newly lost (a retired slot stays retired, quietly)
+                del self._pending[slot]
+                self._retired[slot] = pending
+                log.warning("engine %s is out of service until its host beats again: %s. Its requests went to the "
+                            "other engines; %d engines remain in service (rollout.min_engines=%d).", self._names[slot],
+                            lost, len(self.engines), self.min_engines)
+                self.spans.add("rollout/engine_lost", step=self._step, start_s=pending.start_s, end_s=time.time(),
+                               engine=pending.failed.name, reason=str(lost))
+                self._check_enough(f"engine {pending.failed.name} is lost: {lost}")
             return
         except Exception as err:
             raise EngineFailed(f"engine {pending.failed.name} failed ({pending.reason}) and its restart failed: {err}. "
                                f"Look at {self.where_to_look(pending.failed)}") from err
         if replacement is not None:
-            del self._pending[slot]
+            if self._retired.pop(slot, None) is not None:
+                log.warning("engine %s: its host beats again and registered %s.", self._names[slot], replacement.name)
+            self._pending.pop(slot, None)
             self.engines.append(replacement)
             self._put_back(slot, pending, replacement)
 
