@@ -39,14 +39,25 @@ def request_spans(run_dir: Path) -> list[dict]:
     return [s for line in lines if "spans" in (record := json.loads(line)) for s in record["spans"]]
 
 
-def test_two_rollout_nodes_give_the_samples_and_weights_of_one_node_with_all_four_engines(
+def test_two_rollout_nodes_under_fgd_give_the_samples_and_weights_of_one_node_with_all_four_engines(
         tmp_path, four_engine_data, one_rollout_node):
     """With distributed weight sync: trainer rank 0's broadcast group spans the engines of both nodes. (Disk weight
-    sync across nodes: tests/test_slurm_hosts.py, through every Slurm launcher.)"""
+    sync across nodes: tests/test_slurm_hosts.py, through every Slurm launcher.) One FGD admission over the engines of
+    both hosts (4 engines x rollout.concurrency=2 slots; a group's 4 samples go to one engine): each step starts the
+    first training batch's two groups at once and holds the other two on the rollout node until a request of the
+    step has finished (FIFO would start all four at once), and both hosts' engines generate. The reference (one
+    node) runs FIFO: the samples do not depend on the admission order."""
     run_dir, data, one_node = tmp_path / "run", four_engine_data, one_rollout_node
-    result = run_job(run_dir, *workload(data), *TWO_NODES, "pipeline.weight_sync=distributed")
+    result = run_job(run_dir, *workload(data), *TWO_NODES, "pipeline.weight_sync=distributed",
+                     "rollout.admission=fgd")
     assert result.returncode == 0, result.stderr[-3000:]
-
+    for step in range(NUM_STEPS):
+        requests = [s for s in request_spans(run_dir) if s[0] == "rollout/request" and s[1] == step]
+        first_end = min(s[3] for s in requests)
+        start = {g: min(s[2] for s in requests if s[4]["group"] == g) for g in range(PROMPTS_PER_STEP)}
+        assert start[0] < first_end and start[1] < first_end, "the frontier groups start at once"
+        assert start[2] >= first_end and start[3] >= first_end, "the next batch's groups wait for a free slot"
+        assert {s[4]["host"].split(" (")[0] for s in requests} == {"rollout rank 0", "rollout rank 1"}
     hosts = {s[4]["engine"]: s[4]["host"] for s in request_spans(run_dir) if s[0] == "rollout/request"}
     assert set(hosts) == {"engine0", "engine1", "engine2", "engine3"}, "every engine of both nodes generated"
     assert [hosts[f"engine{i}"].split(" (")[0] for i in range(4)] == ["rollout rank 0"] * 2 + ["rollout rank 1"] * 2
