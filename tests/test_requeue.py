@@ -147,44 +147,54 @@ def test_a_warning_during_a_step_longer_than_the_grace_period_loses_no_finished_
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-9
 
 
-STEP = """import sys, time
+STEP = """import signal, sys, time
 from pathlib import Path
 from rolloutpipe.control.attempt import Outcome, write_outcome
 from rolloutpipe.control.env import attempt_key
 from rolloutpipe.control.transport import StoreAddress, Transport
+
+def end(*args):  # what trainer rank 0 writes as the attempt ends, with the key of attempt {sealed_by}
+    # ("stale": the previous attempt's outcome, which stopped for its requeue, left in the run directory)
+    if {outcome!r} != "none":
+        write_outcome(Path({run_dir!r}), attempt_key(b"k" * 32, "bytest", {sealed_by}), Outcome(
+            attempt={sealed_by}, finished={outcome!r} == "finished", requeue={outcome!r} in ("requeue", "stale"),
+            last_step=3, checkpoint_step=3, reason="test"))
+    sys.exit({code})
+
+signal.signal(signal.SIGTERM, end)  # scancel, a preemption: the wrapper forwards it
 store = Transport.open(address=StoreAddress(host="127.0.0.1", port={port}, hosted_by="test"), is_host=False,
                        run_id="bytest", secret=attempt_key(b"k" * 32, "bytest", {restarts}), run_dir=Path("."),
                        connect_timeout_s=30)
-while {warned} and store.read_record("rp/bytest/requeue") is None:  # what trainer rank 0 waits for
-    time.sleep(0.1)
-if {outcome!r} != "none":  # what trainer rank 0 writes as the attempt ends, with the key of attempt {sealed_by}
-    # ("stale": the previous attempt's outcome, which stopped for its requeue, left in the run directory)
-    write_outcome(Path({run_dir!r}), attempt_key(b"k" * 32, "bytest", {sealed_by}), Outcome(
-        attempt={sealed_by}, finished={outcome!r} == "finished", requeue={outcome!r} in ("requeue", "stale"),
-        last_step=3, checkpoint_step=3, reason="test"))
-sys.exit({code})
+print("ready", flush=True)
+while {how!r} == "sigterm" or ({how!r} == "warned" and store.read_record("rp/bytest/requeue") is None):
+    time.sleep(0.1)  # (warned: what trainer rank 0 waits for)
+end()
 """
 LOST_HOST = 137
 """srun's exit code when an engine host's task was SIGKILLed earlier in the run: the highest of every task's."""
 
 
-@pytest.mark.parametrize("warned,outcome,code,restarts,requeued,returns", [
-    (True, "requeue", REQUEUE_EXIT, 0, True, REQUEUE_EXIT),
-    (True, "requeue", LOST_HOST, 0, True, LOST_HOST),
-    (True, "requeue", REQUEUE_EXIT, 3, False, REQUEUE_EXIT),
-    (True, "finished", 0, 0, False, 0),
-    (False, "finished", LOST_HOST, 0, False, 0),
-    (True, "failed", 1, 0, False, 1),
-    (True, "stale", REQUEUE_EXIT, 1, False, REQUEUE_EXIT),
+@pytest.mark.parametrize("how,outcome,code,restarts,requeued,returns", [
+    ("warned", "requeue", REQUEUE_EXIT, 0, True, REQUEUE_EXIT),
+    ("warned", "requeue", LOST_HOST, 0, True, LOST_HOST),
+    ("warned", "requeue", REQUEUE_EXIT, 3, False, REQUEUE_EXIT),
+    ("warned", "finished", 0, 0, False, 0),
+    ("quiet", "finished", LOST_HOST, 0, False, 0),
+    ("warned", "failed", 1, 0, False, 1),
+    ("warned", "stale", REQUEUE_EXIT, 1, False, REQUEUE_EXIT),
+    ("quiet", "requeue", 1, 0, True, 1),
+    ("sigterm", "requeue", 143, 0, False, 143),
 ], ids=["stopped-requeued", "stopped-after-a-lost-engine-host", "max-requeues-reached", "finished-meanwhile",
-        "finished-after-a-lost-engine-host", "failed-on-its-own", "outcome-of-the-previous-attempt"])
+        "finished-after-a-lost-engine-host", "failed-on-its-own", "outcome-of-the-previous-attempt",
+        "a-process-of-the-run-died", "stopped-from-outside"])
 def test_the_wrapper_requeues_the_job_when_the_run_says_it_stopped_for_it(
-        tmp_path, warned, outcome, code, restarts, requeued, returns):
+        tmp_path, how, outcome, code, restarts, requeued, returns):
     """Slurm's warning (SIGUSR1 to the batch shell) becomes a sealed record in the run's store; once the step ends,
     the attempt's sealed outcome decides, not srun's exit code: stopped for the requeue -> requeued (unless
     launcher.max_requeues, 3, is reached), even when an engine host lost earlier makes srun exit 137; finished -> the
-    job completes (exit 0), warned or not; failed on its own, or an outcome sealed in the previous attempt -> not
-    requeued."""
+    job completes (exit 0), warned or not; a process of the run died without a word (the rollout manager's node lost:
+    under --no-kill Slurm does not requeue) -> requeued unwarned; failed on its own, an outcome sealed in the
+    previous attempt, or a stop from outside (scancel, Slurm's own requeue: SIGTERM to the batch shell) -> not."""
     host = Transport.open(address=StoreAddress(host="127.0.0.1", port=0, hosted_by="test"), is_host=True,
                           run_id="bytest", secret=attempt_key(b"k" * 32, "bytest", restarts), run_dir=tmp_path,
                           connect_timeout_s=30)
@@ -195,20 +205,20 @@ def test_the_wrapper_requeues_the_job_when_the_run_says_it_stopped_for_it(
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'scontrol.log'}\n")
     (bin_dir / "scontrol").chmod(0o755)
-    step = STEP.format(port=host.store.port, code=code, restarts=restarts, warned=warned, run_dir=str(run_dir),
+    step = STEP.format(port=host.store.port, code=code, restarts=restarts, how=how, run_dir=str(run_dir),
                        outcome=outcome, sealed_by=restarts - 1 if outcome == "stale" else restarts)
     environ = {**node_environ(), "PATH": f"{bin_dir}:{os.environ['PATH']}", "RP_RUN_DIR": str(run_dir),
                "RP_RUN_ID": "bytest", "RP_RUN_SECRET": (b"k" * 32).hex(), "RP_STORE_PORT": str(host.store.port),
                "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST_HET_GROUP_0": "127.0.0.1",
                "SLURM_RESTART_COUNT": str(restarts)}
     wrapper = subprocess.Popen([sys.executable, "-m", "rolloutpipe.launch.requeue", "--", sys.executable, "-c", step],
-                               cwd=REPO, env=environ, stderr=subprocess.PIPE, text=True)
-    if warned:
-        time.sleep(1.0)  # (a warning before the wrapper's handler is up is caught by the batch script's trap)
-        wrapper.send_signal(signal.SIGUSR1)  # Slurm's --signal=B:USR1@<grace>
+                               cwd=REPO, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert wrapper.stdout.readline() == "ready\n"  # the step's handler is up (and so are the wrapper's)
+    if how != "quiet":
+        wrapper.send_signal(signal.SIGUSR1 if how == "warned" else signal.SIGTERM)  # Slurm's --signal=B:USR1@<grace>
     _, stderr = wrapper.communicate(timeout=60)
     assert wrapper.returncode == returns, stderr
-    assert ("Slurm warned of the time limit" in stderr) == warned
+    assert ("Slurm warned of the time limit" in stderr) == (how == "warned")
     log = tmp_path / "scontrol.log"
     assert (log.read_text() if log.exists() else "") == ("requeue 4242\n" if requeued else ""), stderr
     if restarts == 3:

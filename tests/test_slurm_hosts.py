@@ -89,20 +89,33 @@ def test_torchx_two_rollout_replicas_match_one_rollout_node(tmp_path, four_engin
     assert_same_run(run_dir, one_node)
 
 
-def test_a_killed_engine_host_task_loses_no_sample_and_the_job_counts_as_finished(job_dir, four_engine_data,
-                                                                                  one_rollout_node):
-    run_dir = job_dir("submitit-lose-host")
+def test_a_lost_rollout_node_loses_no_sample_and_the_job_completes(job_dir, four_engine_data, one_rollout_node):
+    """A whole node is taken away mid-run (``scontrol update state=down``: Slurm treats it as failed, and its slurmd
+    kills the job's tasks there): the node of rollout rank 1, an engine host. The rollout het group runs with
+    --no-kill, so Slurm keeps the job (without it, Slurm cancels the whole job and requeues it); the run goes on
+    without that node's engines, loses no sample, and the job ends COMPLETED although srun exits 137."""
+    run_dir = job_dir("submitit-lose-node")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    launcher = launch(run_dir, *workload(four_engine_data), *TWO_NODES, "run.id=lose-host-slurm",
+    launcher = launch(run_dir, *workload(four_engine_data), *TWO_NODES, "run.id=lose-node-slurm",
                       "launcher.trainer.nodes=2", "launcher.rollout.cpus_per_task=1",
                       "launcher.trainer.cpus_per_task=1", wait=False)
+    node = None
     try:
         wait_for((run_dir / "metrics.jsonl").exists, "step 0", running=[launcher], timeout_s=240)
-        pid, _ = task_process(run_id="lose-host-slurm", proc_id=1)  # task 1 = rollout rank 1, an engine host
-        os.kill(pid, signal.SIGKILL)
+        _, environ = task_process(run_id="lose-node-slurm", proc_id=1)  # task 1 = rollout rank 1, an engine host
+        node = environ["SLURMD_NODENAME"]
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=rolloutpipe-test"], check=True)
         _, stderr = launcher.communicate(timeout=240)
     finally:
         stop_if_running(launcher, run_dir)
+        if node is not None:  # back into service (slurmd may have brought it back already)
+            subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True)
     assert launcher.returncode == 0, stderr[-3000:]
     assert "rollout ranks [1] (engine hosts) were lost during the run" in stderr, stderr[-3000:]
+    job_id = job_id_of(run_dir)
+    batch = (run_dir / "slurm" / f"{job_id}_batch.out").read_text()
+    assert f"Node failure on {node}" in batch, batch[-3000:]
+    assert "the job ends as completed" in batch, batch[-3000:]
+    rows = sacct_components(job_id)  # the rollout component's first record is its resize, when it lost the node
+    assert [s for _, s, _ in rows if s != "RESIZING"] == ["COMPLETED"] * 2 and ("RESIZING" in {s for _, s, _ in rows})
     assert_same_run(run_dir, one_rollout_node, engines_lost=True)

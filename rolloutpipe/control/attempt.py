@@ -12,7 +12,9 @@ How it ended: trainer rank 0 writes ``<run_dir>/outcome.json`` when the attempt 
 
 ``finished``: every step trained and the final policy written; else the run stopped after step ``last_step`` (its
 metrics written) with a checkpoint of step ``checkpoint_step`` on disk (trainer/restore.py), for ``reason``;
-``requeue``: it stopped because Slurm warned of the time limit, to be requeued. The
+``requeue``: a fresh start of the job is the remedy: Slurm warned of the time limit, or a process of the run died
+without a word (its heart-beat or the store it hosted gone: a lost node, which Slurm does not requeue itself in the
+rollout het group, started with ``--no-kill``). The
 requeue wrapper (launch/requeue.py) decides from this record, not from srun's exit code (the highest of every task's,
 so 137 for an engine host lost hours earlier). A record of another attempt fails the seal, so it reads as absent.
 """
@@ -33,7 +35,7 @@ class Outcome:
     attempt: int
     finished: bool
     requeue: bool
-    """It stopped to be requeued (Slurm warned of the time limit): the wrapper requeues the job."""
+    """It stopped to be requeued (Slurm's warning, or a lost process or node): the wrapper requeues the job."""
     last_step: int
     """The last step whose metrics were written (-1: none yet)."""
     checkpoint_step: int

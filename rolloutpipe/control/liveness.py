@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 
-from rolloutpipe.control.transport import PeerLost, RunRequeued, Transport, TransportError
+from rolloutpipe.control.transport import PeerGone, PeerLost, RunRequeued, Transport, TransportError
 
 
 class Liveness:
@@ -96,7 +96,7 @@ class Liveness:
                 raise PeerLost(f"run aborted while waiting for {waiting_for}: {aborted.get('reason')}")
             for peer in self.peers:
                 if (reason := self._lost(peer)) is not None:
-                    raise PeerLost(f"{reason} (this process was waiting for {waiting_for})")
+                    raise PeerGone(f"{reason} (this process was waiting for {waiting_for})")
 
     def finished(self, peer: tuple[str, int]) -> bool:
         """Whether ``peer`` finished healthy (its last beat said so: ``finish``)."""

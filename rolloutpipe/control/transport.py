@@ -79,6 +79,11 @@ class PeerLost(TransportError):
     pass
 
 
+class PeerGone(PeerLost):
+    """A peer stopped heart-beating, or the store's host is gone: a process of the run died without a word (killed,
+    out of memory, its node lost). A fresh start of the job is the remedy (control/attempt.py: ``requeue``)."""
+
+
 class RunRequeued(PeerLost):
     """The run stopped at a checkpoint so that its Slurm job can be requeued (an abort record that says so); the
     requeued job resumes from that checkpoint (launch/requeue.py)."""
@@ -157,7 +162,7 @@ class Transport:
 
     # -- guarded store access ---------------------------------------------------------------------
     def _lost(self, err: Exception) -> TransportError:
-        return PeerLost(
+        return PeerGone(
             f"lost the TCPStore at {self.address.host}:{self.address.port} (hosted by {self.address.hosted_by}): "
             f"that process has probably died; see its log. ({err})"
         )

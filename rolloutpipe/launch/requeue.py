@@ -13,10 +13,11 @@ the one ``srun`` step. What happens then:
                             task then exits REQUEUE_EXIT
     the step ends           the decision comes from the attempt's sealed outcome (control/attempt.py), not from
                             srun's exit code (the highest of every task's: 137 for an engine host lost earlier):
-                            stopped to be requeued: ``scontrol requeue <job>`` while SLURM_RESTART_COUNT <
-                            launcher.max_requeues, else a line that says how to resume by hand; finished: exit 0
-                            (the job is COMPLETED, whatever an engine host's task returned); anything else failed:
-                            no requeue, srun's code
+                            stopped to be requeued (warned, or a process of the run died without a word: the
+                            rollout manager's node lost, which Slurm does not requeue itself under --no-kill):
+                            ``scontrol requeue <job>`` while SLURM_RESTART_COUNT < launcher.max_requeues, else a
+                            line that says how to resume by hand; finished: exit 0 (the job is COMPLETED, whatever
+                            an engine host's task returned); anything else failed: no requeue, srun's code
     one margin before the   the step has not ended (a hung task): requeue anyway; Slurm stops what is left
     time limit
     SIGTERM, SIGINT         (scancel, a preemption, an ``scontrol requeue`` from outside) forwarded to srun; Slurm's
@@ -69,10 +70,14 @@ def main(argv: list[str] | None = None) -> int:
             f"checkpoint, then the job is requeued (requeue {restarts + 1} of launcher.max_requeues={max_requeues})")
         threading.Thread(target=ask_to_stop, args=(step, key), name="ask-to-stop", daemon=True).start()
 
+    stopped: list[int] = []  # SIGTERM or SIGINT from outside: Slurm (a preemption) or the user decides, never us
+
     def on_signal(signum, frame) -> None:
         if signum == signal.SIGUSR1:
             warned()
-        elif step.poll() is None:
+            return
+        stopped.append(signum)
+        if step.poll() is None:
             step.send_signal(signum)
 
     step = subprocess.Popen(command)  # (a warning meanwhile lands in _early)
@@ -92,18 +97,18 @@ def main(argv: list[str] | None = None) -> int:
             say(f"the run finished (every step trained, the final policy written); srun's exit code {code} is a task "
                 "the run survived losing (an engine host): the job ends as completed")
         return 0
-    if not warned_s:  # failed or stopped from outside: Slurm's own requeue, if any
-        return code
-    if code is not None and (outcome is None or not outcome.requeue):
-        say(f"not requeued: the run did not stop for the requeue ("
-            f"{outcome.reason if outcome is not None else 'trainer rank 0 wrote no outcome'}); see the tasks' logs, "
-            "then continue it with run.resume=auto and the same run.dir")
-        return code
+    if code is not None and (outcome is None or not outcome.requeue or stopped):
+        if warned_s:
+            say(f"not requeued: the run did not stop for the requeue ("
+                f"{outcome.reason if outcome is not None else 'trainer rank 0 wrote no outcome'}); see the tasks' "
+                "logs, then continue it with run.resume=auto and the same run.dir")
+        return code  # (not warned: failed, or stopped from outside: Slurm's own requeue, if any)
     if restarts >= max_requeues or job_id is None:
         say(f"not requeued: the job was requeued {restarts} times, launcher.max_requeues={max_requeues}. The run "
             "stopped at its last checkpoint; continue it with run.resume=auto and the same run.dir")
         return step.wait() if code is None else code
-    say(f"requeueing job {job_id}: it resumes from the run's last checkpoint")
+    why = "" if warned_s else f" (the run stopped: {outcome.reason})"
+    say(f"requeueing job {job_id}{why}: it resumes from the run's last checkpoint")
     subprocess.run(["scontrol", "requeue", job_id], check=False)
     return step.wait() if code is None else code
 

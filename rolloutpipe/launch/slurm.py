@@ -98,9 +98,12 @@ def batch_script(cfg: Config, *, folder: Path, python: str) -> str:
     launcher = cfg.launcher
     task = f"{shlex.quote(python)} -u -m rolloutpipe.launch.slurm {shlex.quote(str(folder))}"
 
+    survive = survives_node_loss(cfg)
+
     def srun_side(index: int, group: HetGroupConfig) -> str:
         cpus = f" --cpus-per-task={group.cpus_per_task}" if group.cpus_per_task else ""
-        return f"--het-group={index}{cpus} {task}"
+        no_kill = " --no-kill" if survive and index == 0 else ""
+        return f"--het-group={index}{no_kill}{cpus} {task}"
 
     requeue = []
     if launcher.max_requeues and (why := requeueable(cfg)) is None:
@@ -120,6 +123,9 @@ def batch_script(cfg: Config, *, folder: Path, python: str) -> str:
         f"#SBATCH --signal=B:USR1@{launcher.requeue_grace_s}",
         *requeue,
         *_group_lines(cfg, launcher.rollout, "het group 0: rollout node group"),
+        *(["# A lost rollout node loses its engines, not the job (rolloutpipe/rollout/hosts.py); the rollout manager's",
+           "# loss stops the run, which then requeues itself (launch/requeue.py).", "#SBATCH --no-kill"]
+          if survive else []),
         "#SBATCH hetjob",
         *_group_lines(cfg, launcher.trainer, "het group 1: trainer node group"),
         "",
@@ -135,6 +141,16 @@ def batch_script(cfg: Config, *, folder: Path, python: str) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def survives_node_loss(cfg: Config) -> bool:
+    """Whether the rollout het group runs with ``--no-kill`` (sbatch and srun): Slurm then keeps the job when one of
+    its nodes fails, so an engine host's node is lost as its process would be (its engines retired, the run goes
+    on), instead of Slurm cancelling and requeuing the whole job. With several rollout nodes and weights loaded from
+    disk: under ``pipeline.weight_sync=distributed`` a lost engine stops the run anyway (the group is fixed)."""
+    from rolloutpipe.control.weight_sync import WeightSync
+
+    return cfg.launcher.rollout.nodes > 1 and cfg.pipeline.weight_sync is WeightSync.disk
 
 
 def submission_environ(run_vars: dict[str, str]) -> dict[str, str]:
@@ -193,9 +209,9 @@ class SlurmLauncher:
         essential = [0, *range(num_rollout_tasks, num_tasks)]  # the rollout manager and the trainer ranks
         lost = [t for t in range(1, num_rollout_tasks) if _result(job, t) != "success"]
         if lost and all(_result(job, t) == "success" for t in essential):  # an engine host was lost mid-run
-            print(f"the run finished (every step trained, final weights written), although Slurm says het job "
-                  f"{job.job_id} ended {state}: rollout ranks {lost} (engine hosts) were lost during the run and "
-                  "their engines taken out of service.", file=sys.stderr)
+            print(f"the run finished (every step trained, final weights written; Slurm says het job {job.job_id} "
+                  f"ended {state}): rollout ranks {lost} (engine hosts) were lost during the run and their engines "
+                  "taken out of service.", file=sys.stderr)
             return 0
         components = job.watcher.get_info(job.job_id, mode="cache").get("HetStates", "")
         how = "was cancelled" if state == "CANCELLED" else f"ended {state}"

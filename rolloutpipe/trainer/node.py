@@ -46,7 +46,7 @@ from rolloutpipe.control.checkpoint import latest_checkpoint, load_optimizer
 from rolloutpipe.control.clock import sync_clock
 from rolloutpipe.control.env import NodeEnv, trainer_process_group_backend
 from rolloutpipe.control.lifetime import requeue_margin_s, stop_deferred
-from rolloutpipe.control.transport import RunRequeued, SealedStore, Transport, TransportError
+from rolloutpipe.control.transport import PeerGone, RunRequeued, SealedStore, Transport, TransportError
 from rolloutpipe.model import load_model, load_tokenizer, save_hf_checkpoint
 from rolloutpipe.observe.metrics import RolloutStats, SpanRecorder, TrainStats, reduce_step, summary_line
 from rolloutpipe.observe.timeline import finish_run
@@ -257,7 +257,8 @@ class TrainerNode:
         if written is not None:
             print(f"[trainer rank 0] stopping: step {written}'s checkpoint is written (the last finished step); a "
                   "resume continues after it", file=sys.stderr, flush=True)
-        self._write_outcome(finished=False, requeue=isinstance(err, RunRequeued), reason=f"{type(err).__name__}: {err}")
+        self._write_outcome(finished=False, requeue=isinstance(err, RunRequeued | PeerGone),
+                            reason=f"{type(err).__name__}: {err}")
 
     def _write_outcome(self, *, finished: bool, requeue: bool, reason: str) -> None:
         write_outcome(self.env.run_dir, self.env.attempt_key, Outcome(
