@@ -92,8 +92,10 @@ class ClockServer:
         return self
 
     def stop(self) -> None:
+        """Joined without a time limit: the thread is almost always inside ``store.wait``, and one still there when
+        the interpreter finalizes aborts the process (trainer/node.py, ``TrainerNode.close``). Each wait is 0.5 s."""
         self._stop.set()
-        self._thread.join(timeout=2.0)
+        self._thread.join()
 
     def _run(self) -> None:
         import torch.distributed as dist

@@ -16,8 +16,8 @@ class Liveness:
     """Heart-beats of this process, and the check that every peer still beats.
 
     Heart-beat thread: produces a sealed, growing count under ``alive/<role>/<rank>`` every ``heartbeat_s``
-    on a store client of its own; waits for nothing else; stops when ``stop()`` is called or when the
-    store goes away (then ``check`` reports the store as lost). Counts, not timestamps, so clocks of
+    on a store client of its own; waits for nothing else; stops when ``stop()`` is called (which joins it)
+    or when the store goes away (then ``check`` reports the store as lost). Counts, not timestamps, so clocks of
     different nodes never need to agree; a count only counts when it is sealed and larger than the last
     one seen, so neither a forged nor a replayed beat keeps a dead peer alive.
 
@@ -50,6 +50,7 @@ class Liveness:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name=f"heartbeat-{role}{rank}", daemon=True)
         self._check_lock = threading.Lock()
+        self._finished = False
 
     def start(self) -> Liveness:
         self._count = 1
@@ -58,15 +59,21 @@ class Liveness:
         return self
 
     def stop(self) -> None:
+        """Stop beating and wait for the thread, so that it is not inside a store call when the interpreter
+        finalizes (that aborts the process: trainer/node.py, ``TrainerNode.close``)."""
         self._stop.set()
+        self._thread.join()
 
     def finish(self) -> None:
         """This process is done with the run, healthy: one last beat that says so, so that peers still finishing
-        (trainer rank 0 writing the final checkpoint and trace, the rollout waiting for it) stop watching it."""
-        self._stop.set()
-        self._thread.join()
+        (trainer rank 0 writing the final checkpoint and trace, the rollout waiting for it) stop watching it. Once;
+        a second call does nothing."""
+        if self._finished:
+            return
+        self.stop()
         self._count += 1
         self._beat_client.put_record(self._key(self.me), {"count": self._count, "finished": True})
+        self._finished = True
 
     def _key(self, who: tuple[str, int]) -> str:
         return self.transport.key("alive", who[0], who[1])

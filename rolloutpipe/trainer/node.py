@@ -17,7 +17,9 @@ Trainer main loop (pipeline.run_trainer, on each rank's main thread)
                rollout keeps hosting the store until then; on any error (a stop signal too: launch/node.py)
                pipeline.run_node writes ``abort``, rank 0 writes the last finished step's checkpoint from its
                restore point (``stop``, trainer/restore.py) and the attempt's outcome (control/attempt.py),
-               and the process exits non-zero
+               and the process exits non-zero. Either way run_node then closes the node (``close``: the
+               requeue watch joined, the process group destroyed) and stops the heart-beats, so nothing that
+               holds a store client or C++ threads runs into teardown
 
 Requeue watch (rank 0, a thread of its own: ``_requeue_watch``)
     consumes   the batch script's sealed ``requeue`` record (launch/requeue.py: Slurm warned of the time limit)
@@ -26,7 +28,7 @@ Requeue watch (rank 0, a thread of its own: ``_requeue_watch``)
                two margins before the grace period does, an ``abort`` with ``requeue``: the step in progress is
                dropped, every finished one is on disk
     waits for  the record (0.5 s polls on a store client of its own), then the step's end
-    shuts down on ``close`` (healthy or not), or when the store is gone
+    shuts down on ``close`` (healthy or not, joined), or when the store is gone
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # before any process group exists: see TrainerNode.close
 
 from rolloutpipe.config import Config, PipelineMode, ResumeMode
 from rolloutpipe.control.attempt import Outcome, write_outcome
@@ -266,20 +269,37 @@ class TrainerNode:
             checkpoint_step=self.restore.on_disk, reason=reason))
 
     def close(self) -> None:
-        """Stop the requeue watch (its store client must not be torn down under it at exit)."""
+        """On every exit path: stop the requeue watch, then destroy the process group, so that neither outlives
+        the node into interpreter teardown.
+
+        A thread still inside a c10d store call when the interpreter finalizes aborts the process when the call
+        returns ("terminate called without an active exception": re-taking the GIL ends the thread with
+        pthread_exit, whose unwinding cannot cross pybind11's noexcept guard). So the watch is joined without
+        a time limit (each of its store calls is bounded by its client's timeout). The process group is
+        destroyed here rather than only after the last step, and it really goes: torch.distributed.nn binds
+        group.WORLD into its functions' default arguments when first imported (transformers' model code imports
+        it), so imported after init_process_group it would keep the group, its gloo threads and its store
+        client alive until teardown; this module imports it before any group exists."""
         self._closing.set()
         if self._watch is not None:
-            self._watch.join(timeout=5.0)
+            self._watch.join()
+        if self.distributed:
+            dist.destroy_process_group()
 
     def finish(self) -> None:
-        """After the last step: the final policy, the merged trace and W&B (rank 0), then ``trainer/done``."""
+        """After the last step: the final policy, the merged trace and W&B (rank 0), then ``trainer/done``.
+
+        Every rank's last heart-beat (``Liveness.finish``) comes before ``trainer/done``: once it is written the
+        rollout stops hosting the store, and a beat after that fails the rank (lost the store). The other ranks beat
+        before the barrier; rank 0 after its final writes, so the rollout watches it until they are done."""
         self.progress.close()
+        if not self.is_writer:
+            self.transport.liveness.finish()
         if self.distributed:
             dist.barrier()
         if self.is_writer:
             save_hf_checkpoint(self.trainer.hf_model(), self.tokenizer, self.env.run_dir / "checkpoints" / "final")
             finish_run(self.env.run_dir, self.tracker)  # trace.json, lifecycle.jsonl, timeline.png, W&B
             self._write_outcome(finished=True, requeue=False, reason="every step trained; the final policy is written")
+            self.transport.liveness.finish()
             self.transport.put_record(self.transport.key("trainer", "done"), {"done": True})
-        if self.distributed:
-            dist.destroy_process_group()
