@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from rolloutpipe.config import load_config, save_config
 from rolloutpipe.control.clock import ClockServer
-from rolloutpipe.control.env import NodeEnv, Role, loopback_interface
+from rolloutpipe.control.env import NodeEnv, Role, attempt_key, loopback_interface
 from rolloutpipe.control.transport import StoreAddress, Transport
 
 from .conftest import REPO, SMALL, node_environ, wait_for
@@ -55,7 +55,8 @@ def test_a_stopped_trainer_rank_leaves_no_thread_or_process_group_into_interpret
                                               f"run.dir={run_dir}", "run.id=bytest"]))
     save_config(cfg, run_dir / "config.yaml")
     host = Transport.open(address=StoreAddress(host="127.0.0.1", port=0, hosted_by="this test"), is_host=True,
-                          run_id="bytest", secret=b"k" * 32, run_dir=run_dir, connect_timeout_s=30)
+                          run_id="bytest", secret=attempt_key(b"k" * 32, "bytest", 0), run_dir=run_dir,
+                          connect_timeout_s=30)
     host.address.port = host.store.port
     clock = ClockServer(host.connect_another()).start()  # what rollout rank 0 serves; the ranks measure against it
     environ = {**node_environ(), **({"GLOO_SOCKET_IFNAME": i} if (i := loopback_interface()) else {})}
