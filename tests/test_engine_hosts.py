@@ -59,6 +59,15 @@ class TwoHosts:
     def names(self) -> list[str]:
         return [e.name for e in self.engines]
 
+    def lose_host_1(self) -> None:
+        """Its engines fail (their calls do), their restarts are requested, then its heart-beat is found silent."""
+        for engine in self.engines[2:]:
+            engine.error = RuntimeError("cannot reach the engine server")
+        self.supervisor.check()
+        for restart in self.restarts.values():
+            restart.lost = "its engine host (rollout rank 1) is lost: it stopped heart-beating"
+        self.supervisor.check()
+
 
 def test_an_engine_restarting_on_its_node_is_out_of_service_until_its_host_registers_it():
     hosts = TwoHosts()
@@ -102,12 +111,7 @@ def test_a_lost_engine_host_retires_its_engines_and_the_run_goes_on_with_the_oth
     hosts = TwoHosts()
     for g in range(8):
         hosts.admission.add_group(g, group_requests(g, n=1))
-    for engine in hosts.engines[2:]:
-        engine.error = RuntimeError("cannot reach the engine server")
-    hosts.supervisor.check()
-    for restart in hosts.restarts.values():
-        restart.lost = "its engine host (rollout rank 1) is lost: it stopped heart-beating"
-    hosts.supervisor.check()
+    hosts.lose_host_1()
     assert hosts.names() == ["engine0", "engine1"] and hosts.supervisor.retired == ["engine2", "engine3"]
     lost = [s for name, s in hosts.spans.spans if name == "rollout/engine_lost"]
     assert [s["engine"] for s in lost] == ["engine2", "engine3"] and "rollout rank 1" in lost[0]["reason"]
@@ -126,12 +130,7 @@ def test_a_host_that_beats_again_gets_its_retired_engines_back_on_the_current_we
     up the restart requests it missed and registers the fresh engines: they come back into service, with the policy
     the others serve by then."""
     hosts = TwoHosts()
-    for engine in hosts.engines[2:]:
-        engine.error = RuntimeError("cannot reach the engine server")
-    hosts.supervisor.check()
-    for restart in hosts.restarts.values():
-        restart.lost = "its engine host (rollout rank 1) is lost: it stopped heart-beating"
-    hosts.supervisor.check()
+    hosts.lose_host_1()
     assert hosts.names() == ["engine0", "engine1"] and hosts.supervisor.retired == ["engine2", "engine3"]
     hosts.supervisor.check()  # still lost: nothing changes, and the loss is reported once
     assert len([name for name, _ in hosts.spans.spans if name == "rollout/engine_lost"]) == 2

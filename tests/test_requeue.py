@@ -92,8 +92,9 @@ def test_warned_run_stops_at_a_checkpoint_and_the_requeued_one_resumes_to_the_un
     for role, p in procs.items():
         assert p.returncode == 0, outputs[role][1][-3000:]
     assert "Slurm requeued this job (1 time(s)): resuming from the run's last checkpoint" in outputs["trainer"][1]
-    for key in ("rp/bytest/requeue", "rp/bytest/abort"):  # read by trainer rank 0 (both), the rollout (abort)
-        assert f"refused a store record: {key}: not sealed with this run's secret" in outputs["trainer"][1]
+    # trainer rank 0's requeue watch reads the requeue record every 0.5 s, the rollout loop the abort every poll
+    for role, key in (("trainer", "rp/bytest/requeue"), ("rollout", "rp/bytest/abort")):
+        assert f"refused a store record: {key}: not sealed with this run's secret" in outputs[role][1], role
     metrics = read_metrics(split)
     assert [m["step"] for m in metrics] == list(range(NUM_STEPS)), "every step once"
     assert [m["run/requeues"] for m in metrics] == [0] * (stopped.step + 1) + [1] * (NUM_STEPS - stopped.step - 1)

@@ -199,6 +199,35 @@ def test_a_weight_load_on_a_vanished_node_is_given_up_when_its_host_is_lost(tmp_
         silent.close()
 
 
+def test_a_server_shutting_down_answers_503_so_the_client_fails_the_engine_not_the_run():
+    """A request that reaches a server whose engine is already shut down (SIGTERM: the server is stopping) is the
+    server's trouble, not the request's: 503, which fails the engine and sends the request elsewhere. A 400 would be
+    a RequestRefused, which stops the run (seen when an engine host was stopped by SIGTERM mid-step)."""
+    from rolloutpipe.rollout.engines.embedded import EmbeddedEngine
+    from rolloutpipe.rollout.engines.http_server import EmbeddedServer
+
+    model_cfg = ModelConfig(dtype=DType.float64)
+    model = load_model(model_cfg, len(build_tiny_tokenizer()))
+    stopping = EmbeddedServer(engine_factory=lambda on_result: EmbeddedEngine(
+        name="http:0", model=model, concurrency=2, on_result=on_result), model_path="embedded-tiny",
+        host="127.0.0.1", port=0)
+    threading.Thread(target=stopping.httpd.serve_forever, daemon=True).start()
+    try:
+        stopping.engine.shutdown()  # what the server's SIGTERM handler does first
+        results = Results()
+        engine = SGLangEngine(name="engine7", endpoint=sglang_api.Endpoint(f"http://127.0.0.1:{stopping.port}"),
+                              concurrency=1, on_result=results)
+        engine.submit(request(0))
+        deadline = time.monotonic() + 30
+        while engine.error is None and engine.request_error is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.request_error is None and "503" in str(engine.error), (engine.error, engine.request_error)
+        engine.shutdown()
+    finally:
+        stopping.httpd.shutdown()
+        stopping.httpd.server_close()
+
+
 def test_a_server_that_dies_is_reported_with_its_log(tmp_path):
     dying = server_process.ServerProcess(name="engine3", command=[sys.executable, "-c", "print('boom'); exit(3)"],
                                          log_path=tmp_path / "engine3.log", url="http://127.0.0.1:9",

@@ -248,7 +248,7 @@ class TrainerNode:
     def stop(self, err: BaseException) -> None:
         """The run stops before its end (pipeline.run_node, any cause): rank 0 keeps every finished step, writing
         the last one's checkpoint from the restore point, and says how the attempt ended (control/attempt.py)."""
-        if not self.is_writer:
+        if not self.is_writer or self.last_step + 1 == self.cfg.num_rollout:  # (finished: its outcome says so)
             return
         try:
             written = self.write_checkpoint()

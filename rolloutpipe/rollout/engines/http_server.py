@@ -121,7 +121,10 @@ class EmbeddedServer:
         except (ValueError, RuntimeError) as err:
             with self._lock:
                 self._waiters.pop(request.request_id, None)
-            return HTTPStatus.BAD_REQUEST, {"error": {"message": str(err)}}
+            # a bad request is the caller's (400); an engine shut down (the server is stopping) or crashed is the
+            # server's (503): the client then fails this engine and retries the request elsewhere
+            status = HTTPStatus.BAD_REQUEST if isinstance(err, ValueError) else HTTPStatus.SERVICE_UNAVAILABLE
+            return status, {"error": {"message": str(err)}}
         waiter.done.wait()
         if waiter.result is None:
             return HTTPStatus.INTERNAL_SERVER_ERROR, {"error": {"message": f"engine crashed: {self.engine.error!r}"}}
