@@ -66,7 +66,8 @@ class RestorePoint:
             if self.step is None or self.step <= self.on_disk:
                 return None
             with span(self.step) if span is not None else contextlib.nullcontext():
-                save_checkpoint(run_dir=self.run_dir, step=self.step, model=self._model, model_state=self._model_state,
+                save_checkpoint(run_dir=self.run_dir, step=self.step, model=self._model,
+                                model_state=dict(self._model_state),  # save_pretrained empties the dict it gets
                                 tokenizer=self.tokenizer, optimizer_state=self._optimizer_state,
                                 source_state=self._source_state, config_yaml=self.config_yaml,
                                 keep_last=self.keep_last)
