@@ -16,7 +16,8 @@ from omegaconf import OmegaConf
 from rolloutpipe.config import ConfigError, load_config
 from rolloutpipe.control.env import NodeEnv, Role, expand_hostlist, slurm_store_port
 from rolloutpipe.launch.config import LauncherKind
-from rolloutpipe.launch.local import plan_cpus
+from rolloutpipe.launch import local
+from rolloutpipe.launch.local import LocalLauncher, plan_cpus
 from rolloutpipe.launch.sacct import combine_states, read_sacct
 from rolloutpipe.launch.slurm import batch_script, check_allocation, check_launch, submission_environ
 
@@ -354,3 +355,46 @@ def test_the_readmes_batch_script_for_four_rollout_nodes_is_what_the_launcher_wr
     script = batch_script(cfg, folder=Path("/shared/runs/gpqa-4x8/slurm"), python="/shared/venvs/rolloutpipe/bin/python")
     readme = (REPO / "README.md").read_text()
     assert f"```bash\n{script}```" in readme, "README's 4 x 8-GPU rollout batch script is stale: regenerate it"
+
+
+class FakeClock:
+    """time.monotonic and time.sleep of the launcher's monitor loop, on a clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class FakeProcess:
+    """A child that exits with ``code`` at ``ends_at`` (fake seconds), or keeps running."""
+
+    def __init__(self, clock: FakeClock, code: int | None = None, ends_at: float = 0.0) -> None:
+        self.clock, self.code, self.ends_at, self.returncode = clock, code, ends_at, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self.code is not None and self.clock.now >= self.ends_at:
+            self.returncode = self.code
+        return self.returncode
+
+
+@pytest.mark.parametrize("failed,stopped_after", [
+    ("rollout rank 0", LocalLauncher.grace_s),  # hosted the store: the others can only lose it
+    ("trainer rank 1", 30.0 + LocalLauncher.grace_s),  # the others notice through the store, given peer_timeout_s
+])
+def test_the_launcher_stops_the_others_sooner_when_the_failed_child_hosted_the_store(monkeypatch, failed,
+                                                                                      stopped_after):
+    """A malformed dataset fails rollout rank 0 at start: a trainer thread still connecting to its store would hold
+    its process for the connect timeout, so the launcher waits only its grace before stopping the others."""
+    clock, stopped = FakeClock(), []
+    monkeypatch.setattr(local, "time", clock)
+    monkeypatch.setattr(local, "stop_groups", lambda procs, grace_s: stopped.append(clock.now) or [False] * len(procs))
+    children = [local.Child(label=label, process=FakeProcess(clock, 1 if label == failed else None, ends_at=5.0),
+                            hosts_store=label == "rollout rank 0")
+                for label in ("rollout rank 0", "trainer rank 0", "trainer rank 1")]
+    assert local.LocalLauncher()._monitor(children, peer_timeout_s=30.0, stop_grace_s=10.0) == 1  # noqa: SLF001
+    assert len(stopped) == 1 and stopped_after < stopped[0] - 5.0 <= stopped_after + 0.5, stopped

@@ -99,12 +99,12 @@ LONG_RESPONSES = ["rollout_max_response_len=32"]
 
 
 @pytest.mark.parametrize("dtype,num_ranks,extra,cgp_extra", [
-    ("float64", 1, [], []), ("float64", 2, [], []), ("float64", 2, ["grpo.loss_agg=seq_mean_token_mean"], []),
+    ("float64", 1, [], []), ("float64", 2, ["grpo.loss_agg=seq_mean_token_mean"], []),
     ("float64", 1, MULTI_STEP_FILTERED, []),
     ("float64", 2, LONG_RESPONSES, [f"max_tokens_per_micro_batch={TOKEN_BUDGET}"]),
     ("float32", 1, ONE_STEP, []), ("bfloat16", 1, ONE_STEP, []),
     ("bfloat16", 2, [*ONE_STEP, "grpo.loss_agg=seq_mean_token_mean"], []),
-], ids=["float64-1-rank", "float64-2-ranks", "float64-2-ranks-seq-mean",
+], ids=["float64-1-rank", "float64-2-ranks-seq-mean",
         "float64-2-optimizer-steps-per-rollout-filtered", "float64-2-ranks-token-budget-micro-batches",
         "float32-1-rank", "bfloat16-1-rank", "bfloat16-2-ranks-seq-mean"])
 def test_pipelined_update_equals_synchronous_update(job_dir, dtype, num_ranks, extra, cgp_extra):

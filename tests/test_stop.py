@@ -86,21 +86,25 @@ def leftovers(run: list[Proc], run_dir: Path) -> list[Proc]:
 
 ROLLOUT_STOPPED = "[rollout rank 0] stopped by SIGTERM, and so were its engine servers and reward workers"
 
-# (whom the signal goes to, the signal, the launcher's exit code, what the output says)
+# (whom the signal goes to, the signal, the launcher's exit code, what the output says, whether the test runs the
+# printed resume command: every stop prints the same one, run after a cleaned-up stop and after one without cleanup)
 STOPS = [  # a scheduler or `kill` (SIGTERM); Ctrl-C (the terminal signals the launcher's foreground group)
-    ("launcher", signal.SIGTERM, 128 + signal.SIGTERM, ["stopped by SIGTERM: rollout rank 0 exited", ROLLOUT_STOPPED]),
-    ("terminal", signal.SIGINT, 128 + signal.SIGINT, ["stopped by SIGINT: rollout rank 0 exited", ROLLOUT_STOPPED]),
+    ("launcher", signal.SIGTERM, 128 + signal.SIGTERM, ["stopped by SIGTERM: rollout rank 0 exited", ROLLOUT_STOPPED],
+     True),
+    ("terminal", signal.SIGINT, 128 + signal.SIGINT, ["stopped by SIGINT: rollout rank 0 exited", ROLLOUT_STOPPED],
+     False),
     # one node process: the run fails, and stops the same way
-    ("rollout_node", signal.SIGTERM, 1, ["run failed: rollout rank 0 exited with exit code 143", ROLLOUT_STOPPED]),
+    ("rollout_node", signal.SIGTERM, 1, ["run failed: rollout rank 0 exited with exit code 143", ROLLOUT_STOPPED],
+     False),
     # killed outright, it runs no cleanup: its engine server dies with it (PR_SET_PDEATHSIG)
-    ("rollout_node", signal.SIGKILL, 1, ["run failed: rollout rank 0 exited with signal SIGKILL"]),
+    ("rollout_node", signal.SIGKILL, 1, ["run failed: rollout rank 0 exited with signal SIGKILL"], True),
 ]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("target,signum,exit_code,said", STOPS, ids=[f"{s[1].name}-to-{s[0]}" for s in STOPS])
+@pytest.mark.parametrize("target,signum,exit_code,said,resume", STOPS, ids=[f"{s[1].name}-to-{s[0]}" for s in STOPS])
 def test_a_stopped_run_leaves_no_process_behind_and_the_printed_command_resumes_it(
-        tmp_path, target, signum, exit_code, said):
+        tmp_path, target, signum, exit_code, said, resume):
     run_dir = tmp_path / "run"
     log_path = tmp_path / "launcher.log"
     with log_path.open("w") as log:  # its own session, like a shell's job: nothing of the run is in pytest's
@@ -135,12 +139,14 @@ def test_a_stopped_run_leaves_no_process_behind_and_the_printed_command_resumes_
         assert line in output, output[-3000:]
     assert not (run_dir / "checkpoints" / "final").exists()
 
-    resume = re.findall(r"^to resume from the last checkpoint: (.+)$", output, flags=re.M)
-    assert len(resume) == 1, output[-3000:]
-    command = shlex.split(resume[0])
+    printed = re.findall(r"^to resume from the last checkpoint: (.+)$", output, flags=re.MULTILINE)
+    assert len(printed) == 1, output[-3000:]
+    command = shlex.split(printed[0])
     assert command[:2] == ["python", str(REPO / "launch.py")] and command[-2:] == [f"run.dir={run_dir}",
                                                                                     "run.resume=auto"], command
     assert command[2:-2] == WORKLOAD, "the same overrides"
+    if not resume:
+        return
     resumed = subprocess.run([sys.executable, *command[1:]], cwd=tmp_path, env=node_environ(), capture_output=True,
                              text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

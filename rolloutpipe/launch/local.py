@@ -19,8 +19,10 @@ Monitor loop
     on success every child exited 0 -> return 0
     on failure the first child to exit non-zero is the culprit (or one a signal ended: the others may have
                noticed it and exited first); the others are given
-               ``peer_timeout_s + grace`` to notice through the store and exit with their own message,
-               then are stopped; the launcher names the culprit and returns 1
+               ``peer_timeout_s + grace`` to notice through the store and exit with their own message
+               (``grace`` alone when the culprit hosted the store: with it gone they can only say so, and a
+               thread still connecting to it would hold its process for the connect timeout), then are
+               stopped; the launcher names the culprit and returns 1
     on a stop  SIGTERM, SIGINT (Ctrl-C) or SIGHUP: every node's process group gets SIGTERM (each node stops its
                engine servers and reward workers, then exits), the groups still there after
                ``launcher.stop_grace_s`` get SIGKILL; the launcher says how each ended and returns
@@ -80,6 +82,8 @@ class Child:
     process: subprocess.Popen
     essential: bool = True
     """False for an engine host (rollout rank > 0): the run survives losing one (rollout/hosts.py)."""
+    hosts_store: bool = False
+    """Rollout rank 0, which hosts the run's TCPStore (pipeline.open_transport)."""
 
 
 class LocalLauncher:
@@ -123,7 +127,7 @@ class LocalLauncher:
                                    start_new_session=True)
         host = env.role is Role.rollout and env.rank > 0
         return Child(label=f"{env.role.value} rank {env.rank}{' (engine host)' if host else ''}", process=process,
-                     essential=not host)
+                     essential=not host, hosts_store=env.role is Role.rollout and env.rank == 0)
 
     def _monitor(self, children: list[Child], peer_timeout_s: float, stop_grace_s: float) -> int:
         culprit: Child | None = None
@@ -141,7 +145,7 @@ class LocalLauncher:
             if culprit is None:
                 culprit = next((c for c in children if c.process.returncode not in (None, 0)), None)
                 if culprit is not None:
-                    deadline = time.monotonic() + peer_timeout_s + self.grace_s
+                    deadline = time.monotonic() + self.grace_s + (0 if culprit.hosts_store else peer_timeout_s)
             if culprit is not None and (all(code is not None for code in codes.values()) or time.monotonic() > deadline):
                 # one a signal ended (not ours, below) is the cause, even when a peer noticed and exited 1 first
                 culprit = next((c for c in children if not 0 <= (c.process.poll() or 0) <= 128), culprit)
