@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 
 import pytest
 from omegaconf import OmegaConf
@@ -21,6 +22,7 @@ from rolloutpipe.config import load_config, save_config
 from rolloutpipe.control.clock import ClockServer
 from rolloutpipe.control.env import NodeEnv, Role, attempt_key, loopback_interface
 from rolloutpipe.control.transport import StoreAddress, Transport
+from rolloutpipe.rollout.samples import RewardThreads
 
 from .conftest import REPO, SMALL, node_environ, wait_for
 
@@ -79,3 +81,27 @@ def test_a_stopped_trainer_rank_leaves_no_thread_or_process_group_into_interpret
         threads = json.loads(out.splitlines()[-1])
         assert not [t for t in threads["python"] if t.startswith(STORE_THREADS)], f"trainer rank {r}: {threads}"
         assert not [t for t in threads["native"] if "gloo" in t], f"trainer rank {r}: {threads}"
+
+
+def test_a_stopping_rollout_node_rewards_none_of_the_results_still_queued():
+    """With a slow reward, a step's results queue up behind the reward workers; a stop (Slurm's warning, a failed
+    peer) waits for the calls in progress only, not for the rewards of a step that will be redone (seen on the
+    Slurm cluster: rollout rank 0 was still rewarding when the time limit's margin came)."""
+    threads = RewardThreads(pool=None, tokenizer=None, num_threads=1, spans=None)
+    rewarded, started, release = [], threading.Event(), threading.Event()
+
+    def reward(result) -> None:  # the one call in progress holds until the stop has begun
+        rewarded.append(result)
+        started.set()
+        release.wait(timeout=30)
+
+    threads._reward = reward  # noqa: SLF001 - the rewarding itself is beside the point
+    for result in range(5):
+        threads.on_result(result)
+    assert started.wait(timeout=30)
+    closer = threading.Thread(target=threads.close)
+    closer.start()
+    wait_for(lambda: threads.results.qsize() == 5, "close to queue its stop")  # 4 results, then the stop
+    release.set()
+    closer.join(timeout=30)
+    assert not closer.is_alive() and rewarded == [0] and threads.idle()

@@ -43,12 +43,14 @@ def run_processes(run_id: str) -> list[tuple[int, str]]:
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
 
 TIME_LIMIT_STEPS = 12
-LONG_STEPS = {"RP_TEST_REWARD_SLEEP_UNTIL_REQUEUED_S": "0.6"}
-"""Until the job is requeued, each reward waits 0.6 s (one reward worker, 16 samples a step: at least 9.6 s a step),
-longer than the 5 s trainer rank 0 gives the step in progress after Slurm's warning (launcher.requeue_grace_s=10
-minus two margins of 2.5 s): the warning lands in a step that cannot end in time, as with GPU steps of minutes, and
-the first start cannot finish 12 steps within its 2 minutes. The requeued start runs without the wait; the
-uninterrupted reference too (the same rewards, the same update)."""
+LONG_STEPS = {"RP_TEST_REWARD_SLEEP_UNTIL_REQUEUED_S": "1.2"}
+"""Until the job is requeued, each reward waits 1.2 s (one reward worker, 16 samples a step: at least 19.2 s a step),
+longer than the 15 s trainer rank 0 gives the step in progress after Slurm's warning (launcher.requeue_grace_s=30
+minus two margins of 7.5 s): the warning lands in a step that cannot end in time, as with GPU steps of minutes, and
+the first start cannot finish 12 steps within its 2 minutes. The last margin leaves every task the time to stop, so
+srun ends (137: the killed engine host) before the wrapper would requeue at the margin, and the decision is the
+outcome's. The requeued start runs without the wait; the uninterrupted reference too (the same rewards, the same
+update)."""
 SLOW = {"RP_TEST_REWARD_SLEEP_UNTIL_REQUEUED_S": "0.1"}
 """With it, the preempted run's first start cannot end before the test requeues it (80 steps of at least 1.6 s, at
 least 2 minutes; the requeue comes after 20)."""
@@ -108,7 +110,7 @@ def test_a_job_warned_in_a_long_step_requeues_itself_keeping_every_finished_step
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     overrides = [*workload(TIME_LIMIT_STEPS), *HOSTS, "run.id=time-limit", "launcher.trainer.nodes=2",
                  "launcher.rollout.cpus_per_task=1", "launcher.trainer.cpus_per_task=1", "launcher.time_min=2",
-                 "launcher.requeue_grace_s=10", "launcher.max_requeues=3"]
+                 "launcher.requeue_grace_s=30", "launcher.max_requeues=3"]
     launcher = launch(run_dir, *overrides, wait=False, environ=LONG_STEPS, stdout=True)
     try:
         wait_for((run_dir / "metrics.jsonl").exists, "step 0", running=[launcher], timeout_s=240)
@@ -122,6 +124,7 @@ def test_a_job_warned_in_a_long_step_requeues_itself_keeping_every_finished_step
     job_id = job_id_of(run_dir)
     batch = (run_dir / "slurm" / f"{job_id}_batch.out").read_text()
     assert "[requeue] Slurm warned of the time limit" in batch and "[requeue] requeueing job" in batch, batch
+    assert "did not end before the time limit's margin" not in batch, "srun ended: the outcome decides"
     trainer = (run_dir / "slurm" / f"{job_id}_2_log.err").read_text()  # task 2: trainer rank 0
     assert re.search(r"Slurm warned of the time limit: step \d+'s checkpoint is written", trainer), trainer[-3000:]
     # (the warning may land in a step's last seconds, and that step then ends in time: both ways keep every step)

@@ -70,6 +70,8 @@ class RewardThreads:
         self._on_group = None
         self._outstanding = 0
         self._count_lock = threading.Lock()
+        self._closing = False
+        """Set by ``close``: results still queued are dropped, not rewarded (the node is stopping)."""
         self._threads = [
             threading.Thread(target=self._run, name=f"reward-{i}", daemon=True) for i in range(num_threads)
         ]
@@ -93,6 +95,9 @@ class RewardThreads:
             return self._outstanding == 0
 
     def close(self) -> None:
+        """Stops after the reward calls in progress: the results still queued are dropped, so a stop does not wait
+        for the rewards of a step that will be redone (with a slow reward, a whole step's worth of calls)."""
+        self._closing = True
         for _ in self._threads:
             self.results.put(None)
         for t in self._threads:
@@ -101,7 +106,8 @@ class RewardThreads:
     def _run(self) -> None:
         while (result := self.results.get()) is not None:
             try:
-                self._reward(result)
+                if not self._closing:
+                    self._reward(result)
             except BaseException as err:  # noqa: BLE001 - kept for the rollout loop, which stops the run
                 self.error = err
             with self._count_lock:
