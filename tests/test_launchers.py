@@ -15,8 +15,8 @@ from omegaconf import OmegaConf
 
 from rolloutpipe.config import ConfigError, load_config
 from rolloutpipe.control.env import NodeEnv, Role, expand_hostlist, slurm_store_port
-from rolloutpipe.launch.config import LauncherKind
 from rolloutpipe.launch import local
+from rolloutpipe.launch.config import LauncherKind
 from rolloutpipe.launch.local import LocalLauncher, plan_cpus
 from rolloutpipe.launch.sacct import combine_states, read_sacct
 from rolloutpipe.launch.slurm import batch_script, check_allocation, check_launch, submission_environ
@@ -396,5 +396,5 @@ def test_the_launcher_stops_the_others_sooner_when_the_failed_child_hosted_the_s
     children = [local.Child(label=label, process=FakeProcess(clock, 1 if label == failed else None, ends_at=5.0),
                             hosts_store=label == "rollout rank 0")
                 for label in ("rollout rank 0", "trainer rank 0", "trainer rank 1")]
-    assert local.LocalLauncher()._monitor(children, peer_timeout_s=30.0, stop_grace_s=10.0) == 1  # noqa: SLF001
+    assert local.LocalLauncher()._monitor(children, peer_timeout_s=30.0, stop_grace_s=10.0) == 1
     assert len(stopped) == 1 and stopped_after < stopped[0] - 5.0 <= stopped_after + 0.5, stopped

@@ -95,7 +95,7 @@ def test_a_stopping_rollout_node_rewards_none_of_the_results_still_queued():
         started.set()
         release.wait(timeout=30)
 
-    threads._reward = reward  # noqa: SLF001 - the rewarding itself is beside the point
+    threads._reward = reward
     for result in range(5):
         threads.on_result(result)
     assert started.wait(timeout=30)
