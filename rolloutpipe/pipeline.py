@@ -224,7 +224,7 @@ def sync_weights(node: TrainerNode, version: int) -> float:
 # ================================================================================================
 def open_transport(cfg: Config, env: NodeEnv) -> Transport:
     """The store (rollout rank 0 hosts it, everyone else connects) and this process's heart-beats."""
-    is_host = env.role is Role.rollout and env.rank == 0
+    is_host = env.hosts_store
     transport = Transport.open(
         address=StoreAddress(host=env.store_host, port=env.store_port, hosted_by="rollout rank 0"),
         is_host=is_host, run_id=env.run_id, secret=env.attempt_key, run_dir=env.run_dir,

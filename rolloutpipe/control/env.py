@@ -76,6 +76,11 @@ class NodeEnv:
         return self.run_dir / "config.yaml"
 
     @property
+    def hosts_store(self) -> bool:
+        """Rollout rank 0 hosts the run's TCPStore; everyone else connects to it."""
+        return self.role is Role.rollout and self.rank == 0
+
+    @property
     def attempt_key(self) -> bytes:
         """What seals this attempt's records and signs its handles (control/attempt.py): no record of an earlier
         attempt of a requeued job passes in this one."""

@@ -127,7 +127,7 @@ class LocalLauncher:
                                    start_new_session=True)
         host = env.role is Role.rollout and env.rank > 0
         return Child(label=f"{env.role.value} rank {env.rank}{' (engine host)' if host else ''}", process=process,
-                     essential=not host, hosts_store=env.role is Role.rollout and env.rank == 0)
+                     essential=not host, hosts_store=env.hosts_store)
 
     def _monitor(self, children: list[Child], peer_timeout_s: float, stop_grace_s: float) -> int:
         culprit: Child | None = None
