@@ -81,7 +81,7 @@ def grpo(
         )
 
     return specs.AppDef(name="rolloutpipe", roles=[
-        # first: het group 0 on Slurm, whose host is rank0_env; one replica per rollout node (rollout/hosts.py)
+        # first: het group 0 on Slurm, whose host is rank0_env; one replica per rollout node (rollout/engines/hosts.py)
         role("rollout", cfg.launcher.rollout.nodes, rollout_cpus, rollout_gpus),
         role("trainer", cfg.trainer.num_ranks, trainer_cpus, trainer_gpus),
     ])

@@ -9,9 +9,10 @@
     launch/    local processes, the Slurm het job, the node entry point
     sim/       the discrete-event simulator
 
-May import, pointing down (tests/test_layout.py checks it): types, model <- control <- observe <- rollout,
-trainer (side by side, never importing each other) <- pipeline <- launch; config.py binds the component configs
-that live beside each component. Importing the package imports nothing heavy (no SGLang, Megatron, W&B or
+May import: each part only what is below it (tests/unit/test_layout.py checks it): types, model <- control <- observe
+<- rollout, trainer (side by side, never importing each other) <- config.py (it binds the section configs that
+live beside each component) <- the node modules (rollout/node.py, trainer/node.py: the only readers of the root
+Config) <- pipeline <- launch. Importing the package imports nothing heavy (no SGLang, Megatron, W&B or
 submitit): those live in their adapters and are imported there.
 """
 

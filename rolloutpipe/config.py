@@ -14,18 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
 
-from rolloutpipe.control.weight_sync import WeightSync
+from rolloutpipe.control.run import PipelineConfig, PipelineMode, ResumeMode, RunConfig
+from rolloutpipe.control.weights import WeightSync, WeightSyncSettings
 from rolloutpipe.launch.config import LauncherConfig
 from rolloutpipe.model import ModelConfig
 from rolloutpipe.observe.tracking import WandbConfig
-from rolloutpipe.rollout.config import EngineKind, RolloutConfig
+from rolloutpipe.rollout.config import EngineKind, EngineSetup, RolloutConfig
 from rolloutpipe.rollout.data import DataConfig
 from rolloutpipe.rollout.evaluation import EvalConfig
 from rolloutpipe.rollout.rewards import RewardConfig
@@ -35,77 +35,6 @@ from rolloutpipe.trainer.grpo import GRPOConfig
 
 class ConfigError(ValueError):
     pass
-
-
-class PipelineMode(enum.Enum):
-    sync = "sync"
-    """Train only once the whole rollout batch is in (Slime's behaviour; the baseline)."""
-    cgp = "cgp"
-    """Complete-group pipelining: train each group as soon as all its samples are rewarded."""
-    async_one_step = "async_one_step"
-    """A baseline, not a default: step k+1 is generated with policy k while step k trains (one step stale,
-    like Slime's train_async.py and veRL's one-step-off policy); groups are released as in cgp."""
-
-    def policy_version_for(self, step: int) -> int:
-        """The weights that generate step ``step``'s samples."""
-        return max(step - 1, 0) if self is PipelineMode.async_one_step else step
-
-
-@dataclass(kw_only=True, slots=True)
-class PipelineConfig:
-    mode: PipelineMode = PipelineMode.cgp
-    inline_payload_max_bytes: int = 1 << 20
-    """Group payloads up to this size travel inside the store; larger ones through run_dir/payloads."""
-    connect_timeout_s: float = 120.0
-    """How long a component waits for the store and for the other components to show up."""
-    peer_timeout_s: float = 30.0
-    """A process whose heart-beat stops this long is declared dead, and the run stops."""
-    heartbeat_s: float = 1.0
-    weight_sync: WeightSync = WeightSync.disk
-    """How policy k+1 reaches the engines (control/weight_sync.py): ``disk`` (a safetensors file under run_dir/weights,
-    any engine) or ``distributed`` (trainer rank 0 broadcasts to the engines; HTTP engines only)."""
-    weight_sync_bucket_mb: float = 512.0
-    """With ``weight_sync=distributed``: tensors per /update_weights_from_distributed call, up to this size."""
-    weights_visible_timeout_s: float = 120.0
-    """With ``weight_sync=disk``: how long the rollout node waits for a policy file the trainer wrote to show up
-    complete on its side of a shared file system (NFS and Lustre can lag behind the writer) before it stops the run.
-    The engines are never asked to load a file that is missing, short or not the one the trainer wrote (SGLang's
-    /update_weights_from_disk takes the server down when the load fails)."""
-
-    def __post_init__(self) -> None:
-        if self.weight_sync_bucket_mb <= 0:
-            raise ValueError(f"pipeline.weight_sync_bucket_mb={self.weight_sync_bucket_mb} must be > 0.")
-        if self.weights_visible_timeout_s < 0:
-            raise ValueError(f"pipeline.weights_visible_timeout_s={self.weights_visible_timeout_s} must be >= 0.")
-        if self.peer_timeout_s <= 2 * self.heartbeat_s:
-            raise ValueError(
-                f"pipeline.peer_timeout_s={self.peer_timeout_s} must exceed twice pipeline.heartbeat_s="
-                f"{self.heartbeat_s}, or healthy processes would be declared dead."
-            )
-
-
-class ResumeMode(enum.Enum):
-    never = "never"
-    auto = "auto"
-
-
-@dataclass(kw_only=True, slots=True)
-class RunConfig:
-    dir: str | None = None
-    """Where outputs go. Null: Hydra's output directory."""
-    id: str | None = None
-    """Names the run's store keys. Null: derived from the run directory plus a random suffix."""
-    save_samples: bool = False
-    """Write every sample of every step to run_dir/rollouts/step=<k>.jsonl."""
-    resume: ResumeMode = ResumeMode.never
-    """``auto``: continue from the run directory's last complete checkpoint (start fresh if there is none)."""
-    checkpoint_every: int = 100
-    """Write a step-atomic checkpoint every N steps (and after the last); 0: only the final weights."""
-    keep_last_checkpoints: int = 2
-
-    def __post_init__(self) -> None:
-        if self.checkpoint_every < 0 or self.keep_last_checkpoints < 1:
-            raise ValueError("run.checkpoint_every must be >= 0 and run.keep_last_checkpoints >= 1.")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -227,6 +156,23 @@ class Config:
                 f"rollout.num_engines={self.rollout.num_engines} exceeds rollout_batch_size={self.rollout_batch_size}; "
                 "engines would idle."
             )
+
+    def engine_setup(self) -> EngineSetup:
+        """What the engine parts read (rollout/engines/factory.py, rollout/engines/hosts.py)."""
+        return EngineSetup(rollout=self.rollout, model=self.model, seed=self.seed,
+                           num_hosts=self.launcher.rollout.nodes, run_dir=self.run.dir,
+                           connect_timeout_s=self.pipeline.connect_timeout_s,
+                           peer_timeout_s=self.pipeline.peer_timeout_s)
+
+    def weight_sync(self) -> WeightSyncSettings:
+        """What both sides of weight sync read (control/weights/), from ``pipeline.*`` and the engines' layout."""
+        pipeline, rollout = self.pipeline, self.rollout
+        return WeightSyncSettings(
+            way=pipeline.weight_sync, bucket_bytes=int(pipeline.weight_sync_bucket_mb * 2**20),
+            visible_timeout_s=pipeline.weights_visible_timeout_s,
+            join_timeout_s=rollout.server_start_timeout_s + pipeline.connect_timeout_s,
+            num_engine_ranks=rollout.num_engines * rollout.ranks_per_engine, ranks_per_engine=rollout.ranks_per_engine,
+            engines_on_gpus=rollout.engines_on_gpus)
 
     @property
     def groups_per_batch(self) -> int:

@@ -130,7 +130,7 @@ class GroupHandle:
     """Publish order within the step, 0, 1, 2, ...; the trainer consumes in this order."""
     group: int
     batch: int
-    """Training batch within the step (see admission.StepSlots)."""
+    """Training batch within the step (see rollout/slots.py: StepSlots)."""
     policy_version: int
     location: str
     """``inline`` (payload under its own store key) or ``file:<path relative to the run dir>``."""
@@ -179,7 +179,7 @@ class LifecycleState(enum.Enum):
 
 
 class DropReason(enum.Enum):
-    """Why a complete group is not trained (rollout/admission.py replaces it): a rollout/group_dropped span's reason."""
+    """Why a complete group is not trained (rollout/schedule.py replaces it): a rollout/group_dropped span's reason."""
 
     zero_variance = "zero_variance"
     """Dynamic sampling (``rollout.filter_zero_variance``): its rewards are all equal, so its advantages are 0."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -14,7 +15,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
-# A small, fast workload: 4 prompts x 4 samples per step; every run of it takes a few seconds.
+# A small, fast workload: 4 prompts x 4 samples per step; every run of it takes a few seconds. W&B is off: an
+# offline run costs 1-2 s a job, so the tests of W&B (and of every file a run writes) add wandb.mode=offline.
 SMALL = [
     "num_rollout=2",
     "rollout_batch_size=4",
@@ -24,8 +26,58 @@ SMALL = [
     "rollout_max_response_len=6",
     "pipeline.peer_timeout_s=10",
     "pipeline.heartbeat_s=0.5",
+    "wandb.mode=disabled",
 ]
 DENSE_REWARD = ["reward.name=letter_fraction", "reward.import_modules=[tests.fixtures.dense_rewards]"]
+
+
+REQUIRED_BY_CI = {"slurm": "RP_REQUIRE_SLURM"}
+"""Extras whose tests fail instead of skipping when the variable is 1 (.ci/run sets RP_REQUIRE_SLURM=1), so CI
+cannot pass without having run them."""
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is missing (hydra_plugins.hydra_submitit_launcher)
+        return False
+
+
+def missing_extra(extra: str, *modules: str) -> str | None:
+    """Why a test that imports ``modules``, which the project's ``extra`` installs, cannot run here; None if it can."""
+    missing = [m for m in modules if not _installed(m)]
+    return f"needs the {extra} extra ({', '.join(missing)} missing): pip install -e '.[{extra}]'" if missing else None
+
+
+def _required(extra: str) -> str | None:
+    variable = REQUIRED_BY_CI.get(extra)
+    return variable if variable and os.environ.get(variable) == "1" else None
+
+
+def needs_extra(extra: str, *modules: str) -> pytest.MarkDecorator:
+    """Mark a test (or a module, as ``pytestmark``) that needs ``modules`` of the project's ``extra``: without them
+    it skips, naming the extra, before any fixture runs (a session fixture may run a whole job); under the extra's
+    REQUIRED_BY_CI variable it fails instead."""
+    return pytest.mark.needs_extra(extra, *modules)
+
+
+SLURM_EXTRA = ("submitit", "torchx", "hydra_plugins.hydra_submitit_launcher")
+"""What the slurm extra installs: every test marked ``slurm`` (the local cluster's) needs all of it."""
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:  # a skip marker: reported at the test's own line, and before its fixtures
+        if item.get_closest_marker("slurm"):
+            item.add_marker(needs_extra("slurm", *SLURM_EXTRA))
+        for mark in item.iter_markers("needs_extra"):
+            if (why := missing_extra(*mark.args)) is not None and not _required(mark.args[0]):
+                item.add_marker(pytest.mark.skip(reason=why))
+
+
+def pytest_runtest_setup(item) -> None:
+    for mark in item.iter_markers("needs_extra"):  # (missing here only if required: it fails, before the fixtures)
+        if (why := missing_extra(*mark.args)) is not None:
+            pytest.fail(f"{why} ({_required(mark.args[0])}=1: these tests must run here)", pytrace=False)
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -161,7 +213,7 @@ def start_nodes(run_dir: Path, *overrides: str, commands: dict[str, list[str]] |
 
 def four_engine_workload(data: Path) -> list[str]:
     """3 steps in float64 with two trainer ranks and four embedded engine servers, however many rollout nodes run
-    them (tests/test_hosts.py, tests/test_slurm_hosts.py): the samples and the update are exact."""
+    them (tests/multiprocess/test_hosts.py, tests/cluster/test_slurm_hosts.py): the samples and the update are exact."""
     return [*SMALL, *DENSE_REWARD, "model.dtype=float64", "run.save_samples=true", "global_batch_size=8",
             "num_rollout=3", f"data.path={data}", "rollout.engine=embedded_http", "trainer.num_ranks=2",
             "rollout.concurrency=2"]

@@ -5,7 +5,7 @@ Every launcher (local processes, Slurm, TorchX) starts the same entry point,
 
     RP_ROLE          rollout | trainer
     RP_RANK          rank within the node group (rollout: 0 is the rollout manager, every rank the engine
-                     host of its node: rollout/hosts.py)
+                     host of its node: rollout/engines/hosts.py)
     RP_WORLD_SIZE    processes in the node group
     RP_STORE_HOST    host of the TCPStore (hosted by rollout rank 0)
     RP_STORE_HOST_VAR  instead of RP_STORE_HOST: the name of a variable that holds the host or a Slurm

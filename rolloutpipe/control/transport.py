@@ -22,7 +22,8 @@ before it is used. Group handles carry their own signature; every other record i
 heart-beats and the abort check are control/liveness.py, the payload codec control/codec.py.
 A value that fails the check is refused with a line in the log and the reader goes on waiting for the
 genuine one, so a process without the secret can neither stop nor steer the run. It can still delete or
-overwrite keys and so stall it: the store's port is for the run's processes only (README, "Security").
+overwrite keys and so stall it: the store's port is for the run's processes only (docs/faults-and-security.md,
+"Security").
 The store listens on its host's own address only (``listen_socket``: loopback for a local run).
 
 Nothing read from the store is unpickled: records and handles are JSON, payloads are safetensors

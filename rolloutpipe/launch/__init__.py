@@ -8,5 +8,6 @@
     preflight.py     checks of the model at launch; memory_plan.py  estimated peak GPU memory per rank and
                      engine (tools/memory_plan.py prints it, GPU launchers warn from it)
 
-May import anything below it (config, control/, pipeline via node.py). submitit only inside submitit_het.py.
+May import: types, model, config, control/, observe/, rollout/, trainer/, pipeline. submitit only inside
+submitit_het.py.
 """

@@ -81,7 +81,7 @@ class Child:
     label: str
     process: subprocess.Popen
     essential: bool = True
-    """False for an engine host (rollout rank > 0): the run survives losing one (rollout/hosts.py)."""
+    """False for an engine host (rollout rank > 0): the run survives losing one (rollout/engines/hosts.py)."""
     hosts_store: bool = False
     """Rollout rank 0, which hosts the run's TCPStore (pipeline.open_transport)."""
 
@@ -99,7 +99,7 @@ class LocalLauncher:
         secret = secrets.token_bytes(32)
         port = free_port()
         rollout_cpus, trainer_cpus = plan_cpus(sorted(os.sched_getaffinity(0)), cfg.trainer.num_ranks)
-        num_hosts = cfg.launcher.rollout.nodes  # rollout processes, standing in for nodes (rollout/hosts.py)
+        num_hosts = cfg.launcher.rollout.nodes  # rollout processes, standing in for nodes (rollout/engines/hosts.py)
         envs = [NodeEnv(role=Role.rollout, rank=r, world_size=num_hosts, store_host="127.0.0.1", store_port=port,
                         run_id=cfg.run.id, secret=secret, run_dir=run_dir, cpus=rollout_cpus) for r in range(num_hosts)]
         envs += [NodeEnv(role=Role.trainer, rank=r, world_size=cfg.trainer.num_ranks, store_host="127.0.0.1",

@@ -37,7 +37,7 @@ Rollout engine (SGLang)
                                   --mem-fraction-static; the rest of the GPU is SGLang's reserve (activations,
                                   CUDA graphs).
 
-Validated against measured peak RSS of the CPU torch trainer (bench/memory_plan_validation.py, README "Memory plan").
+Validated against measured peak RSS of the CPU torch trainer (bench/memory_plan_validation.py, docs/trainer.md "Memory plan").
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ def micro_batch_rows(cfg: Config) -> int:
 def layer_activation_bytes(shape: ModelShape, *, dtype_bytes: int, tp: int = 1,
                            expanded_kv: bool = False) -> dict[str, float]:
     """Bytes one decoder layer keeps for backward, per token, by tensor (tensor-parallel rank ``tp`` of them): what
-    autograd saves in HF's Qwen3 layer (tests/test_memory_plan.py counts it with saved-tensor hooks).
+    autograd saves in HF's Qwen3 layer (tests/multiprocess/test_memory_plan.py counts it with saved-tensor hooks).
 
     RMSNorm keeps its input in float32, the normalised input (in the model's dtype) and its product with the weight
     (the next linears' input): 4h + 2dh. q and k: the projection's output in float32 for the q/k norm, the

@@ -1,6 +1,6 @@
 """Slurm: the rollout and trainer node groups as the two components of one heterogeneous job.
 
-    batch script (written per run to <run_dir>/slurm/<job>_submission.sh; README shows one)
+    batch script (written per run to <run_dir>/slurm/<job>_submission.sh; docs/slurm.md shows one)
       #SBATCH job options, then het group 0's resources      rollout node group, hosts the store
       #SBATCH hetjob
       #SBATCH het group 1's resources                         trainer node group
@@ -94,7 +94,7 @@ def _group_lines(cfg: Config, group: HetGroupConfig, comment: str) -> list[str]:
 
 
 def batch_script(cfg: Config, *, folder: Path, python: str) -> str:
-    """The het-job batch script of a run (pure: the README's example is this function's output)."""
+    """The het-job batch script of a run (pure: docs/slurm.md's example is this function's output)."""
     launcher = cfg.launcher
     task = f"{shlex.quote(python)} -u -m rolloutpipe.launch.slurm {shlex.quote(str(folder))}"
 
@@ -123,7 +123,7 @@ def batch_script(cfg: Config, *, folder: Path, python: str) -> str:
         f"#SBATCH --signal=B:USR1@{launcher.requeue_grace_s}",
         *requeue,
         *_group_lines(cfg, launcher.rollout, "het group 0: rollout node group"),
-        *(["# A lost rollout node loses its engines, not the job (rolloutpipe/rollout/hosts.py); the rollout manager's",
+        *(["# A lost rollout node loses its engines, not the job (rolloutpipe/rollout/engines/hosts.py); the rollout manager's",
            "# loss stops the run, which then requeues itself (launch/requeue.py).", "#SBATCH --no-kill"]
           if survive else []),
         "#SBATCH hetjob",
@@ -148,9 +148,9 @@ def survives_node_loss(cfg: Config) -> bool:
     its nodes fails, so an engine host's node is lost as its process would be (its engines retired, the run goes
     on), instead of Slurm cancelling and requeuing the whole job. With several rollout nodes and weights loaded from
     disk: under ``pipeline.weight_sync=distributed`` a lost engine stops the run anyway (the group is fixed)."""
-    from rolloutpipe.control.weight_sync import WeightSync
+    from rolloutpipe.control.weights import engines_replaceable
 
-    return cfg.launcher.rollout.nodes > 1 and cfg.pipeline.weight_sync is WeightSync.disk
+    return cfg.launcher.rollout.nodes > 1 and engines_replaceable(cfg.pipeline.weight_sync)
 
 
 def submission_environ(run_vars: dict[str, str]) -> dict[str, str]:

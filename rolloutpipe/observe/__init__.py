@@ -7,6 +7,6 @@
     report.py     the table of runs (tools/report.py)
     progress.py   progress lines on the terminal
 
-May import: rolloutpipe.types and control/ (the clock). Nothing of rollout/, trainer/, launch/ or config:
-observers read records, they do not drive the run.
+May import: types, control/ (the clock). Nothing of rollout/, trainer/, launch/ or config: observers read
+records, they do not drive the run.
 """

@@ -17,7 +17,7 @@ What is logged.
     end of run     ``timeline/spans`` (the span table), ``timeline/groups`` (one lifecycle row per group),
                    ``timeline/picture`` (timeline.png), ``timeline/gantt`` (a Gantt panel: a table drawn by
                    the custom chart preset ``wandb.gantt_spec``; create it once per W&B entity from
-                   ``wandb_gantt.vega.json`` beside this file, see README "Timelines and W&B")
+                   ``wandb_gantt.vega.json`` beside this file, see docs/observability.md)
 
 Never in the way of training.
     ``offline`` (the default) writes ``<run_dir>/wandb/offline-run-*`` and needs no network; ``wandb sync``

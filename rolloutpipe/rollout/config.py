@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from rolloutpipe.model import ModelConfig
 from rolloutpipe.rollout.admission import AdmissionPolicy
 
 
@@ -24,7 +25,7 @@ class RolloutConfig:
     num_engines: int | None = None
     """Engines in all. Null: launcher.rollout.nodes x engines_per_node (one per node when that is null too)."""
     engines_per_node: int | None = None
-    """Engine servers each rollout node starts (rollout/hosts.py): on GPU nodes its GPUs / sglang_gpus_per_engine.
+    """Engine servers each rollout node starts (rollout/engines/hosts.py): on GPU nodes its GPUs / sglang_gpus_per_engine.
     Null: num_engines / launcher.rollout.nodes. With rollout.engine=embedded (in-process) the group is one node."""
     min_engines: int = 1
     """Engines that must stay in service: a lost engine host takes its engines out (their requests go to the
@@ -96,7 +97,7 @@ class RolloutConfig:
 
     @property
     def ranks_per_engine(self) -> int:
-        """Ranks one engine takes in the weight-update process group (control/weight_sync.py): one per
+        """Ranks one engine takes in the weight-update process group (control/weights/distributed.py): one per
         tensor-parallel rank of an SGLang server (its GPUs, assuming --dp-size 1), one for the embedded engine."""
         return self.sglang_gpus_per_engine if self.engine is EngineKind.sglang else 1
 
@@ -128,3 +129,19 @@ class RolloutConfig:
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"rollout.request_timeout_s={self.request_timeout_s} must be > 0, or null for no "
                              "timeout.")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineSetup:
+    """What the engine parts (engines/factory.py, hosts.py) read of the job's config: ``rollout.*`` and ``model.*``,
+    and the few job-wide values they need. The node modules build it (config.py ``Config.engine_setup``)."""
+
+    rollout: RolloutConfig
+    model: ModelConfig
+    seed: int
+    num_hosts: int
+    """launcher.rollout.nodes: the rollout nodes that start engine servers."""
+    run_dir: str | None
+    """run.dir (engine logs go under it)."""
+    connect_timeout_s: float
+    peer_timeout_s: float

@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 
-from rolloutpipe.config import PipelineMode
+from rolloutpipe.control.run import PipelineMode
 from rolloutpipe.control.transport import Transport
 from rolloutpipe.observe.metrics import SpanRecorder
 from rolloutpipe.types import CompleteGroup

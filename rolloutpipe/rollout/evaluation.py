@@ -15,7 +15,7 @@ Two modes (``eval.mode``):
   holds before a waiting eval request. A running eval request is never preempted: a training request admitted
   later (a dropped group's replacement, an FGD group) waits at most for one eval response in that slot.
   Training is unchanged: a sample's tokens depend only on its seed and the weights, never on its batch-mates, so
-  the step trains the same samples in the same batches (tests/test_pipeline.py runs the parity test with eval on).
+  the step trains the same samples in the same batches (tests/multiprocess/test_pipeline.py runs the parity test with eval on).
 - ``phase``: Slime's way, for comparison: step k's eval runs on its own, on every engine, before the step's
   rollout starts; the rollout then starts on idle engines.
 

@@ -1,6 +1,6 @@
 """The rollout manager (het group 0, rank 0): its parts, and the bookkeeping around each step's rollout.
 
-(The other rollout ranks are engine hosts only: rollout/hosts.py.)
+(The other rollout ranks are engine hosts only: rollout/engines/hosts.py.)
 
 pipeline.py runs the node's main loop and the step itself (``pipeline.rollout_step``); this class owns what
 they use: the engines and their supervisor, the reward threads, the dispatcher thread, the prompt source,
@@ -28,14 +28,13 @@ import queue
 import sys
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 from rolloutpipe.config import Config, ConfigError, ResumeMode
 from rolloutpipe.control.checkpoint import latest_checkpoint
 from rolloutpipe.control.clock import sync_clock
 from rolloutpipe.control.env import NodeEnv
 from rolloutpipe.control.transport import Transport
-from rolloutpipe.control.weight_sync import Bucket, WeightGroup, WeightSync, file_digest, weights_file
+from rolloutpipe.control.weights import receiver, weights_record_key
 from rolloutpipe.model import context_len, load_tokenizer
 from rolloutpipe.observe.metrics import RolloutStats, SpanRecorder
 from rolloutpipe.observe.progress import Progress
@@ -43,10 +42,10 @@ from rolloutpipe.rollout.admission import Admission, AdmissionPolicy
 from rolloutpipe.rollout.data import PromptSource, load_prompts, prepare_data_path
 from rolloutpipe.rollout.dispatcher import Dispatcher
 from rolloutpipe.rollout.engines.factory import EngineFactory
+from rolloutpipe.rollout.engines.supervisor import EngineSupervisor
 from rolloutpipe.rollout.evaluation import Evaluation
 from rolloutpipe.rollout.rewards import RewardPool
 from rolloutpipe.rollout.samples import InFlight, RewardThreads, make_requests
-from rolloutpipe.rollout.supervisor import EngineSupervisor
 from rolloutpipe.types import GenerationRequest, Prompt
 
 POLL_S = 0.5
@@ -71,9 +70,9 @@ class RolloutNode:
             self.spans.resume_at(0 if self.resumed is None else self.resumed.step + 1)
         self.rewards = RewardThreads(pool=RewardPool(cfg.reward), tokenizer=self.tokenizer,
                                      num_threads=cfg.reward.num_workers, spans=self.spans)
-        self.factory = factory = EngineFactory(cfg, vocab_size=len(self.tokenizer), on_result=self.on_result,
+        self.factory = factory = EngineFactory(cfg.engine_setup(), vocab_size=len(self.tokenizer), on_result=self.on_result,
                                                api_key=env.engine_api_key, transport=transport, run_dir=env.run_dir)
-        self.engines = factory.build_all()  # this node's, and the other rollout nodes' (rollout/hosts.py)
+        self.engines = factory.build_all()  # this node's, and the other rollout nodes' (rollout/engines/hosts.py)
         self.rewards.host_of = factory.host_of
         if (hosts := sorted({factory.host_of(e.name) for e in self.engines} - {None})):
             print(f"[rollout rank 0] {len(self.engines)} engines on {len(hosts)} hosts: " + "; ".join(
@@ -99,6 +98,9 @@ class RolloutNode:
             concurrency=cfg.rollout.concurrency, run_seed=cfg.seed, max_response_len=cfg.rollout_max_response_len,
             run_dir=env.run_dir)
         self.supervisor.also_held = self.evaluation.num_held  # an engine hung on eval requests is failed too
+        self.weights = receiver(cfg.weight_sync(), transport=transport, run_dir=env.run_dir, engines=self.supervisor,
+                                check=self.check_health)
+        """Policy k+1 onto every engine between steps, the way pipeline.weight_sync names (control/weights/)."""
 
     def start(self) -> tuple[int, int]:
         """Resume (if asked), join the weight-update group (distributed sync), wait for the trainer.
@@ -107,50 +109,20 @@ class RolloutNode:
         if self.resumed is not None:  # redo the step after the checkpoint from its start, with its weights
             self.supervisor.load_weights(str(self.resumed.weights_path), self.resumed.policy_version)
             serving, first_step = self.resumed.policy_version, self.resumed.step + 1
-        if self.cfg.pipeline.weight_sync is WeightSync.distributed:  # the engines join trainer rank 0's group
-            group = self.transport.wait_record(self.transport.key("weight_sync", "group"),
-                                               what="trainer rank 0's weight-update process group")
-            self.supervisor.join_weight_group(WeightGroup(**group), self.cfg.rollout.ranks_per_engine)
+        self.weights.open()  # distributed sync: the engines join trainer rank 0's group
         self.transport.wait_record(self.transport.key("trainer", "ready"), what="the trainer to start")
         return first_step, serving
 
     def load_weights(self, version: int) -> float:
         """Wait for policy ``version`` from the trainer and make every engine serve it."""
-        record = self.transport.wait_record(self.transport.key("weights", f"policy_version={version}"),
+        record = self.transport.wait_record(weights_record_key(self.transport, version),
                                             what=f"weights of policy_version {version}")
         start = time.time()
-        if "buckets" in record:  # pipeline.weight_sync=distributed: trainer rank 0 is broadcasting them now
-            self.supervisor.load_weights_distributed([Bucket(**b) for b in record["buckets"]], version)
-        else:
-            self.supervisor.load_weights(str(self.checked_weights_file(record, version)), version)
+        self.weights.load(record, version)
         self.transport.put_record(self.transport.key("serving", f"policy_version={version}"),
                                   {"policy_version": version})
         self.spans.add("sync/weights", step=version, start_s=start, end_s=time.time())
         return time.time() - start
-
-    def checked_weights_file(self, record: dict, version: int) -> Path:
-        """Policy ``version``'s file, once it is the one the trainer wrote: the run's own file, complete, with its
-        digest. A file not there yet or still short (a shared file system that lags behind the trainer's node) is
-        waited for, up to pipeline.weights_visible_timeout_s; the engines never see a path that would fail."""
-        path = self.env.run_dir / weights_file(version)
-        if record.get("path") != weights_file(version) or record.get("policy_version") != version:
-            raise RuntimeError(f"the weights record of policy_version {version} names {record.get('path')!r}, not "
-                               f"{weights_file(version)!r}; refusing to load it.")
-        timeout_s = self.cfg.pipeline.weights_visible_timeout_s
-        deadline = time.monotonic() + timeout_s
-        while (lag := _not_visible_yet(path, record.get("size"))) is not None:
-            if time.monotonic() >= deadline:
-                raise RuntimeError(
-                    f"policy_version {version}'s weights {path} {lag} {timeout_s:g}s after the trainer wrote them. "
-                    "The rollout node loads them from the run directory, which must be on a file system both node "
-                    "groups share (run.dir); raise pipeline.weights_visible_timeout_s if it is shared but slow, or "
-                    "use pipeline.weight_sync=distributed.")
-            self.check_health(f"policy_version {version}'s weights to show up complete at {path}")
-            time.sleep(0.1)
-        if file_digest(path) != record.get("sha256"):
-            raise RuntimeError(f"{path} does not have the sha256 the trainer published for policy_version "
-                               f"{version}: the file was changed after it was written; refusing to load it.")
-        return path
 
     def begin_step(self, step: int) -> Admission:
         """A fresh admission over the engines, and no request of an earlier step in flight."""
@@ -253,14 +225,3 @@ def check_context(cfg: Config, prompts: list[Prompt]) -> None:
             "its requests. Lower rollout_max_response_len or data.max_prompt_len (longer prompts are refused when "
             "the data is read), or serve a model with a longer context."
         )
-
-
-def _not_visible_yet(path: Path, size: int | None) -> str | None:
-    """Why ``path`` cannot be the trainer's file of ``size`` bytes yet (None: it may be; its digest decides)."""
-    try:
-        have = path.stat().st_size
-    except FileNotFoundError:
-        return "were not there"
-    if size is not None and have < size:
-        return f"had {have} of their {size} bytes"
-    return None

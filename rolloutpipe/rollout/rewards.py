@@ -219,7 +219,7 @@ class OnTimeout(enum.Enum):
     gets a negative advantage against its group."""
     drop_group = "drop_group"
     """The group is not trained: it is dropped and replaced as dynamic sampling drops a zero-variance
-    group (rollout/admission.py, within ``rollout.max_groups_per_step``), so every reward the trainer sees
+    group (rollout/schedule.py, within ``rollout.max_groups_per_step``), so every reward the trainer sees
     is one the reward function returned. Costs the group's generation and one more group's."""
 
 

@@ -1,7 +1,7 @@
 """The rollout node's pieces around the engines: their config, the requests, the reward threads.
 
-``pipeline.rollout_step`` strings them together with the pure scheduling code of admission.py
-(``Admission``, ``GroupAssembler``, ``RolloutSchedule``, also driven by the simulator).
+``pipeline.rollout_step`` strings them together with the pure scheduling code (``Admission`` in admission.py,
+``GroupAssembler`` in groups.py, ``RolloutSchedule`` in schedule.py, also driven by the simulator).
 
 Reward threads (``reward.num_workers`` of them)
     consume   GenerationResults, put on a queue by the engines' completion callbacks
@@ -9,7 +9,7 @@ Reward threads (``reward.num_workers`` of them)
               CompleteGroup (advantages from its own rewards) handed to the dispatcher
     wait for  the next result; the reward itself runs in a RewardPool worker process with a timeout,
               so a reward function that hangs or raises costs one sample its reward (a timeout, under
-              reward.on_timeout=drop_group, its group: rollout/admission.py), never the thread
+              reward.on_timeout=drop_group, its group: rollout/schedule.py), never the thread
     shut down on a sentinel per thread (``close``); an unexpected exception is kept in ``error`` and the
               rollout loop stops the run with it.
 """
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rolloutpipe.observe.metrics import SpanRecorder
-from rolloutpipe.rollout.admission import GroupAssembler
+from rolloutpipe.rollout.groups import GroupAssembler
 from rolloutpipe.rollout.rewards import RewardPool
 from rolloutpipe.types import (
     CompleteGroup,

@@ -4,13 +4,13 @@ What is real and what is modelled:
 
     real (imported, not copied)                      modelled (sim/models.py), on a virtual clock
     ----------------------------------------------   ------------------------------------------------
-    admission.RolloutSchedule: admission of groups,  engines: decode time per iteration from the running
+    schedule.RolloutSchedule: admission of groups,   engines: decode time per iteration from the running
       dynamic filtering, replacements, placement       batch and its context, prefill, concurrency, or
-      in training batches (admission.StepSlots)        SGLang's scheduler (sim/sglang.py: KV-pool admission,
+      in training batches (slots.StepSlots)            SGLang's scheduler (sim/sglang.py: KV-pool admission,
                                                        priority, preemption, retraction, radix cache)
                                                      response lengths: log-normal, geometric or a histogram
-    admission.Admission: FIFO / FGD dispatch          rewards: a pass rate per prompt (Beta distributed)
-    admission.GroupAssembler + grpo advantages       reward latency, publish latency, weight sync
+    admission.Admission and its FIFO / FGD policies  rewards: a pass rate per prompt (Beta distributed)
+    groups.GroupAssembler + advantages               reward latency, publish latency, weight sync
     dispatcher.Release: sync vs cgp release          trainer: time per micro-batch from its padded tokens,
     batching.BatchConsumer: micro-batches, optimizer   optimizer step
       steps, the rank split
@@ -19,5 +19,6 @@ What is real and what is modelled:
 ``sim/run.py`` strings them together the way pipeline.py does; ``tools/simulate.py`` sweeps settings.
 ``sim/compiled.py`` compiles the hot files (these modules and the simulator's own) with mypyc, unchanged.
 
-May import: everything but launch/ and pipeline.py (it drives the scheduling code the way pipeline.py does).
+May import: rolloutpipe, types, model, config, control/, observe/, rollout/, trainer/. Not launch/ or
+pipeline.py: it drives the scheduling code the way pipeline.py does.
 """

@@ -1,15 +1,16 @@
 """The simulator's hot path, compiled with mypyc from the same source files.
 
-A simulated step runs the project's scheduling code (rollout/admission.py: Admission, GroupAssembler,
-StepSlots, RolloutSchedule; trainer/batching.py; observe/metrics.py's step record), the simulator's engines and
-glue (sim/engine.py, sim/run.py) and the nouns they pass (types.py) once per request: millions of times a run.
+A simulated step runs the project's scheduling code (rollout/: admission.py's Admission and its policies,
+slots.py's StepSlots, schedule.py's RolloutSchedule, groups.py's GroupAssembler, advantages.py;
+trainer/batching.py; observe/metrics.py's step record), the simulator's engines and glue (sim/engine.py,
+sim/run.py) and the nouns they pass (types.py) once per request: millions of times a run.
 mypyc compiles exactly these files, no copy of them, into C extensions that run the simulator about 2.4x
-faster (README "Simulator").
+faster (docs/simulator.md).
 
 ``activate`` puts the compiled modules ahead of the sources on the package path. It must run before any of
 them is imported (tools/simulate.py and bench/sim_speed.py call it first thing); in a process that already
 imported them (a test) the sources run. The build lives in ``$ROLLOUTPIPE_CACHE/mypyc/<key>`` (default
-``~/.cache/rolloutpipe``), the key a hash of those six sources and of the Python and mypy versions, so an
+``~/.cache/rolloutpipe``), the key a hash of those sources and of the Python and mypy versions, so an
 edited source is built again (about 30 s, once). ``ROLLOUTPIPE_SIM_COMPILED`` chooses:
 
     auto (default)   use the build, building it first if mypyc is installed (``pip install -e .[sim]``);
@@ -31,8 +32,8 @@ import tempfile
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent
-MODULES = ("types.py", "rollout/admission.py", "trainer/batching.py", "observe/metrics.py", "sim/engine.py",
-           "sim/run.py")
+MODULES = ("types.py", "rollout/admission.py", "rollout/slots.py", "rollout/schedule.py", "rollout/groups.py",
+           "rollout/advantages.py", "trainer/batching.py", "observe/metrics.py", "sim/engine.py", "sim/run.py")
 """Paths under the package of the files compiled."""
 
 _MYPY_SETTINGS = """\

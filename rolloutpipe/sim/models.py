@@ -131,7 +131,7 @@ class SchedulerModel:
     clip_max_new_tokens: int = 4096
     """SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION."""
     priority_scheduling: bool | None = None
-    """None: on under FGD, as the launcher starts SGLang (rollout/hosts.py)."""
+    """None: on under FGD, as the launcher starts SGLang (rollout/engines/hosts.py)."""
     priority_preemption_threshold: int = 10
     """--priority-scheduling-preemption-threshold: a request preempts running ones whose priority value is more
     than this above its own (FGD's priorities are group indices: groups more than 10 apart)."""

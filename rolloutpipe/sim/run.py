@@ -2,7 +2,8 @@
 
 Per step, as pipeline.py does it:
 
-    rollout   RolloutSchedule (real) admits groups through Admission (real, FIFO or FGD) into SimEngines;
+    rollout   RolloutSchedule (real) admits groups through Admission (real; its FIFO or FGD policy made by
+              admission.POLICIES, as on the rollout node) into SimEngines;
               a finished request waits for a reward worker (reward.num_workers of them), its sample goes
               into the GroupAssembler (real); a complete group is resolved by the schedule (filtering,
               placement), released by dispatcher.Release (real: sync holds the step's groups back) and
@@ -32,10 +33,12 @@ import numpy as np
 
 from rolloutpipe.config import Config, PipelineMode
 from rolloutpipe.observe.metrics import RolloutStats, TrainStats, reduce_step
-from rolloutpipe.rollout.admission import Admission, AdmissionPolicy, GroupAssembler, RolloutSchedule
+from rolloutpipe.rollout.admission import Admission, AdmissionPolicy
 from rolloutpipe.rollout.data import PromptSource
 from rolloutpipe.rollout.dispatcher import Release
+from rolloutpipe.rollout.groups import GroupAssembler
 from rolloutpipe.rollout.rewards import OnTimeout
+from rolloutpipe.rollout.schedule import RolloutSchedule
 from rolloutpipe.sim.engine import EventLoop, SimEngine, SimRequest
 from rolloutpipe.sim.models import LengthModel, SchedulerKind, SimConfig
 from rolloutpipe.trainer.batching import BatchConsumer, MicroBatch

@@ -4,10 +4,12 @@
     config.py         ``trainer.*``: backend, ranks, optimizer, where old log-probs come from
     grpo.py           the GRPO loss as sums, and why the pipelined update equals the synchronous one
     batching.py       pure: which rank trains which group, micro-batches, when a training batch is complete
+    backend.py        PolicyBackend, what the node calls on a backend, and trainer_class, which names each one
+    grpo_trainer.py   GRPOTrainer: the GRPO micro-batch body and the batch's update, once for every backend
     torch_backend.py  PolicyTrainer: the HF model, torch AdamW, data parallel over gloo
     logprobs.py       pure torch: log-probs and entropy from hidden states by chunks, vocabulary parallel
-    megatron/         MegatronTrainer: the same interface over Megatron-core (imported only when chosen)
-    weights.py        rank 0's side of weight sync: policy k+1 as a file or a broadcast
+    megatron/         MegatronTrainer: the same GRPOTrainer over Megatron-core (imported only when chosen)
 
-May import: types, model, config, control/, observe/. Never rollout/: what both sides share is in control/.
+May import: types, model, control/, observe/; node.py also config. Never rollout/: what both sides share is in
+control/. Only node.py, the top of the wing, reads the root Config; every other module takes its own section.
 """

@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 
 
 class TrainerBackend(enum.Enum):
+    """``trainer.backend``; backend.trainer_class names each value's class."""
+
     torch = "torch"
-    """PolicyTrainer below: the HF model, torch AdamW, data parallel over gloo."""
+    """torch_backend.PolicyTrainer: the HF model, torch AdamW, data parallel over gloo."""
     megatron = "megatron"
     """rolloutpipe.trainer.megatron.MegatronTrainer: Megatron-core GPTModel, DDP and optimizer (tensor parallel)."""
 

@@ -12,7 +12,7 @@ so peak memory per token does not grow with the vocabulary; the price is one mor
 vocabulary] matmul per chunk but the last (backward needs its softmax first, right after forward: it is kept). The
 arithmetic is the full log-softmax's (float32 at least, the logits in the model's dtype, the gradient cast back to
 it before the output layer's matmuls, as autograd does there), so values and gradients equal ``token_logprobs`` on
-the full logits up to the order of additions (tests/test_logprobs.py, tests/test_trainer.py).
+the full logits up to the order of additions (tests/unit/test_logprobs.py, tests/unit/test_trainer.py).
 
 Vocabulary parallel (Megatron's tensor parallelism): each rank holds rows [vocab_start, vocab_start + V_local) of
 the output layer; max, sum of exponentials, the target's logit and the entropy's sum are all-reduced over the

@@ -50,23 +50,14 @@ from rolloutpipe.control.clock import sync_clock
 from rolloutpipe.control.env import NodeEnv, trainer_process_group_backend
 from rolloutpipe.control.lifetime import requeue_margin_s, stop_deferred
 from rolloutpipe.control.transport import PeerGone, RunRequeued, SealedStore, Transport, TransportError
+from rolloutpipe.control.weights import WeightSender, sender
 from rolloutpipe.model import load_model, load_tokenizer, save_hf_checkpoint
 from rolloutpipe.observe.metrics import RolloutStats, SpanRecorder, TrainStats, reduce_step, summary_line
 from rolloutpipe.observe.timeline import finish_run
 from rolloutpipe.observe.tracking import open_tracker
-from rolloutpipe.trainer.config import OldLogprobSource, TrainerBackend
+from rolloutpipe.trainer.backend import PolicyBackend, trainer_class
+from rolloutpipe.trainer.config import OldLogprobSource
 from rolloutpipe.trainer.restore import RestorePoint
-from rolloutpipe.trainer.torch_backend import PolicyTrainer
-from rolloutpipe.trainer.weights import WeightPublisher
-
-
-def trainer_class(backend: TrainerBackend) -> type:
-    """The trainer of ``trainer.backend``; Megatron is imported only when chosen (it is heavy, and optional)."""
-    if backend is TrainerBackend.megatron:
-        from rolloutpipe.trainer.megatron.trainer import MegatronTrainer
-
-        return MegatronTrainer
-    return PolicyTrainer
 
 
 class TrainerNode:
@@ -91,7 +82,7 @@ class TrainerNode:
                                     world_size=env.world_size)
         self.tokenizer = load_tokenizer(cfg.model)
         model_cfg = cfg.model if self.resumed is None else replace(cfg.model, path=str(self.resumed.directory))
-        self.trainer = trainer_class(cfg.trainer.backend)(  # PolicyTrainer or MegatronTrainer
+        self.trainer: PolicyBackend = trainer_class(cfg.trainer.backend)(
             model=load_model(model_cfg, len(self.tokenizer)), cfg=cfg.trainer, grpo=cfg.grpo,
             temperature=cfg.rollout_temperature, pad_id=self.tokenizer.pad_token_id,
             multi_step=cfg.num_steps_per_rollout > 1, process_group_active=self.distributed,
@@ -99,8 +90,9 @@ class TrainerNode:
             old_logprobs=OldLogprobSource.engine if cfg.pipeline.mode is PipelineMode.async_one_step
             else cfg.trainer.old_logprobs,
         )
-        self.weights = WeightPublisher(cfg=cfg, run_dir=env.run_dir, transport=transport, trainer=self.trainer)
-        """Rank 0's: policy k+1 to the engines, as a file or a broadcast (weights.py)."""
+        self.weights: WeightSender = sender(cfg.weight_sync(), transport=transport, run_dir=env.run_dir,
+                                            policy=self.trainer)
+        """Rank 0's: policy k+1 to the engines, the way pipeline.weight_sync names (control/weights/)."""
         if self.resumed is not None:
             load_optimizer(self.trainer.optimizer, self.resumed)
         self.restore = RestorePoint(run_dir=env.run_dir, tokenizer=self.tokenizer,

@@ -1,5 +1,5 @@
-"""TEST SUPPORT ONLY: the recipe that runs SGLang 0.5.23 on a CPU machine (tests/test_sglang_real.py and
-bench/sglang_fgd_bench.py; the README's "Rollout engines and SGLang" section explains each flag)."""
+"""TEST SUPPORT ONLY: the recipe that runs SGLang 0.5.23 on a CPU machine (tests/sglang_real/test_sglang_real.py and
+bench/sglang_fgd_bench.py; docs/sglang.md explains each flag)."""
 
 from __future__ import annotations
 

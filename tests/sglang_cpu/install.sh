@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # TEST SUPPORT ONLY: a virtualenv with SGLang 0.5.23 on the CPU torch wheel, for the real-SGLang tier
-# (tests/test_sglang_real.py; .ci/run's SGLang step). SGLang does not support CPU-only x86 machines: this installs
+# (tests/sglang_real/test_sglang_real.py; .ci/run's SGLang step). SGLang does not support CPU-only x86 machines: this installs
 # it without its dependencies (it pins a CUDA torch 2.14.1, flashinfer, sgl-kernel, torchvision, torchaudio) and
 # then only what its CPU path imports, listed in requirements.txt; tests/sglang_cpu/sitecustomize.py stands in
 # for sgl_kernel and torchvision. Never install torchvision or torchaudio here (PyPI's builds do not import beside

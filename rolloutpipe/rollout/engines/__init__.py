@@ -7,7 +7,9 @@
     http_server.py     the embedded engine behind SGLang's HTTP API (``rollout.engine=embedded_http``)
     server_process.py  starting and stopping server processes (SGLang or embedded)
     factory.py         EngineFactory: ``rollout.engine`` -> engines, and a restart after a failure
+    hosts.py           several rollout nodes: each node's engine servers, registered in the store for rank 0
+    supervisor.py      engine failures: resubmit a failed engine's requests, restart it
 
-May import: types, model, config, control/, rollout/ admission and config. SGLang itself only inside
-the processes server_process.py starts.
+May import: types, model, control/, observe/ (spans), rollout/config.py, rollout/admission.py (the supervisor hands
+a failed engine's requests back to it). SGLang itself only inside the processes server_process.py starts.
 """

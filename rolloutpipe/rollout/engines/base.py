@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 from rolloutpipe.types import GenerationRequest, GenerationResult
 
 if TYPE_CHECKING:
-    from rolloutpipe.control.weight_sync import Bucket, WeightGroup
+    from rolloutpipe.control.weights.buckets import Bucket, WeightGroup
 
 OnResult = Callable[[GenerationResult], None]
 
@@ -25,7 +25,7 @@ class Engine(Protocol):
     concurrency: int
     error: BaseException | None
     """Why the engine stopped serving (its thread raised, its server exited, a call failed); None while healthy.
-    rolloutpipe/rollout/supervisor.py then retries its requests elsewhere and replaces it."""
+    rolloutpipe/rollout/engines/supervisor.py then retries its requests elsewhere and replaces it."""
     request_error: BaseException | None
     """The first request the engine refused (a server's HTTP 4xx: the request or the run's configuration is wrong,
     not the engine); None while none was. The rollout node stops the run with it: any engine would refuse it too."""
@@ -50,7 +50,7 @@ class Engine(Protocol):
 
 
 class JoinsWeightGroup(Engine, Protocol):
-    """An engine that receives weights from trainer rank 0's broadcasts (rolloutpipe/control/weight_sync.py):
+    """An engine that receives weights from trainer rank 0's broadcasts (rolloutpipe/control/weights/distributed.py):
     ``http_client.SGLangEngine``, for SGLang servers and the embedded engine's server."""
 
     def init_weights_update_group(self, group: WeightGroup, rank_offset: int) -> None:

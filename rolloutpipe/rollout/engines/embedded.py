@@ -26,7 +26,7 @@ What it does, plainly:
   ``engine.error`` (None while healthy) and logged; no further results are delivered, and ``submit``,
   ``num_in_flight`` and ``update_weights_from_disk`` raise ``RuntimeError("engine <name> crashed: ...")``. The
   rollout node checks ``engine.error`` while it waits for results, retries the engine's requests elsewhere and
-  replaces it with a fresh engine (rolloutpipe/rollout/supervisor.py).
+  replaces it with a fresh engine (rolloutpipe/rollout/engines/supervisor.py).
 
 Everything that depends on the transformers version (cache class, forward keyword, where a cache keeps its
 tensors) lives in the three ``_hf_*`` functions below.

@@ -8,7 +8,7 @@
 - ``sglang``: one ``python -m sglang.launch_server`` per engine (server_process.py), or the servers of
   ``rollout.engine_urls``, driven by the same client. Untested here (no GPU); tools/gpu_check.py.
 
-Started servers run on every rollout node, ``rollout.engines_per_node`` each (rollout/hosts.py: this node's,
+Started servers run on every rollout node, ``rollout.engines_per_node`` each (rollout/engines/hosts.py: this node's,
 and the other nodes' through their engine hosts).
 
 Servers the rollout node started are stopped by their engine's ``shutdown``; attached servers are left running.
@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rolloutpipe.config import Config
     from rolloutpipe.control.transport import Transport
+    from rolloutpipe.rollout.config import EngineSetup
     from rolloutpipe.rollout.engines.base import Engine, OnResult
+    from rolloutpipe.rollout.engines.hosts import NodeServers, RemoteEngines, RemoteRestart
     from rolloutpipe.rollout.engines.server_process import ServerProcess
-    from rolloutpipe.rollout.hosts import NodeServers, RemoteEngines, RemoteRestart
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +37,12 @@ class EngineFactory:
 
     Engine i is named ``engine<i>``; its k-th restart ``engine<i>-restart<k>``, so a result names the
     incarnation that made it (Admission ignores late results of a failed one) and a restarted server logs to a
-    file of its own. With several rollout nodes (rollout/hosts.py) engines 0 .. engines_per_node - 1 are this
+    file of its own. With several rollout nodes (rollout/engines/hosts.py) engines 0 .. engines_per_node - 1 are this
     node's servers and the others' come from their hosts' registrations; a restart of one of those is a request
     to its host, which ``restart`` returns unfinished (a ``RemoteRestart`` the supervisor polls).
     """
 
-    def __init__(self, cfg: Config, *, vocab_size: int, on_result: OnResult, api_key: str | None,
+    def __init__(self, cfg: EngineSetup, *, vocab_size: int, on_result: OnResult, api_key: str | None,
                  transport: Transport | None = None, run_dir: Path | None = None) -> None:
         self.cfg = cfg
         self.api_key = api_key
@@ -67,13 +67,13 @@ class EngineFactory:
         if self.cfg.rollout.engine_urls:
             return self._attached(names, self.cfg.rollout.engine_urls)
         from rolloutpipe.control.env import node_address
-        from rolloutpipe.rollout.hosts import NodeServers, RemoteEngines, engine_log_dir
+        from rolloutpipe.rollout.engines.hosts import NodeServers, RemoteEngines, engine_log_dir
 
         host = "127.0.0.1" if self.transport is None else node_address(self.transport.address.host)
         self._node = NodeServers(self.cfg, rank=0, bind_host=host, api_key=self.api_key,
                                  log_dir=engine_log_dir(self._run_dir(), 0))
         own = self._clients(self._node.start(list(enumerate(names[:self.cfg.rollout.engines_per_node]))))
-        if self.cfg.launcher.rollout.nodes == 1:
+        if self.cfg.num_hosts == 1:
             return own
         assert self.transport is not None, "engines on several rollout nodes register in the store"
         self.remote = RemoteEngines(self.cfg, self.transport, api_key=self.api_key, on_result=self.on_result)
@@ -119,7 +119,7 @@ class EngineFactory:
         return f"rollout rank {rank} ({host})"
 
     def stop_hosts(self) -> None:
-        """The run is over: the other rollout nodes stop their servers (see rollout/hosts.py)."""
+        """The run is over: the other rollout nodes stop their servers (see rollout/engines/hosts.py)."""
         if self.remote is not None:
             self.remote.stop()
 
@@ -159,7 +159,7 @@ class EngineFactory:
 
     def _run_dir(self) -> Path:
         if self.run_dir is None:
-            run_dir = self.cfg.run.dir
+            run_dir = self.cfg.run_dir
             self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="rolloutpipe-engines-"))
         return self.run_dir
 

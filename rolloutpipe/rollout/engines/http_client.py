@@ -14,7 +14,7 @@ Request threads (up to ``concurrency`` per engine, started as needed)
               version, a request aborted that the client did not abort: the server shutting down answers what
               it holds that way) the error is kept in ``error`` with the server's URL, no further results are delivered,
               and ``submit``, ``num_in_flight`` and ``update_weights_from_disk`` raise; the rollout node then
-              retries its requests elsewhere and replaces it (rolloutpipe/rollout/supervisor.py). The first
+              retries its requests elsewhere and replaces it (rolloutpipe/rollout/engines/supervisor.py). The first
               failure is logged once, not once per request in flight.
               An HTTP 4xx answer is about the request, not the engine (the same request fails the same way on
               any engine, restarted or not): the request gets no result, the engine stays healthy, and the first
@@ -47,7 +47,7 @@ from rolloutpipe.rollout.engines.base import OnResult
 from rolloutpipe.types import FinishReason, GenerationRequest, GenerationResult
 
 if TYPE_CHECKING:
-    from rolloutpipe.control.weight_sync import Bucket, WeightGroup
+    from rolloutpipe.control.weights.buckets import Bucket, WeightGroup
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ class SGLangEngine:
         self._policy_version = policy_version
 
     def init_weights_update_group(self, group: WeightGroup, rank_offset: int) -> None:
-        """Join the trainer's weight-update process group (rolloutpipe/control/weight_sync.py); blocks until it forms."""
+        """Join the trainer's weight-update process group (rolloutpipe/control/weights/distributed.py); blocks until it forms."""
         self._control("init_weights_update_group", lambda: sglang_api.init_weights_update_group(
             self.endpoint, group, rank_offset, timeout_s=self._weight_update_timeout_s))
 

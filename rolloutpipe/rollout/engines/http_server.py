@@ -19,7 +19,7 @@ one given, as SGLang matches; an unknown rid is ignored),
 requests run), /begin_weight_update and /end_weight_update around /update_weights_from_disk (400 outside a
 session, as 0.5.23 does for its other weight-update routes) and /update_weights_from_distributed (400 outside a
 session, as in 0.5.23), after /init_weights_update_group (gloo only: this engine runs on CPU; the group is formed
-as SGLang forms it, see rolloutpipe/control/weight_sync.py). A bucket's tensors are loaded as they arrive; the version
+as SGLang forms it, see rolloutpipe/control/weights/distributed.py). A bucket's tensors are loaded as they arrive; the version
 changes with the bucket that carries ``weight_version``.
 
 Threads: ``ThreadingHTTPServer`` runs one thread per connection; a /generate thread submits to the engine and waits
@@ -42,7 +42,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from rolloutpipe.control.weight_sync import Bucket, WeightGroup, join_group, receive_bucket
+from rolloutpipe.control.weights.buckets import Bucket, WeightGroup
+from rolloutpipe.control.weights.distributed import join_group, receive_bucket
 from rolloutpipe.rollout.engines import server_process, sglang_api
 from rolloutpipe.rollout.engines.embedded import EmbeddedEngine
 from rolloutpipe.types import GenerationResult

@@ -159,7 +159,7 @@ def sglang_server(*, name: str, model_path: str, dtype: str, concurrency: int, s
     """``python -m sglang.launch_server`` for one engine, on this node's GPUs from ``base_gpu_id``, started through
     ``rolloutpipe.rollout.engines.sglang_launch`` so that its ``--api-key`` comes from the environment.
 
-    On a CPU the real-SGLang tier (tests/test_sglang_real.py) runs it, through a test-only workaround and with its
+    On a CPU the real-SGLang tier (tests/sglang_real/test_sglang_real.py) runs it, through a test-only workaround and with its
     CPU flags in ``extra_args``; tools/gpu_check.py runs it on a GPU machine.
     """
     port = free_port()

@@ -1,6 +1,6 @@
 """SGLang's HTTP API as RolloutPipe speaks it: the one module that knows its request and response shapes.
 
-Pinned release: sglang 0.5.23 (``pip install -e ".[sglang]"``). ``tests/test_sglang_contract.py`` reads that release's
+Pinned release: sglang 0.5.23 (``pip install -e ".[sglang]"``). ``tests/unit/test_sglang_contract.py`` reads that release's
 own source (``srt/managers/io_struct.py``, ``srt/entrypoints/http_server.py`` and the ``/generate`` schema in
 ``api/v1/api_types.py``) and checks that every route called and every field sent or read here exists there. When
 the pin moves, that test says what changed; fix it here and nowhere else.
@@ -44,7 +44,7 @@ Facts about 0.5.23 that shape this module (read in its source):
   ``rank_offset + r``; it answers once every member has joined. ``/update_weights_from_distributed``
   (UpdateWeightsFromDistributedReqInput: names, dtypes, shapes as lists, group_name, flush_cache, weight_version)
   receives one broadcast from rank 0 per listed tensor, in list order, and loads them. Both answer
-  ``{"success", "message"}``, HTTP 400 on failure. rolloutpipe/control/weight_sync.py is the trainer's side.
+  ``{"success", "message"}``, HTTP 400 on failure. rolloutpipe/control/weights/distributed.py is the trainer's side.
 - ``/update_weights_from_disk`` takes a *directory* (``model_path``) and loads every ``*.safetensors`` in it;
   ``model_dir_for`` turns the trainer's one-file-per-version layout into that. A load that fails takes the server
   down (its rollback reloads from the bad path), so the rollout node hands it only a file that is there with the
@@ -69,7 +69,7 @@ from typing import TYPE_CHECKING, Any
 from rolloutpipe.types import FinishReason, GenerationRequest, GenerationResult
 
 if TYPE_CHECKING:
-    from rolloutpipe.control.weight_sync import Bucket, WeightGroup
+    from rolloutpipe.control.weights.buckets import Bucket, WeightGroup
 
 PINNED_VERSION = "0.5.23"
 

@@ -1,6 +1,6 @@
-"""MegatronTrainer: PolicyTrainer's interface and arithmetic over Megatron-core.
+"""MegatronTrainer: the GRPO update of ``grpo_trainer.GRPOTrainer`` over Megatron-core.
 
-Same loss (``grpo.policy_loss_sums``), same micro-batches, same consume loop: every micro-batch
+Same micro-batch body, loss and consume loop as the torch backend (grpo_trainer.py): every micro-batch
 backpropagates the *sum* of its samples' losses into Megatron DDP's gradient buffers (no
 communication), and ``finish_batch`` makes the batch's one update: Megatron's finalize_model_grads
 sums the buffers over the data-parallel group (``calculate_per_token_loss`` makes DDP sum rather than
@@ -30,15 +30,14 @@ run by this project's tests.
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
+import functools
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 
 from rolloutpipe.trainer.config import OldLogprobSource, TrainerConfig
-from rolloutpipe.trainer.grpo import BatchTotals, GRPOConfig, LossSums, normaliser, policy_loss_sums
+from rolloutpipe.trainer.grpo import GRPOConfig
+from rolloutpipe.trainer.grpo_trainer import GRPOTrainer
 from rolloutpipe.trainer.logprobs import VocabShard, chunked_logprobs
 from rolloutpipe.trainer.megatron import cpu
 from rolloutpipe.trainer.megatron.convert import (
@@ -55,26 +54,20 @@ from rolloutpipe.trainer.megatron.model import (
     init_parallel_state,
     uses_transformer_engine,
 )
-from rolloutpipe.trainer.torch_backend import BatchResult, TrainSample, engine_logprobs, pack
 
 
-class MegatronTrainer:
+class MegatronTrainer(GRPOTrainer):
     def __init__(self, *, model: torch.nn.Module, cfg: TrainerConfig, grpo: GRPOConfig, temperature: float,
                  pad_id: int, multi_step: bool, process_group_active: bool, old_logprobs: OldLogprobSource) -> None:
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        self.cfg = cfg
-        self.grpo = grpo
-        self.temperature = temperature
-        self.pad_id = pad_id
-        self.multi_step = multi_step
-        self.old_logprobs = old_logprobs
+        super().__init__(cfg=cfg, grpo=grpo, temperature=temperature, pad_id=pad_id, multi_step=multi_step,
+                         old_logprobs=old_logprobs)
         self._hf = model
         """The HF model the weights came from; ``hf_model`` loads the trained weights back into it."""
         self.dtype = next(model.parameters()).dtype
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         tp, pp = cfg.megatron.tensor_parallel_size, cfg.megatron.pipeline_parallel_size
         if self.device is None and self.dtype not in (torch.float32, torch.float64):
             raise ValueError(f"trainer.backend=megatron on a machine without CUDA trains float32 or float64 only "
@@ -88,6 +81,7 @@ class MegatronTrainer:
             self.dp_group = parallel_state.get_data_parallel_group()
             self.data_parallel_rank = parallel_state.get_data_parallel_rank()
             self.data_parallel_size = parallel_state.get_data_parallel_world_size()
+            self.all_reduce = functools.partial(dist.all_reduce, group=self.dp_group)
             self.transformer_engine = uses_transformer_engine()
             self.gpt = build_gpt_model(model.config, dtype=self.dtype, tp_size=tp, pp_size=pp,
                                        recompute=cfg.recompute, transformer_engine=self.transformer_engine)
@@ -110,51 +104,6 @@ class MegatronTrainer:
                                        chunk_tokens=cfg.logprob_chunk_tokens, temperature=temperature)
         self._tp_shards: list[dict[str, torch.Tensor]] | None = None
         self._gather_shards()
-        self._snapshot: dict[str, torch.Tensor] | None = None
-        self._totals = BatchTotals()
-
-    def begin_step(self) -> None:
-        """Remember policy_version k's parameters when later batches must clip against them."""
-        if self.multi_step and self.old_logprobs is OldLogprobSource.trainer:
-            self._snapshot = {k: v.detach().clone() for k, v in self.gpt.named_parameters()}
-
-    def forward_backward(self, samples: list[TrainSample], *, first_batch_of_step: bool) -> LossSums:
-        input_ids, targets, mask = (t.to(self.device) if self.device else t
-                                    for t in pack(samples, pad_id=self.pad_id))
-        with cpu.cuda_calls_on_cpu():
-            logprobs, entropy = self._logprobs(None, input_ids, targets, mask)
-            if self.old_logprobs is OldLogprobSource.engine:
-                old = engine_logprobs(samples, like=logprobs)
-            elif first_batch_of_step or self._snapshot is None:
-                old = logprobs.detach()
-            else:
-                with torch.no_grad():
-                    old = self._logprobs(self._snapshot, input_ids, targets, mask)[0] * mask
-            advantages = torch.tensor([s.advantage for s in samples], dtype=logprobs.dtype, device=logprobs.device)
-            sums = policy_loss_sums(logprobs, old, advantages, mask, self.grpo)
-            sums.entropy_sum = float((entropy * mask).sum())
-            # into DDP's gradient buffers (its hooks are on the parameters); nothing is communicated until
-            # finish_batch
-            sums.loss.backward()
-        self._totals.add(sums)
-        return sums
-
-    def finish_batch(self) -> BatchResult:
-        """Sum over data-parallel ranks, normalise once, clip and step: the batch's one optimizer update."""
-        from megatron.core.distributed import finalize_model_grads
-
-        with cpu.cuda_calls_on_cpu():
-            total = self._totals.reduce(lambda values: dist.all_reduce(values, group=self.dp_group))
-            scale = 1.0 / normaliser(self.grpo, num_tokens=total.num_tokens, num_samples=total.num_samples)
-            finalize_model_grads([self.ddp])
-            self.ddp.scale_gradients(scale)
-            _, grad_norm, _ = self.optimizer.step()
-            self.ddp.zero_grad_buffer()
-            self.optimizer.zero_grad()
-        self._gather_shards()
-        self._totals = BatchTotals()
-        return BatchResult(loss=total.loss * scale, grad_norm=float(grad_norm), num_tokens=total.num_tokens,
-                           num_clipped_tokens=total.num_clipped_tokens, entropy_sum=total.entropy_sum)
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """The policy under HF names, full tensors (a tensor-parallel group's first rank; tied lm_head left out)."""
@@ -166,22 +115,32 @@ class MegatronTrainer:
         assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
         return self._hf
 
-    def save_weights(self, path: Path) -> float:
-        """Write the policy as one safetensors file (HF names) atomically; returns seconds spent."""
-        start = time.time()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        save_file({k: v.contiguous() for k, v in self.hf_state().items()}, str(tmp), metadata={"format": "pt"})
-        tmp.rename(path)
-        return time.time() - start
-
     def close(self) -> None:
         """Release Megatron's process groups (and the one-rank world group if this trainer made it)."""
         destroy_parallel_state(created_world=self._created_world)
 
-    # -- helpers ---------------------------------------------------------------------------------
-    def _logprobs(self, params: dict[str, torch.Tensor] | None, input_ids: torch.Tensor, targets: torch.Tensor,
-                  mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # -- GRPOTrainer's hooks ---------------------------------------------------------------------
+    def _policy(self) -> torch.nn.Module:
+        return self.gpt
+
+    def _optimizer_step(self, scale: float) -> float:
+        """Megatron's finalize_model_grads sums DDP's buffers over the data-parallel group, they are scaled once, and
+        Megatron's optimizer clips by the global norm and steps; then the tensor-parallel shards are gathered."""
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.ddp])
+        self.ddp.scale_gradients(scale)
+        _, grad_norm, _ = self.optimizer.step()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._gather_shards()
+        return float(grad_norm)
+
+    def _framework_calls(self):
+        return cpu.cuda_calls_on_cpu()
+
+    def _logprobs(self, input_ids: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
+                  params: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """log p of ``targets`` and the entropy [B, L-1] at the response tokens (zeros elsewhere), under the
         current weights or ``params`` (policy_version k's snapshot); vocabulary parallel (trainer/logprobs.py)."""
         if params is None:
@@ -189,6 +148,7 @@ class MegatronTrainer:
         return torch.func.functional_call(self._head, {f"gpt.{k}": v for k, v in params.items()},
                                           (input_ids, targets, mask))
 
+    # -- helpers ---------------------------------------------------------------------------------
     def _load_hf(self, hf_state: dict[str, torch.Tensor]) -> None:
         own = dict(self.gpt.named_parameters())
         mapped = hf_to_megatron(hf_state, self.layout, tp_rank=self.tp_rank)

@@ -1,0 +1,125 @@
+"""Weight sync: how policy_version k+1 reaches the engines between steps. One module per way, both sides in it.
+
+    disk.py         trainer rank 0 writes a safetensors file under run_dir/weights and publishes its digest; the
+                    rollout node checks the file and has every engine load it (any engine kind)
+    distributed.py  trainer rank 0 broadcasts the HF-named tensors in buckets to the engines, which joined its
+                    process group (SGLang's /update_weights_from_distributed; HTTP engines only)
+    buckets.py      the distributed way's wire shapes (the group's address, the bucket plan), which the engines'
+                    HTTP side reads too
+
+Every way keeps the on-policy invariant the same way: the rollout node makes every engine call, and only between
+steps, when no request is in flight (rollout/node.py ``load_weights``). Each module defines ``Sender`` (trainer
+rank 0's side, ``WeightSender``) and ``Receiver`` (the rollout node's side, ``WeightReceiver``); ``pipeline.
+weight_sync`` names the module, and ``sender`` / ``receiver`` below are the one place a way is chosen. A new way
+is one new module here plus one member of ``WeightSync``.
+
+The store carries, per policy, one sealed record ``weights/policy_version=<k>`` that only the chosen way reads,
+and the rollout node's acknowledgement ``serving/policy_version=<k>`` once every engine serves k.
+
+May import: types, model, control/.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from rolloutpipe.control.transport import Transport
+    from rolloutpipe.control.weights.buckets import Bucket, WeightGroup
+
+
+class WeightSync(enum.Enum):
+    """``pipeline.weight_sync``: each value names its module in this package."""
+
+    disk = "disk"
+    distributed = "distributed"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WeightSyncSettings:
+    """What both sides of every way read, taken from the config once (config.py ``Config.weight_sync``)."""
+
+    way: WeightSync
+    bucket_bytes: int
+    """distributed: tensors per /update_weights_from_distributed call, up to this size."""
+    visible_timeout_s: float
+    """disk: how long the rollout node waits for the trainer's file to show up complete on its side."""
+    join_timeout_s: float
+    """distributed: how long the process group may take to form."""
+    num_engine_ranks: int
+    """distributed: the engines' ranks in the process group (engines x ranks per engine)."""
+    ranks_per_engine: int
+    engines_on_gpus: bool
+
+
+class PolicyWeights(Protocol):
+    """What a sender reads the new policy from: the trainer backend on rank 0."""
+
+    def hf_state(self) -> dict[str, torch.Tensor]: ...
+
+    def save_weights(self, path: Path) -> float: ...
+
+
+class EngineGroup(Protocol):
+    """What a receiver drives: every engine of the rollout node at once (rollout/engines/supervisor.py)."""
+
+    def load_weights(self, path: str, policy_version: int) -> None: ...
+
+    def join_weight_group(self, group: WeightGroup, ranks_per_engine: int) -> None: ...
+
+    def load_weights_distributed(self, buckets: list[Bucket], policy_version: int) -> None: ...
+
+
+class WeightSender(Protocol):
+    """Trainer rank 0's side: ``open`` once before the first step, ``publish`` after each step's last optimizer
+    step, ``retire`` once no engine can still need a policy."""
+
+    def open(self) -> None: ...
+
+    def publish(self, version: int, *, serves: bool) -> None:
+        """Send policy ``version``; ``serves`` is False for the last one, which only goes to the final checkpoint.
+        Returns once the policy is on its way (a broadcast returns once the engines have received it)."""
+
+    def retire(self, version: int) -> None: ...
+
+
+class WeightReceiver(Protocol):
+    """The rollout node's side: ``open`` once before the first step, ``load`` between steps."""
+
+    def open(self) -> None: ...
+
+    def load(self, record: dict, version: int) -> None:
+        """Make every engine serve policy ``version``, described by the trainer's sealed ``record``."""
+
+
+def _module(way: WeightSync):
+    return importlib.import_module(f"{__name__}.{way.value}")
+
+
+def sender(settings: WeightSyncSettings, *, transport: Transport, run_dir: Path,
+           policy: PolicyWeights) -> WeightSender:
+    return _module(settings.way).Sender(settings, transport=transport, run_dir=run_dir, policy=policy)
+
+
+def receiver(settings: WeightSyncSettings, *, transport: Transport, run_dir: Path, engines: EngineGroup,
+             check: Callable[[str], None]) -> WeightReceiver:
+    """``check(what)`` runs while the receiver waits, and raises when the run should stop (a lost peer)."""
+    return _module(settings.way).Receiver(settings, transport=transport, run_dir=run_dir, engines=engines,
+                                          check=check)
+
+
+def engines_replaceable(way: WeightSync) -> bool:
+    """Whether a failed engine can be replaced by a fresh one that loads the current policy (a lost engine host
+    need not stop the run: launch/slurm.py keeps the job alive without it)."""
+    return _module(way).ENGINES_REPLACEABLE
+
+
+def weights_record_key(transport: Transport, version: int) -> str:
+    return transport.key("weights", f"policy_version={version}")

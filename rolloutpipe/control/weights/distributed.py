@@ -1,0 +1,217 @@
+"""Weight sync by broadcast (``pipeline.weight_sync=distributed``; HTTP engines: ``rollout.engine=embedded_http`` or
+``sglang``).
+
+SGLang's ``/init_weights_update_group`` + ``/update_weights_from_distributed``: trainer rank 0 is rank 0 of a
+torch process group whose other members are the engines (one rank per engine, or per tensor-parallel rank of
+a multi-GPU SGLang engine), and broadcasts the HF-named tensors to them; nothing touches the disk.
+
+    startup  trainer rank 0: pick a port, publish ``weight_sync/group`` (address, port, world size, name,
+             backend) and join as rank 0 (this rendezvous hosts its own TCPStore, as SGLang expects)
+             rollout node: read it, POST /init_weights_update_group to every engine at once (rank_offset 1, 2,
+             ...); each call returns once the whole group is formed
+    step k   trainer rank 0: plan buckets of at most ``pipeline.weight_sync_bucket_mb`` (names, dtypes,
+             shapes), publish the plan as ``weights/policy_version=<k+1>``, broadcast the tensors bucket by
+             bucket (one broadcast per tensor, from rank 0), then wait for ``serving/policy_version=<k+1>``
+             rollout node (at the step boundary): per engine, in parallel: pause -> begin_weight_update ->
+             one /update_weights_from_distributed per bucket (the last one carries ``weight_version``) ->
+             end_weight_update -> flush -> continue, then /model_info must report the new version
+
+Who calls the engines: the rollout node, not the trainer. It alone knows when no request is in flight, and it
+already owns the engine list, the weight-update session and the version check. The trainer's broadcast just
+blocks until the engines join it. Backend (``weight_sync_backend``): nccl when SGLang engines on GPUs meet a
+trainer on GPUs (untested here: no GPU), gloo otherwise (the embedded engine; a CPU trainer). The group's
+membership is fixed when it forms, so a failed engine cannot be replaced by a fresh one (it could not join);
+with distributed sync an engine failure stops the run.
+
+The process group is formed the way SGLang 0.5.23 forms it on the engine side (``init_custom_process_group``:
+a ``tcp://`` rendezvous whose rank 0 hosts the store, a ``PrefixStore`` named after the group, torch's group
+helper), so the embedded engine's server (rollout/engines/http_server.py) and trainer rank 0 use ``join_group``
+below and meet a real SGLang server on the same keys.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rolloutpipe.control.env import free_port, node_address
+from rolloutpipe.control.transport import Transport
+from rolloutpipe.control.weights import EngineGroup, PolicyWeights, WeightSyncSettings, weights_record_key
+from rolloutpipe.control.weights.buckets import Bucket, WeightGroup, plan_buckets
+
+ENGINES_REPLACEABLE = False
+"""The group's membership is fixed when it forms: a fresh engine could not join it."""
+
+def weight_sync_backend(engines_on_gpus: bool, state: dict[str, torch.Tensor]) -> str:
+    """nccl when both ends hold CUDA tensors (SGLang engines, a trainer on GPUs: Megatron with CUDA), else gloo.
+
+    gloo also serves a CPU trainer broadcasting into SGLang's CUDA receive buffers (it copies through host memory);
+    nccl cannot start from CPU tensors, nor put two ranks on one GPU (a trainer sharing the engines' GPU).
+    """
+    on_gpu = next(iter(state.values())).is_cuda
+    return "nccl" if engines_on_gpus and on_gpu else "gloo"
+
+
+def join_group(group: WeightGroup, rank: int, *, timeout_s: float = 1800.0) -> dist.ProcessGroup:
+    """Join ``group`` as ``rank``; returns when every member has joined. Keys as SGLang 0.5.23 lays them out.
+
+    Rank 0 (trainer rank 0) hosts the rendezvous store as ``tcp://`` rendezvous would, but on the master
+    address only (not every interface); the engines (SGLang's ``init_custom_process_group``, the embedded
+    server) connect to it through ``tcp://``. SGLang's side cannot check a seal, so this store is unsealed:
+    the security table of docs/faults-and-security.md names its port among those to keep to the run's nodes.
+    """
+    from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
+
+    from rolloutpipe.control.env import listen_socket
+
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0:
+        store = dist.TCPStore(group.master_address, group.master_port, group.world_size, is_master=True,
+                              timeout=timeout, wait_for_workers=False,
+                              master_listen_fd=listen_socket(group.master_address, group.master_port).detach())
+        world_size = group.world_size
+    else:
+        host = f"[{group.master_address}]" if ":" in group.master_address else group.master_address
+        store, rank, world_size = next(dist.rendezvous(f"tcp://{host}:{group.master_port}", rank, group.world_size,
+                                                       timeout=timeout))
+    store.set_timeout(timeout)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(group.backend),
+                                      dist.PrefixStore(group.group_name, store), group_name=group.group_name,
+                                      backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}  # so collectives may name ranks (src=0)
+    return pg
+
+
+def broadcast_bucket(pg: dist.ProcessGroup, state: dict[str, torch.Tensor], bucket: Bucket, device: str) -> list:
+    """Rank 0's side of one bucket: one broadcast per tensor, in the bucket's order (as the engines receive).
+    Returns the pending works (``wait_all``)."""
+    return [dist.broadcast(state[name].detach().to(device).contiguous(), src=0, group=pg, async_op=True)
+            for name in bucket.names]
+
+
+def wait_all(works: list, check: Callable[[], None], poll_s: float = 0.02, check_every_s: float = 0.5) -> None:
+    """Wait for collective ``works``, calling ``check`` (which raises when a peer is gone) every ``check_every_s``."""
+    next_check_s = time.monotonic() + check_every_s
+    for work in works:
+        while not work.is_completed():
+            if time.monotonic() >= next_check_s:
+                check()
+                next_check_s = time.monotonic() + check_every_s
+            time.sleep(poll_s)
+        work.wait()  # raises if the collective failed
+
+
+def receive_bucket(pg: dist.ProcessGroup, bucket: Bucket) -> dict[str, torch.Tensor]:
+    """An engine's side of one bucket (the embedded engine's server): the tensors rank 0 broadcasts."""
+    received = {name: torch.empty(shape, dtype=getattr(torch, dtype))
+                for name, dtype, shape in zip(bucket.names, bucket.dtypes, bucket.shapes, strict=True)}
+    handles = [dist.broadcast(t, src=0, group=pg, async_op=True) for t in received.values()]
+    for handle in handles:
+        handle.wait()
+    return received
+
+
+class Broadcaster:
+    """Trainer rank 0's side: rank 0 of ``group`` (joined here, blocking until the engines have joined too), then
+    one ``send`` per policy version while the rollout node has the engines receive it.
+
+    ``check(what)`` runs every half second while this waits for the engines, and raises when the run is aborted or
+    the rollout node stopped heart-beating (transport.Liveness.check), so a lost peer is not a silent hang.
+    """
+
+    def __init__(self, *, group: WeightGroup, bucket_bytes: int, timeout_s: float,
+                 check: Callable[[str], None]) -> None:
+        self.group = group
+        self.bucket_bytes = bucket_bytes
+        self.device = "cuda" if group.backend == "nccl" else "cpu"
+        self._check = check
+        joined: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                joined["pg"] = join_group(group, 0, timeout_s=timeout_s)
+            except BaseException as err:  # noqa: BLE001 - re-raised below, on the caller's thread
+                joined["error"] = err
+
+        thread = threading.Thread(target=join, name="weight-group-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            self._check(f"the engines to join the weight-update group at {group.master_address}:{group.master_port}")
+            thread.join(timeout=0.5)
+        if "error" in joined:
+            raise joined["error"]
+        self._pg = joined["pg"]
+
+    def plan(self, state: dict[str, torch.Tensor]) -> list[Bucket]:
+        return plan_buckets(state, self.bucket_bytes)
+
+    def send(self, state: dict[str, torch.Tensor], buckets: list[Bucket], policy_version: int) -> None:
+        what = f"the engines to receive policy_version {policy_version}"
+        for bucket in buckets:
+            wait_all(broadcast_bucket(self._pg, state, bucket, self.device), lambda: self._check(what))
+
+
+class Sender:
+    """Trainer rank 0's side: ``open`` publishes the group and joins it as rank 0 (returns once every engine has
+    joined); ``publish`` plans the buckets, announces them, and broadcasts them while the rollout node has the
+    engines receive them."""
+
+    def __init__(self, settings: WeightSyncSettings, *, transport: Transport, run_dir: Path,
+                 policy: PolicyWeights) -> None:
+        self.settings = settings
+        self.transport = transport
+        self.policy = policy
+        self.broadcaster: Broadcaster | None = None
+
+    def open(self) -> None:
+        settings = self.settings
+        group = WeightGroup(master_address=node_address(self.transport.address.host), master_port=free_port(),
+                            world_size=1 + settings.num_engine_ranks,
+                            backend=weight_sync_backend(settings.engines_on_gpus, self.policy.hf_state()))
+        self.transport.put_record(self.transport.key("weight_sync", "group"), group.to_json())
+        self.broadcaster = Broadcaster(group=group, bucket_bytes=settings.bucket_bytes,
+                                       timeout_s=settings.join_timeout_s,
+                                       check=lambda what: self.transport.liveness.check(waiting_for=what))
+
+    def publish(self, version: int, *, serves: bool) -> None:
+        if not serves:  # nothing to broadcast: the final policy goes to the checkpoint only
+            return
+        assert self.broadcaster is not None, "open() first"
+        state = self.policy.hf_state()
+        buckets = self.broadcaster.plan(state)
+        self.transport.put_record(weights_record_key(self.transport, version),
+                                  {"policy_version": version, "buckets": [asdict(b) for b in buckets]})
+        self.broadcaster.send(state, buckets, version)
+
+    def retire(self, version: int) -> None:
+        pass
+
+
+class Receiver:
+    """The rollout node's side: ``open`` has every engine join trainer rank 0's group (engine i as ranks
+    1 + i * ranks_per_engine ...); ``load`` has them receive the announced buckets."""
+
+    def __init__(self, settings: WeightSyncSettings, *, transport: Transport, run_dir: Path, engines: EngineGroup,
+                 check: Callable[[str], None]) -> None:
+        self.transport = transport
+        self.engines = engines
+        self.ranks_per_engine = settings.ranks_per_engine
+
+    def open(self) -> None:
+        group = self.transport.wait_record(self.transport.key("weight_sync", "group"),
+                                           what="trainer rank 0's weight-update process group")
+        self.engines.join_weight_group(WeightGroup(**group), self.ranks_per_engine)
+
+    def load(self, record: dict, version: int) -> None:
+        if "buckets" not in record:
+            raise RuntimeError(f"the weights record of policy_version {version} has no buckets: the trainer and the "
+                               "rollout node disagree on pipeline.weight_sync; refusing it.")
+        self.engines.load_weights_distributed([Bucket(**b) for b in record["buckets"]], version)

@@ -1,0 +1,295 @@
+"""Engine failure: a request whose engine dies or hangs is generated again elsewhere, and nothing is lost.
+
+An engine fails when its ``error`` is set (its scheduler thread raised, its server process exited, an HTTP call
+failed) or, with ``rollout.request_timeout_s``, when it holds requests and hands none back for that long. Then:
+
+1. Admission takes it out of service and puts its unfinished requests back in line, unchanged: same request id,
+   same ``sampling_seed``. Every engine serves the same policy_version, and a sample's tokens depend only on its
+   seed and the weights, so the retried sample is the one the failed engine would have produced: the step's
+   samples, and hence the update, are those of a run without the failure.
+2. The failed engine is retired (``shutdown`` in a thread of its own: a hung engine must not block the loop) and
+   a fresh one is built in its slot under a new name (``engine0-restart1``); it loads the current policy
+   version's weights before it is put back into service. Results of the failed one that still arrive name it,
+   not the replacement, and Admission ignores them, so no sample is counted twice.
+3. A slot that fails more than ``rollout.max_engine_failures`` times stops the run with the engine's name and
+   where its log is.
+
+An engine on another rollout node (rollout/engines/hosts.py) is restarted by its host: step 2 becomes a request to it,
+and the slot is out of service until the host registers the fresh engine (``check`` polls for it; the loop goes
+on meanwhile). A lost host (its heart-beat stopped) retires its engines' slots, and the run goes on while
+``rollout.min_engines`` engines remain in service or on their way back. A host whose heart-beat only stalled (a
+node paused, a network partition healed) beats again, picks up the restart requests it missed and registers
+fresh engines: ``check`` keeps polling the retired slots, and each comes back into service with the current
+policy, as after a restart.
+
+With ``pipeline.weight_sync=distributed`` (control/weights/distributed.py) the engines form one process group with
+trainer rank 0, whose membership is fixed when it forms: a fresh engine could not join it, so there an engine failure stops the
+run (with that reason) instead of step 2.
+
+The supervisor has no thread: the rollout loop calls ``check`` every poll and ``load_weights`` between steps.
+The restart runs on that loop (seconds for a server process), while the other engines keep generating what
+they hold; requests wait in Admission until an engine is in service again. Each recovery is logged (warning)
+and recorded as a ``rollout/engine_restart`` span.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from rolloutpipe.control.weights.buckets import Bucket, WeightGroup
+from rolloutpipe.observe.metrics import SpanRecorder
+from rolloutpipe.rollout.admission import Admission
+from rolloutpipe.rollout.engines.base import Engine
+from rolloutpipe.types import GenerationResult
+
+log = logging.getLogger(__name__)
+
+
+class EngineFailed(RuntimeError):
+    """An engine failed more often than ``rollout.max_engine_failures`` allows, or could not be restarted."""
+
+
+class EngineSupervisor:
+    """Watches the engines and recovers a failed one (see module docstring).
+
+    ``engines`` is the rollout node's list of the engines in service; a failed engine is replaced in it, in
+    place, so Admission and Evaluation (which hold the same list) see the replacement; one restarting on another
+    node is out of the list until it is back, a retired one until its host beats again. ``restart(slot, name,
+    failed)`` builds a
+    fresh engine serving policy_version 0, or returns a pending restart (``poll()``: the engine once it is up);
+    ``where_to_look(engine)`` says where its log is.
+    """
+
+    def __init__(self, *, engines: list[Engine], restart: Callable[[int, str, Engine], Engine],
+                 where_to_look: Callable[[Engine], str], max_failures: int, request_timeout_s: float | None,
+                 spans: SpanRecorder, check_peers: Callable[[str], None] = lambda what: None,
+                 min_engines: int = 1) -> None:
+        self.engines = engines
+        self.min_engines = min_engines
+        self.restart = restart
+        self.where_to_look = where_to_look
+        self.max_failures = max_failures
+        self.request_timeout_s = request_timeout_s
+        self.spans = spans
+        self.check_peers = check_peers
+        """Raises when the run is aborted or a peer is gone (transport.Liveness.check), while engines join or receive
+        a broadcast: those calls wait for trainer rank 0."""
+        self.weights: tuple[str, int] | None = None
+        """The path and policy_version every engine serves; None: the model's own weights (policy_version 0)."""
+        self.weight_group: WeightGroup | None = None
+        """With distributed weight sync: the process group every engine joined (``join_weight_group``)."""
+        self.num_failures = [0] * len(engines)
+        self._names = [e.name for e in engines]
+        self._slot_of = {e.name: slot for slot, e in enumerate(engines)}
+        """Each incarnation's slot (its index at the start; the list's order changes when an engine is out)."""
+        self._pending: dict[int, _Pending] = {}
+        """Slots whose engine is restarting on another node."""
+        self._retired: dict[int, _Pending] = {}
+        """Slots whose host is lost; their restart is polled again in case the host beats again."""
+        self._last_progress_s: dict[str, float] = {}
+        """Per engine name: when it last handed a result back or was seen holding nothing."""
+        self._admission: Admission | None = None
+        self._step = 0
+        self.also_held: Callable[[Engine], int] = lambda engine: 0
+        """Requests an engine holds that Admission does not count (evaluation.py's), for the hang check."""
+
+    def begin_step(self, step: int, admission: Admission) -> None:
+        self._step, self._admission = step, admission
+        now = time.monotonic()
+        self._last_progress_s = {e.name: now for e in self.engines}  # idle between steps is not hung
+
+    def on_result(self, result: GenerationResult) -> None:
+        """A counted result (engine thread): its engine made progress."""
+        self._last_progress_s[result.engine] = time.monotonic()
+
+    def check(self) -> None:
+        """Recover every engine that failed since the last check, and put back those restarted elsewhere (the
+        rollout loop, every poll)."""
+        for engine in list(self.engines):
+            if (reason := self._failure(engine)) is not None:
+                self._recover(self._slot_of[engine.name], engine, reason)
+        for slot, pending in list(self._pending.items()):
+            self._poll(slot, pending)
+        for slot, pending in list(self._retired.items()):
+            self._poll(slot, pending)
+
+    @property
+    def retired(self) -> list[str]:
+        """Base names of the slots out of service while their host is lost."""
+        return [self._names[slot] for slot in self._retired]
+
+    def load_weights(self, path: str, policy_version: int) -> None:
+        """Serve ``policy_version`` on every engine from now on (between steps); an engine that fails is replaced.
+        One restarting on another node loads it when it is back."""
+        self.weights = (path, policy_version)
+        for engine in list(self.engines):
+            reason = self._failure(engine)
+            if reason is None:
+                try:
+                    engine.update_weights_from_disk(path, policy_version)
+                    continue
+                except Exception as err:  # noqa: BLE001 - e.g. its server died during the load: one more failure
+                    reason = f"loading policy_version {policy_version} failed: {err!r}"
+            self._recover(self._slot_of[engine.name], engine, reason)
+
+    def join_weight_group(self, group: WeightGroup, ranks_per_engine: int) -> None:
+        """Every engine joins trainer rank 0's weight-update group, engine i as ranks 1 + i * ranks_per_engine ..
+
+        The calls run at once (each returns only when the whole group has formed)."""
+        self.weight_group = group
+        self._on_every_engine(f"the engines to join the weight-update group at {group.master_address}:"
+                              f"{group.master_port}",
+                              lambda slot, engine: engine.init_weights_update_group(group, 1 + slot * ranks_per_engine))
+
+    def load_weights_distributed(self, buckets: list[Bucket], policy_version: int) -> None:
+        """Serve ``policy_version`` on every engine from trainer rank 0's broadcast of ``buckets`` (between steps)."""
+        self._on_every_engine(
+            f"the engines to receive policy_version {policy_version}",
+            lambda slot, engine: engine.update_weights_from_distributed(buckets, self.weight_group.group_name,
+                                                                         policy_version))
+
+    def _on_every_engine(self, what: str, call: Callable[[int, Engine], None]) -> None:
+        """``call`` on every engine at once, one thread each; any failure stops the run (see module docstring)."""
+        errors: dict[str, BaseException] = {}
+
+        def run(slot: int, engine: Engine) -> None:
+            try:
+                call(slot, engine)
+            except Exception as err:  # noqa: BLE001 - reported below with the engine's name
+                errors[engine.name] = err
+
+        threads = [threading.Thread(target=run, args=(self._slot_of[e.name], e), name=f"weights-{e.name}", daemon=True)
+                   for e in self.engines]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            while thread.is_alive():
+                self.check_peers(what)
+                thread.join(timeout=0.5)
+        if errors:
+            name, err = next(iter(errors.items()))
+            engine = next(e for e in self.engines if e.name == name)
+            raise EngineFailed(f"weight sync failed on {sorted(errors)} (waiting for {what}): {name}: {err}. With "
+                               f"pipeline.weight_sync=distributed this stops the run. Look at "
+                               f"{self.where_to_look(engine)}") from err
+
+    def _failure(self, engine: Engine) -> str | None:
+        if engine.error is not None:
+            return repr(engine.error)
+        if self.request_timeout_s is None or self._admission is None:
+            return None
+        now = time.monotonic()
+        if (num_held := self._admission.num_held(engine) + self.also_held(engine)) == 0:
+            self._last_progress_s[engine.name] = now
+            return None
+        idle_s = now - self._last_progress_s.setdefault(engine.name, now)
+        if idle_s <= self.request_timeout_s:
+            return None
+        return (f"it holds {num_held} requests and handed none back for {idle_s:.1f}s "
+                f"(rollout.request_timeout_s={self.request_timeout_s:g}): hung")
+
+    def _recover(self, slot: int, failed: Engine, reason: str) -> None:
+        if self.weight_group is not None:
+            raise EngineFailed(
+                f"engine {failed.name} failed: {reason}. With pipeline.weight_sync=distributed a failed engine cannot "
+                "be replaced (the weight-update process group's members are fixed when it forms); stopping the run. "
+                f"Use pipeline.weight_sync=disk to survive engine failures. Look at {self.where_to_look(failed)}")
+        self.num_failures[slot] += 1
+        num = self.num_failures[slot]
+        base = self._names[slot]
+        if num > self.max_failures:
+            raise EngineFailed(
+                f"engine {failed.name} failed: {reason}. That is failure {num} of engine {base}, more than "
+                f"rollout.max_engine_failures={self.max_failures}; stopping the run. Look at "
+                f"{self.where_to_look(failed)}")
+        start = time.time()
+        num_retried = self._admission.take_out(failed) if self._admission is not None else 0
+        log.warning("engine %s failed (%s): %d unfinished requests resubmitted with their seeds (failure %d of "
+                    "engine %s, rollout.max_engine_failures=%d). See %s.", failed.name, reason, num_retried, num, base,
+                    self.max_failures, self.where_to_look(failed))
+        threading.Thread(target=failed.shutdown, name=f"retire-{failed.name}", daemon=True).start()
+        failure = _Pending(failed=failed, reason=reason, start_s=start, num_retried=num_retried, restart=None)
+        try:
+            replacement = self.restart(slot, f"{base}-restart{num}", failed)
+        except Exception as err:
+            raise EngineFailed(f"engine {failed.name} failed ({reason}) and its restart failed: {err}. Look at "
+                               f"{self.where_to_look(failed)}") from err
+        if hasattr(replacement, "poll"):  # on another node: out of service until its host has it up
+            self.engines.remove(failed)
+            failure.restart = replacement
+            self._pending[slot] = failure
+            log.warning("engine %s: its node's engine host restarts it as %s; out of service until then.", failed.name,
+                        f"{base}-restart{num}")
+            self._check_enough(f"engine {failed.name} failed ({reason}) and is restarting on its node")
+            return
+        self._put_back(slot, failure, replacement)
+
+    def _poll(self, slot: int, pending: _Pending) -> None:
+        """A slot restarting on another node, or retired with its host: back in service once the host registered
+        the fresh engine; retired while the host is lost."""
+        from rolloutpipe.rollout.engines.hosts import HostLost
+
+        try:
+            replacement = pending.restart.poll()
+        except HostLost as lost:
+            if slot in self._pending:  # newly lost (a retired slot stays retired, quietly)
+                del self._pending[slot]
+                self._retired[slot] = pending
+                log.warning("engine %s is out of service until its host beats again: %s. Its requests went to the "
+                            "other engines; %d engines remain in service (rollout.min_engines=%d).", self._names[slot],
+                            lost, len(self.engines), self.min_engines)
+                self.spans.add("rollout/engine_lost", step=self._step, start_s=pending.start_s, end_s=time.time(),
+                               engine=pending.failed.name, reason=str(lost))
+                self._check_enough(f"engine {pending.failed.name} is lost: {lost}")
+            return
+        except Exception as err:
+            raise EngineFailed(f"engine {pending.failed.name} failed ({pending.reason}) and its restart failed: {err}. "
+                               f"Look at {self.where_to_look(pending.failed)}") from err
+        if replacement is not None:
+            if self._retired.pop(slot, None) is not None:
+                log.warning("engine %s: its host beats again and registered %s.", self._names[slot], replacement.name)
+            self._pending.pop(slot, None)
+            self.engines.append(replacement)
+            self._put_back(slot, pending, replacement)
+
+    def _put_back(self, slot: int, failure: _Pending, replacement: Engine) -> None:
+        failed = failure.failed
+        try:
+            if self.weights is not None:
+                replacement.update_weights_from_disk(*self.weights)
+        except Exception as err:
+            raise EngineFailed(f"engine {failed.name} failed ({failure.reason}) and its restart failed: {err}. Look "
+                               f"at {self.where_to_look(failed)}") from err
+        if failed in self.engines:
+            self.engines[self.engines.index(failed)] = replacement
+        self._slot_of[replacement.name] = slot
+        self._last_progress_s[replacement.name] = time.monotonic()
+        if self._admission is not None:
+            self._admission.put_back(failed, replacement)
+        version = 0 if self.weights is None else self.weights[1]
+        log.warning("engine %s restarted as %s in %.1fs, serving policy_version %d.", failed.name, replacement.name,
+                    time.time() - failure.start_s, version)
+        self.spans.add("rollout/engine_restart", step=self._step, start_s=failure.start_s, end_s=time.time(),
+                       engine=failed.name, replacement=replacement.name, num_retried=failure.num_retried,
+                       reason=failure.reason, policy_version=version)
+
+    def _check_enough(self, what: str) -> None:
+        """Stop the run when fewer than rollout.min_engines engines are in service or on their way back."""
+        if (num := len(self.engines) + len(self._pending)) < self.min_engines:
+            raise EngineFailed(f"{what}; {num} engines remain, fewer than rollout.min_engines={self.min_engines}: "
+                               "stopping the run. Resume it (run.resume=auto) once the rollout nodes are back.")
+
+
+@dataclass(kw_only=True, slots=True)
+class _Pending:
+    """A failure being recovered: the failed engine, why, and (on another node) its restart in progress."""
+
+    failed: Engine
+    reason: str
+    start_s: float
+    num_retried: int
+    restart: object | None

@@ -1,0 +1,63 @@
+"""What a trainer backend is (``PolicyBackend``: every call the trainer node, pipeline.py and weight sync make on
+it) and which ones exist (``trainer_class``: the one place that maps ``trainer.backend`` to a class).
+
+A new backend is one module, usually a ``grpo_trainer.GRPOTrainer`` subclass (the GRPO micro-batch body and the
+batch's update are written there once), plus one ``case`` below and its value in config.TrainerBackend.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from rolloutpipe.trainer.config import OldLogprobSource, TrainerBackend, TrainerConfig
+from rolloutpipe.trainer.grpo import GRPOConfig, LossSums
+from rolloutpipe.trainer.grpo_trainer import BatchResult, TrainSample
+
+
+@runtime_checkable
+class PolicyBackend(Protocol):
+    """One trainer rank's policy, its optimizer and its part of the data-parallel group."""
+
+    data_parallel_rank: int
+    """Which share of the groups this rank trains (tensor-parallel peers share one)."""
+    data_parallel_size: int
+    optimizer: Any
+    """Its ``state_dict`` / ``load_state_dict`` are what checkpoints hold (control/checkpoint.py)."""
+
+    def __init__(self, *, model: torch.nn.Module, cfg: TrainerConfig, grpo: GRPOConfig, temperature: float,
+                 pad_id: int, multi_step: bool, process_group_active: bool,
+                 old_logprobs: OldLogprobSource) -> None: ...
+
+    def begin_step(self) -> None:
+        """At the start of each RL step, before its first micro-batch."""
+
+    def forward_backward(self, samples: list[TrainSample], *, first_batch_of_step: bool) -> LossSums:
+        """One micro-batch: accumulate the gradient of its loss sum; communicates nothing."""
+
+    def finish_batch(self) -> BatchResult:
+        """The training batch is complete (on every rank): its one optimizer step."""
+
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        """The policy under HF names, full tensors on the CPU (what weight sync sends)."""
+
+    def save_weights(self, path: Path) -> float:
+        """The policy as one safetensors file, written atomically; returns seconds spent."""
+
+    def hf_model(self) -> torch.nn.Module:
+        """The policy as an HF model with the trained weights (checkpoints, the final policy)."""
+
+    def close(self) -> None:
+        """Release what the backend holds beyond its Python objects."""
+
+
+def trainer_class(backend: TrainerBackend) -> type[PolicyBackend]:
+    """The class of ``trainer.backend``; each is imported only when chosen (Megatron is heavy, and optional)."""
+    match backend:
+        case TrainerBackend.torch:
+            from rolloutpipe.trainer.torch_backend import PolicyTrainer as chosen
+        case TrainerBackend.megatron:
+            from rolloutpipe.trainer.megatron.trainer import MegatronTrainer as chosen
+    return chosen

@@ -1,0 +1,200 @@
+"""The GRPO update every trainer backend makes, written once: micro-batches as groups arrive, one optimizer step
+per training batch. A backend (torch_backend.py, megatron/) subclasses ``GRPOTrainer`` and supplies only what
+differs: the log-prob function, the module whose parameters are trained, how the gradients are summed, clipped
+and stepped, and the context its framework calls run in.
+
+Gradient accumulation works on loss *sums* (see ``grpo``): each micro-batch backpropagates the sum of its samples'
+losses (``forward_backward``); when a training batch is complete, ``finish_batch`` sums the token and sample counts
+over the data-parallel ranks, and the backend sums the gradients over them, divides them by the batch normaliser,
+clips and steps. Which rank trained which group, and in what order, changes only the order of floating-point
+additions.
+
+Old log-probs. With one optimizer step per rollout the weights at training time are the rollout's policy_version
+k, so the old log-probs are the current ones, detached (ratio = 1, exact). With ``num_steps_per_rollout > 1`` the
+trainer keeps a copy of version k's parameters taken at the start of the step and recomputes old log-probs with it,
+so batches trained after the first optimizer step still clip against version k. ``old_logprobs=engine`` uses the
+engine's log-probs instead (cheaper on large models; differs from the trainer's by the numerics of the two
+implementations). The trainer's own recomputation is the default because it is exact: the ratio is 1 to the last
+bit on the first batch, so the clipped objective sees no engine/trainer mismatch. ``async_one_step`` always uses the
+engine's log-probs, the only record of the stale policy that generated its samples.
+
+Precision. Token counts come from the response mask's non-zeros (exact integers in every dtype); log-probs, the
+loss and its sums are float32 at least, whatever the model's dtype.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from rolloutpipe.trainer.config import OldLogprobSource, TrainerConfig
+from rolloutpipe.trainer.grpo import BatchTotals, GRPOConfig, LossSums, normaliser, policy_loss_sums
+from rolloutpipe.types import CompleteGroup
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainSample:
+    """One sample as the trainer sees it."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    engine_logprobs: list[float]
+    advantage: float
+
+
+def sequence_len(sample: TrainSample) -> int:
+    """Its row's length in ``pack`` before padding: prompt + response tokens."""
+    return len(sample.prompt_ids) + len(sample.response_ids)
+
+
+def train_samples(group: CompleteGroup) -> list[TrainSample]:
+    return [
+        TrainSample(prompt_ids=group.prompt_ids, response_ids=s.response_ids, engine_logprobs=s.logprobs,
+                    advantage=a)
+        for s, a in zip(group.samples, group.advantages, strict=True)
+    ]
+
+
+@dataclass(kw_only=True, slots=True)
+class BatchResult:
+    loss: float
+    grad_norm: float
+    num_tokens: int
+    num_clipped_tokens: int
+    entropy_sum: float = 0.0
+    """Sum over the batch's response tokens of the policy's entropy (train/entropy is its mean)."""
+
+
+class GRPOTrainer(abc.ABC):
+    """The micro-batch body and the batch's one update; subclasses fill in the hooks below ``# -- hooks``.
+
+    A subclass's ``__init__`` calls this one first, then sets ``optimizer``, ``data_parallel_rank``,
+    ``data_parallel_size`` and ``all_reduce`` (an in-place sum over the data-parallel ranks, or None alone)."""
+
+    optimizer: object
+    data_parallel_rank: int
+    data_parallel_size: int
+    all_reduce: Callable[[torch.Tensor], object] | None
+
+    def __init__(self, *, cfg: TrainerConfig, grpo: GRPOConfig, temperature: float, pad_id: int, multi_step: bool,
+                 old_logprobs: OldLogprobSource) -> None:
+        self.cfg = cfg
+        self.grpo = grpo
+        self.temperature = temperature
+        self.pad_id = pad_id
+        self.multi_step = multi_step
+        self.old_logprobs = old_logprobs
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        self._snapshot: dict[str, torch.Tensor] | None = None
+        """policy_version k's parameters, when batches after the step's first optimizer step clip against them."""
+        self._totals = BatchTotals()
+
+    def begin_step(self) -> None:
+        """Remember policy_version k's parameters when later batches must clip against them."""
+        if self.multi_step and self.old_logprobs is OldLogprobSource.trainer:
+            # named_parameters lists tied weights once; functional_call re-ties them
+            self._snapshot = {k: v.detach().clone() for k, v in self._policy().named_parameters()}
+
+    def forward_backward(self, samples: list[TrainSample], *, first_batch_of_step: bool) -> LossSums:
+        input_ids, targets, mask = (t if self.device is None else t.to(self.device)
+                                    for t in pack(samples, pad_id=self.pad_id))  # [B, L], [B, L-1] x 2
+        with self._framework_calls():
+            logprobs, entropy = self._logprobs(input_ids, targets, mask)  # [B, L-1] x 2
+            old = self._old_logprobs(samples, input_ids, targets, logprobs, mask, first_batch_of_step)
+            advantages = torch.tensor([s.advantage for s in samples], dtype=logprobs.dtype, device=logprobs.device)
+            sums = policy_loss_sums(logprobs, old, advantages, mask, self.grpo)
+            sums.entropy_sum = float((entropy * mask).sum())
+            # into the backend's gradients (Megatron: DDP's buffers); nothing is communicated until finish_batch
+            sums.loss.backward()
+        self._totals.add(sums)
+        return sums
+
+    def finish_batch(self) -> BatchResult:
+        """Sum over the data-parallel ranks, normalise once, clip and step: the batch's one optimizer update."""
+        with self._framework_calls():
+            total = self._totals.reduce(self.all_reduce)
+            scale = 1.0 / normaliser(self.grpo, num_tokens=total.num_tokens, num_samples=total.num_samples)
+            grad_norm = self._optimizer_step(scale)
+        self._totals = BatchTotals()
+        return BatchResult(loss=total.loss * scale, grad_norm=grad_norm, num_tokens=total.num_tokens,
+                           num_clipped_tokens=total.num_clipped_tokens, entropy_sum=total.entropy_sum)
+
+    def save_weights(self, path: Path) -> float:
+        """Write the policy as one safetensors file (HF names) atomically; returns seconds spent."""
+        start = time.time()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        save_file({k: v.contiguous() for k, v in self.hf_state().items()}, str(tmp), metadata={"format": "pt"})
+        tmp.rename(path)
+        return time.time() - start
+
+    def close(self) -> None:
+        """Release what the backend holds beyond its Python objects (Megatron: its process groups)."""
+
+    def _old_logprobs(self, samples, input_ids, targets, logprobs, mask, first_batch_of_step):
+        if self.old_logprobs is OldLogprobSource.engine:
+            return engine_logprobs(samples, like=logprobs)
+        if first_batch_of_step or self._snapshot is None:
+            return logprobs.detach()
+        with torch.no_grad():
+            return self._logprobs(input_ids, targets, mask, params=self._snapshot)[0] * mask
+
+    # -- hooks: what a backend supplies ----------------------------------------------------------------------
+    @abc.abstractmethod
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        """The policy under HF names, full tensors on the CPU (tied lm_head left out, as save_pretrained does)."""
+
+    @abc.abstractmethod
+    def hf_model(self) -> torch.nn.Module:
+        """The policy as an HF model with the trained weights (for save_pretrained)."""
+
+    @abc.abstractmethod
+    def _policy(self) -> torch.nn.Module:
+        """The module whose parameters are trained: ``_logprobs(params=...)`` takes its ``named_parameters``."""
+
+    @abc.abstractmethod
+    def _logprobs(self, input_ids: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
+                  params: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """log p of ``targets`` and the entropy [B, L-1] at the response tokens, under the current weights or
+        ``params`` (policy_version k's snapshot)."""
+
+    @abc.abstractmethod
+    def _optimizer_step(self, scale: float) -> float:
+        """Sum the gradients over the data-parallel ranks, multiply them by ``scale`` (1 / normaliser), clip them to
+        ``cfg.max_grad_norm``, step the optimizer and zero the gradients; returns the norm before clipping."""
+
+    def _framework_calls(self) -> contextlib.AbstractContextManager:
+        """The context the backend's framework calls run in (Megatron without CUDA: ``cpu.cuda_calls_on_cpu``)."""
+        return contextlib.nullcontext()
+
+
+def pack(samples: list[TrainSample], *, pad_id: int) -> tuple[torch.Tensor, ...]:
+    """Right-padded token ids [B, L], next-token targets [B, L-1], and the response-token mask [B, L-1].
+
+    The mask is float32 whatever the model's dtype: it only multiplies the loss, and token counts come from its
+    non-zeros (grpo.policy_loss_sums), so they are exact integers in bfloat16 too."""
+    seqs = [s.prompt_ids + s.response_ids for s in samples]
+    length = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), length - 1), dtype=torch.float32)
+    for b, (s, seq) in enumerate(zip(samples, seqs)):
+        input_ids[b, : len(seq)] = torch.tensor(seq)
+        # logits at position j predict token j + 1: response tokens are predicted from P - 1 .. P + R - 2
+        mask[b, len(s.prompt_ids) - 1 : len(seq) - 1] = 1.0
+    return input_ids, input_ids[:, 1:], mask
+
+
+def engine_logprobs(samples: list[TrainSample], *, like: torch.Tensor) -> torch.Tensor:
+    """The engine's log-probs of the response tokens, laid out like the trainer's [B, L-1]."""
+    old = torch.zeros_like(like)
+    for b, s in enumerate(samples):
+        start = len(s.prompt_ids) - 1
+        old[b, start : start + len(s.engine_logprobs)] = torch.tensor(s.engine_logprobs, dtype=old.dtype)
+    return old

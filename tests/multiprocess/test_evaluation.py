@@ -1,0 +1,197 @@
+"""Evaluation during training (rollout/evaluation.py): config, metrics, slots, and real runs that report it."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from omegaconf import OmegaConf
+
+from rolloutpipe.config import ConfigError, check_overrides, load_config
+from rolloutpipe.model import build_tiny_tokenizer
+from rolloutpipe.observe.report import flatten, setting_labels
+from rolloutpipe.rollout.data import DataConfig
+from rolloutpipe.rollout.evaluation import EVAL_PRIORITY, EvalConfig, EvalSample, EvalSetConfig, Evaluation, set_metrics
+from rolloutpipe.rollout.rewards import RewardConfig
+from rolloutpipe.rollout.tasks import ReversalTaskConfig, heldout_rows, reversal_rows
+from rolloutpipe.types import FinishReason, GenerationResult
+from tests.conftest import REPO, SMALL, read_metrics, run_job
+from tests.fakes import FakeEngine
+
+
+# ---- config ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("raw", "message"), [
+    ({"eval": {"intervall": 1}}, "unknown config key 'eval.intervall'. Did you mean 'eval.interval'?"),
+    ({"eval": {"sets": [{"name": "x", "pathh": None}]}}, "unknown config key 'eval.sets.0.pathh'"),
+    ({"eval": {"interval": -1}}, "eval.interval=-1 must be >= 0"),
+    ({"eval": {"sets": [{"name": "a b"}]}}, "eval.sets name 'a b' must be letters"),
+    ({"eval": {"sets": [{"name": "x", "n_samples_per_prompt": 0}]}}, r"eval.sets\[x\].n_samples_per_prompt=0"),
+    ({"eval": {"sets": [{"name": "x"}, {"name": "x"}]}}, "must be unique"),
+    ({"eval": {"sets": [{"name": "x", "path": "rows.csv"}]}}, "must end in .jsonl or .parquet"),
+    ({"eval": {"mode": "later"}}, "bad config value at eval.mode: Invalid value 'later', expected one of"),
+])
+def test_a_bad_eval_config_is_a_config_error_that_names_the_key(raw, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(raw)
+
+
+def test_eval_set_overrides_are_checked_down_to_the_key():
+    check_overrides(["eval.interval=5", "eval.sets.0.path=/data/gpqa.jsonl", "eval.sets.1.max_prompts=8"])
+    with pytest.raises(ConfigError, match="unknown config key 'eval.sets.0.pathh'. Did you mean 'eval.sets.0.path'"):
+        check_overrides(["eval.sets.0.pathh=/data/gpqa.jsonl"])
+    with pytest.raises(ConfigError, match="unknown config key 'eval.intervl'"):
+        check_overrides(["eval.intervl=5"])
+
+
+def test_eval_is_due_from_step_0_every_interval():
+    assert [s for s in range(25) if EvalConfig(interval=10).due(s)] == [0, 10, 20]
+    assert not any(EvalConfig(interval=0).due(s) for s in range(25))
+
+
+# ---- the held-out split -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("task", [ReversalTaskConfig(), ReversalTaskConfig(length=2, alphabet_size=3),
+                                  ReversalTaskConfig(length=6, alphabet_size=8, num_rows=500)])
+def test_the_heldout_split_is_never_trained_on(task):
+    train = {r["label"] for r in reversal_rows(task)}
+    heldout = {r["label"] for r in heldout_rows(task)}
+    assert heldout and train and not heldout & train
+    assert len(reversal_rows(task)) == task.num_rows
+
+
+# ---- metrics ----------------------------------------------------------------------------------------------------
+def _sample(prompt: int, reward: float, *, error: str | None = None, truncated: bool = False) -> EvalSample:
+    return EvalSample(set_name="s", prompt=prompt, reward=reward, num_tokens=4 if truncated else 2,
+                      truncated=truncated, reward_error=error, policy_version=0, finished_s=0.0)
+
+
+def test_eval_metrics_are_the_mean_the_per_prompt_mean_and_the_per_prompt_best():
+    samples = [_sample(0, 1.0), _sample(0, 0.0), _sample(1, 0.0, error="boom", truncated=True), _sample(1, 0.0)]
+    m = set_metrics("s", 2, samples)
+    assert m == {"eval/s/pass@1": 0.25, "eval/s/avg@2": 0.25, "eval/s/pass@2": 0.5, "eval/s/response_len_mean": 2.5,
+                 "eval/s/truncated_ratio": 0.25, "eval/s/num_reward_errors": 1, "eval/s/num_samples": 4}
+    assert set(set_metrics("s", 1, samples[:1])) == {"eval/s/pass@1", "eval/s/response_len_mean",
+                                                    "eval/s/truncated_ratio", "eval/s/num_reward_errors",
+                                                    "eval/s/num_samples"}
+
+
+# ---- slots: eval only where training leaves them free -------------------------------------------------------
+def test_eval_requests_take_only_the_slots_training_leaves_free_and_survive_a_failed_engine(tmp_path):
+    engines = [FakeEngine("e0"), FakeEngine("e1")]
+    cfg = EvalConfig(interval=1, sets=[EvalSetConfig(name="heldout", n_samples_per_prompt=2, max_prompts=5)])
+    evaluation = Evaluation(cfg=cfg, data=DataConfig(), reward=RewardConfig(), tokenizer=build_tiny_tokenizer(),
+                            engines=engines, concurrency=4, run_seed=1, max_response_len=4, run_dir=tmp_path)
+    try:
+        evaluation.begin(step=3, policy_version=3)
+        training = {"e0": 4, "e1": 6}  # e1 holds more than its slots (FIFO queues them at the engine)
+        evaluation.pump(lambda e: training[e.name])
+        assert [len(e.submitted) for e in engines] == [0, 0], "no eval request while training fills every slot"
+        training = {"e0": 1, "e1": 4}
+        evaluation.pump(lambda e: training[e.name])
+        assert [len(e.submitted) for e in engines] == [3, 0]
+        assert all(r.priority == EVAL_PRIORITY and r.request_id.startswith("eval=heldout/step=3/")
+                   for r in engines[0].submitted)
+        engines[0].error = RuntimeError("crashed")  # its three come back in line and go to e1
+        training = {"e0": 0, "e1": 0}
+        evaluation.pump(lambda e: training[e.name])
+        assert len(engines[1].submitted) == 4 and {r.request_id for r in engines[0].submitted} < {
+            r.request_id for r in engines[1].submitted}
+        late = engines[0].submitted[0]
+        assert evaluation.on_result(_result(late.request_id, "e0"))  # the failed engine's: taken, not counted
+        answered: set[str] = set()
+        while not evaluation.done():  # e1 answers, and gets the rest as its slots free
+            for request in [r for r in engines[1].submitted if r.request_id not in answered]:
+                answered.add(request.request_id)
+                assert evaluation.on_result(_result(request.request_id, "e1"))
+            evaluation.pump(lambda e: 0)
+        assert len(engines[1].submitted) == len({r.request_id for r in engines[1].submitted}) == 10
+        evaluation.wait(check=lambda: None)
+        assert not evaluation.on_result(_result("step=3/group=0/sample=0", "e1")), "training results are not eval's"
+        record = evaluation.metrics(rollout_end_s=None, wait_s=0.0)
+        assert record["eval/heldout/num_samples"] == 10 and record["eval/heldout/policy_version"] == 3
+    finally:
+        evaluation.close()
+
+
+def _result(request_id: str, engine: str) -> GenerationResult:
+    return GenerationResult(request_id=request_id, output_ids=[5, 6], output_logprobs=[0.0, 0.0],
+                            finish_reason=FinishReason.STOP, policy_version=3, submitted_s=0.0, started_s=0.0,
+                            finished_s=0.0, engine=engine)
+
+
+# ---- real runs ------------------------------------------------------------------------------------------------
+EVAL_KEYS = {"pass@1", "avg@4", "pass@4", "response_len_mean", "truncated_ratio", "num_reward_errors",
+             "num_samples", "policy_version"}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["tail", "phase"])
+def test_the_default_run_evaluates_its_heldout_split_from_the_initial_policy(job_dir, mode):
+    run_dir = job_dir(mode)
+    result = run_job(run_dir, *SMALL, "num_rollout=3", "eval.interval=2", f"eval.mode={mode}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(run_dir)
+    evaluated = [m["step"] for m in metrics if "eval/reversal_heldout/pass@1" in m]
+    assert evaluated == [0, 2]
+    heldout = {json.loads(line)["label"] for line in (run_dir / "data" / "reversal_heldout.jsonl").open()}
+    for m in metrics:
+        if m["step"] in evaluated:
+            assert {k.rpartition("/")[2] for k in m if k.startswith("eval/reversal_heldout/")} == EVAL_KEYS
+            assert m["eval/reversal_heldout/policy_version"] == m["policy_version"] == m["step"]
+            assert m["eval/reversal_heldout/num_samples"] == 4 * len(heldout)
+            assert 0.0 <= m["eval/reversal_heldout/pass@1"] <= m["eval/reversal_heldout/pass@4"] <= 1.0
+    trained = {json.loads(line)["label"] for line in (run_dir / "data" / "reversal.jsonl").open()}
+    assert heldout and not heldout & trained
+
+
+GPQA_SHAPED = ["+experiment=gpqa", "model.path=null", "model.dtype=float32", "rollout.engine=embedded",
+               "rollout.engines_per_node=1", "rollout.concurrency=16", "trainer.backend=torch", "trainer.num_ranks=1",
+               "reward.num_workers=1", "data.max_prompt_len=200", "eval.interval=1", "eval.sets.0.max_response_len=6",
+               "eval.sets.0.n_samples_per_prompt=2", "eval.sets.0.temperature=1.0"]
+"""The gpqa preset, shrunk to the embedded engine and tiny model: its own eval set, given a path."""
+
+
+@pytest.mark.multiprocess
+def test_a_gpqa_shaped_run_reports_its_eval_set_and_counts_reward_errors_without_stopping(job_dir, tmp_path):
+    def row(question: str, label, choices=("one", "two", "three", "four")) -> str:
+        return json.dumps({"prompt": f"{question}? a: {choices[0]} b: {choices[1]} c: {choices[2]} d: {choices[3]}",
+                           "label": label, "metadata": {"choices": list(choices)}}) + "\n"
+
+    train, heldout = tmp_path / "train.jsonl", tmp_path / "gpqa_eval.jsonl"
+    train.write_text("".join(row(f"which is {n}", "ABCD"[i % 4]) for i, n in enumerate("abcdefgh")))
+    # three rows the reward reads, and one whose label it cannot read: two reward errors, counted, never trained
+    heldout.write_text(row("which is x", "C") + row("which is y", 1) + row("which is z", "four")
+                       + row("which is w", "zz", choices=("p", "q", "r", "s")))
+    run_dir = job_dir("gpqa")
+    result = run_job(run_dir, *SMALL, *GPQA_SHAPED, f"data.path={train}", f"eval.sets.0.path={heldout}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(run_dir)
+    assert [m["eval/gpqa/num_samples"] for m in metrics] == [8, 8]
+    assert [m["eval/gpqa/num_reward_errors"] for m in metrics] == [2, 2]
+    assert [m["eval/gpqa/policy_version"] for m in metrics] == [0, 1]
+    assert all(m["rollout/num_reward_errors"] == 0 for m in metrics), "eval samples never count as training's"
+    assert all({"eval/gpqa/pass@1", "eval/gpqa/avg@2", "eval/gpqa/pass@2"} <= set(m) for m in metrics)
+
+
+def test_the_presets_carry_eval_sets():
+    for name, reward in (("gpqa", "gpqa"), ("math", "math")):
+        preset = OmegaConf.load(REPO / "conf" / "experiment" / f"{name}.yaml")
+        assert preset.eval.interval > 0 and [(s.name, s.reward) for s in preset.eval.sets] == [(name, reward)]
+
+
+def test_the_report_tells_settings_apart_by_their_eval_sets():
+    """A list of eval sets flattens to hashable keys (a tuple of dicts would make settings unhashable)."""
+    flat = flatten({"eval": {"interval": 10, "sets": [{"name": "a", "path": None}]}, "rollout": {"engine_urls": []}})
+    assert flat == {"eval.interval": 10, "eval.sets.0.name": "a", "eval.sets.0.path": None, "rollout.engine_urls": ()}
+    assert setting_labels([tuple(sorted(flat.items())), (("eval.sets.0.name", "b"),)])
+
+
+def test_an_engine_hung_on_eval_requests_alone_is_restarted():
+    from tests.unit.test_engine_failure import Rollout
+
+    rollout = Rollout(num_engines=1, request_timeout_s=0.05)
+    rollout.supervisor.also_held = lambda engine: 2  # eval requests only: Admission holds nothing there
+    rollout.supervisor.check()
+    time.sleep(0.08)
+    rollout.supervisor.check()
+    assert [e.name for e in rollout.restarted] == ["engine0-restart1"]

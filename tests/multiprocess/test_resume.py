@@ -1,0 +1,41 @@
+"""Checkpoint and resume: a resumed run redoes the interrupted step with the same samples and ends with the
+weights of an uninterrupted run."""
+
+from __future__ import annotations
+
+import pytest
+from safetensors.torch import load_file
+
+from rolloutpipe.control.checkpoint import latest_checkpoint
+from tests.conftest import DENSE_REWARD, SMALL, read_metrics, read_samples, run_job
+
+pytestmark = pytest.mark.multiprocess
+
+WORKLOAD = [*SMALL, *DENSE_REWARD, "model.dtype=float64", "run.save_samples=true", "run.checkpoint_every=1",
+            "pipeline.mode=cgp", "global_batch_size=8"]
+
+
+def test_resumed_run_ends_with_the_weights_of_an_uninterrupted_run(job_dir):
+    whole, split = job_dir("whole"), job_dir("split")
+    assert run_job(whole, *WORKLOAD, "num_rollout=4").returncode == 0
+    first = run_job(split, *WORKLOAD, "num_rollout=2")
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert latest_checkpoint(split).step == 1
+    (split / "checkpoints" / "step=7.tmp").mkdir()  # an interrupted checkpoint write is never resumed from
+    second = run_job(split, *WORKLOAD, "num_rollout=4", "run.resume=auto")
+    assert second.returncode == 0, second.stderr[-2000:]
+
+    assert [m["step"] for m in read_metrics(split)] == [0, 1, 2, 3]
+    assert [(s["id"], s["response_ids"]) for s in read_samples(split)] == [
+        (s["id"], s["response_ids"]) for s in read_samples(whole)]
+    a = load_file(str(whole / "checkpoints" / "final" / "model.safetensors"))
+    b = load_file(str(split / "checkpoints" / "final" / "model.safetensors"))
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-9
+    assert sorted(p.name for p in (split / "checkpoints").glob("step=?")) == ["step=2", "step=3"]  # keep_last=2
+
+
+def test_resume_with_nothing_to_resume_starts_fresh(job_dir):
+    run_dir = job_dir("fresh")
+    result = run_job(run_dir, *WORKLOAD, "num_rollout=1", "run.resume=auto")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [m["step"] for m in read_metrics(run_dir)] == [0]

@@ -1,0 +1,106 @@
+"""A node process ends with nothing of the run still running: no thread with a store client, no process group.
+
+Why it matters: a thread still inside a c10d store call when the interpreter finalizes aborts the process as the
+call returns ("terminate called without an active exception", SIGABRT: re-taking the GIL then ends the thread with
+pthread_exit, whose unwinding cannot cross pybind11's noexcept guard). A trainer rank died that way once, under
+load, in the 2-rank bfloat16 parity run. The abort itself needs a store reply to land inside the few milliseconds
+of teardown, so the test checks what rules it out instead: when ``run_node`` returns, no thread with a store client
+and no gloo thread is left (trainer/node.py, ``TrainerNode.close``; control/liveness.py, ``Liveness.stop``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+import pytest
+from omegaconf import OmegaConf
+
+from rolloutpipe.config import load_config, save_config
+from rolloutpipe.control.clock import ClockServer
+from rolloutpipe.control.env import NodeEnv, Role, attempt_key, loopback_interface
+from rolloutpipe.control.transport import StoreAddress, Transport
+from rolloutpipe.rollout.samples import RewardThreads
+from tests.conftest import REPO, SMALL, node_environ, wait_for
+
+pytestmark = pytest.mark.multiprocess
+
+TRAINER_RANK = """
+import json, os, sys, threading
+from rolloutpipe.config import read_config
+from rolloutpipe.control.env import NodeEnv
+from rolloutpipe.control.transport import TransportError
+from rolloutpipe.pipeline import run_node
+
+env = NodeEnv.take()
+try:
+    run_node(read_config(env.config_path), env)
+except TransportError as err:
+    print(f"stopped: {err}", file=sys.stderr)
+native = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print(json.dumps({"python": [t.name for t in threading.enumerate()], "native": native}))
+"""
+"""One trainer rank as launch/node.py runs it; then the threads still alive in its process, Python's and the
+kernel's (gloo names its C++ threads ``gloo_tcp_loop`` and ``pt_gloo_runloop``)."""
+STORE_THREADS = ("heartbeat-", "requeue-watch")
+"""A trainer rank's threads with a store client of their own (others, like tqdm's monitor, hold none)."""
+
+
+def test_a_stopped_trainer_rank_leaves_no_thread_or_process_group_into_interpreter_teardown(tmp_path):
+    """Two trainer ranks (so a gloo process group, and rank 0's requeue watch) stop on an abort while they wait for
+    their first group: the error path of pipeline.run_node, the one every failure and stop signal takes."""
+    run_dir = tmp_path / "run"
+    cfg = load_config(OmegaConf.from_dotlist([*SMALL, "trainer.num_ranks=2", "wandb.mode=disabled",
+                                              f"run.dir={run_dir}", "run.id=bytest"]))
+    save_config(cfg, run_dir / "config.yaml")
+    host = Transport.open(address=StoreAddress(host="127.0.0.1", port=0, hosted_by="this test"), is_host=True,
+                          run_id="bytest", secret=attempt_key(b"k" * 32, "bytest", 0), run_dir=run_dir,
+                          connect_timeout_s=30)
+    host.address.port = host.store.port
+    clock = ClockServer(host.connect_another()).start()  # what rollout rank 0 serves; the ranks measure against it
+    environ = {**node_environ(), **({"GLOO_SOCKET_IFNAME": i} if (i := loopback_interface()) else {})}
+    ranks = [subprocess.Popen(
+        [sys.executable, "-c", TRAINER_RANK], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**environ, **NodeEnv(role=Role.trainer, rank=r, world_size=2, store_host="127.0.0.1",
+                                  store_port=host.store.port, run_id="bytest", secret=b"k" * 32,
+                                  run_dir=run_dir).to_environ()})
+        for r in range(2)]
+    try:
+        wait_for(lambda: host.read_record(host.key("trainer", "ready")), "trainer rank 0 to start", running=ranks)
+        host.abort("this test stops the run")
+        outputs = [rank.communicate(timeout=120) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+        clock.stop()
+    for r, (rank, (out, err)) in enumerate(zip(ranks, outputs)):
+        assert rank.returncode == 0 and "this test stops the run" in err, f"trainer rank {r}:\n{err[-3000:]}"
+        threads = json.loads(out.splitlines()[-1])
+        assert not [t for t in threads["python"] if t.startswith(STORE_THREADS)], f"trainer rank {r}: {threads}"
+        assert not [t for t in threads["native"] if "gloo" in t], f"trainer rank {r}: {threads}"
+
+
+def test_a_stopping_rollout_node_rewards_none_of_the_results_still_queued():
+    """With a slow reward, a step's results queue up behind the reward workers; a stop (Slurm's warning, a failed
+    peer) waits for the calls in progress only, not for the rewards of a step that will be redone (seen on the
+    Slurm cluster: rollout rank 0 was still rewarding when the time limit's margin came)."""
+    threads = RewardThreads(pool=None, tokenizer=None, num_threads=1, spans=None)
+    rewarded, started, release = [], threading.Event(), threading.Event()
+
+    def reward(result) -> None:  # the one call in progress holds until the stop has begun
+        rewarded.append(result)
+        started.set()
+        release.wait(timeout=30)
+
+    threads._reward = reward
+    for result in range(5):
+        threads.on_result(result)
+    assert started.wait(timeout=30)
+    closer = threading.Thread(target=threads.close)
+    closer.start()
+    wait_for(lambda: threads.results.qsize() == 5, "close to queue its stop")  # 4 results, then the stop
+    release.set()
+    closer.join(timeout=30)
+    assert not closer.is_alive() and rewarded == [0] and threads.idle()

@@ -1,0 +1,147 @@
+"""Distributed weight sync: trainer rank 0 broadcasts, engines behind SGLang's HTTP API receive (control/weights/distributed.py).
+
+Two embedded-engine servers (float64) join a gloo group with this test process as rank 0, the role trainer rank 0
+plays in a run; the rollout node's side (EngineSupervisor -> SGLangEngine -> sglang_api) drives them.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from rolloutpipe.config import ConfigError, load_config
+from rolloutpipe.control.env import free_port
+from rolloutpipe.control.weights.buckets import WeightGroup, plan_buckets
+from rolloutpipe.control.weights.distributed import Broadcaster, weight_sync_backend
+from rolloutpipe.model import DType, ModelConfig, load_model
+from rolloutpipe.observe.metrics import read_spans
+from rolloutpipe.rollout.engines import server_process, sglang_api
+from rolloutpipe.rollout.engines.http_client import SGLangEngine
+from rolloutpipe.rollout.engines.supervisor import EngineSupervisor
+from tests.conftest import DENSE_REWARD, SMALL, read_samples, run_job
+from tests.multiprocess.test_sglang_client import API_KEY, MODEL, VOCAB_SIZE, Results, in_process, request
+
+NUM_SERVERS = 2
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("engines")
+    model_yaml = log_dir / "model.yaml"
+    model_yaml.write_text(OmegaConf.to_yaml(OmegaConf.structured(MODEL)))
+    procs = [server_process.embedded_server(name=f"engine{i}", model_config_yaml=model_yaml, concurrency=4,
+                                            log_dir=log_dir, num_threads=1, api_key=API_KEY).start()
+             for i in range(NUM_SERVERS)]
+    for proc in procs:
+        proc.wait_ready(timeout_s=120)
+    yield procs
+    for proc in procs:
+        proc.stop()
+
+
+def test_buckets_keep_the_state_order_and_respect_the_size():
+    state = {"a": torch.zeros(10, dtype=torch.float64), "b": torch.zeros(3, 2, dtype=torch.bfloat16),
+             "c": torch.zeros(100, dtype=torch.float32), "d": torch.zeros(1)}
+    buckets = plan_buckets(state, bucket_bytes=100)
+    assert [b.names for b in buckets] == [["a", "b"], ["c"], ["d"]]  # c (400 bytes) alone: larger than a bucket
+    assert buckets[0].dtypes == ["float64", "bfloat16"] and buckets[0].shapes == [[10], [3, 2]]
+
+
+def test_a_cpu_trainer_broadcasts_over_gloo_even_to_sglang_engines():
+    """nccl cannot send CPU tensors; gloo fills SGLang's CUDA buffers through host memory."""
+    assert weight_sync_backend(True, {"w": torch.zeros(2)}) == "gloo"
+    assert weight_sync_backend(False, {"w": torch.zeros(2)}) == "gloo"
+
+
+def test_distributed_weight_sync_needs_http_engines_and_says_so():
+    with pytest.raises(ConfigError, match="rollout.engine=embedded_http"):
+        load_config({"pipeline": {"weight_sync": "distributed"}})
+    with pytest.raises(ConfigError, match="async_one_step"):
+        load_config({"pipeline": {"weight_sync": "distributed", "mode": "async_one_step"},
+                     "rollout": {"engine": "embedded_http"}})
+
+
+def test_engines_serve_the_broadcast_weights_and_report_their_version(servers):
+    results = Results()
+    engines = [SGLangEngine(name=p.name, endpoint=p.endpoint, concurrency=4, on_result=results) for p in servers]
+    supervisor = EngineSupervisor(engines=engines, restart=None, where_to_look=lambda e: e.url, max_failures=0,
+                                  request_timeout_s=None, spans=None)
+    try:
+        outside = sglang_api.update_weights_from_distributed_body(plan_buckets({"x": torch.zeros(1)}, 8)[0],
+                                                                  "nope", 9)
+        with pytest.raises(sglang_api.SGLangError, match="HTTP 400"):  # outside a session, as 0.5.23 refuses
+            sglang_api.call(servers[0].endpoint, sglang_api.UPDATE_WEIGHTS_FROM_DISTRIBUTED, outside)
+
+        group = WeightGroup(master_address="127.0.0.1", master_port=free_port(), world_size=1 + NUM_SERVERS)
+        rank0: dict[str, Broadcaster] = {}
+        joining = threading.Thread(target=lambda: rank0.update(b=Broadcaster(group=group, bucket_bytes=40_000,
+                                                                             timeout_s=60, check=lambda what: None)))
+        joining.start()
+        supervisor.join_weight_group(group, ranks_per_engine=1)
+        joining.join()
+
+        new_cfg = ModelConfig(dtype=DType.float64, init_seed=1)
+        state = load_model(new_cfg, VOCAB_SIZE).state_dict()
+        state.pop("lm_head.weight")  # tied, as the trainer sends it
+        buckets = rank0["b"].plan(state)
+        assert len(buckets) > 2
+        sending = threading.Thread(target=rank0["b"].send, args=(state, buckets, 1))
+        sending.start()
+        supervisor.load_weights_distributed(buckets, 1)
+        sending.join()
+
+        requests = [request(i, stop_token_ids=[1]) for i in range(3)]
+        local = in_process(new_cfg, requests, policy_version=1)
+        for engine, proc in zip(engines, servers):
+            assert engine.policy_version == 1
+            assert sglang_api.served_weight_version(sglang_api.call(proc.endpoint, sglang_api.MODEL_INFO)) == "1"
+            for r in requests:
+                got = sglang_api.generate(proc.endpoint, r, timeout_s=30)
+                assert got.weight_version == "1"
+                assert got.output_ids == local[r.request_id].output_ids
+                torch.testing.assert_close(torch.tensor(got.output_logprobs),
+                                           torch.tensor(local[r.request_id].output_logprobs), rtol=0, atol=1e-10)
+    finally:
+        for engine in engines:
+            engine.shutdown()
+
+
+PARITY = [*SMALL, *DENSE_REWARD, "model.dtype=float64", "run.save_samples=true", "rollout.concurrency=6",
+          "run.checkpoint_every=0"]
+
+
+def test_distributed_weight_sync_trains_the_same_policy_as_disk_sync(job_dir):
+    runs = {}
+    for name, overrides in (("disk", ["pipeline.weight_sync=disk"]),
+                            ("distributed", ["rollout.engine=embedded_http", "pipeline.weight_sync=distributed",
+                                             "pipeline.weight_sync_bucket_mb=0.1"])):
+        run_dir = job_dir(name)
+        result = run_job(run_dir, *PARITY, *overrides)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = run_dir
+
+    assert not list((runs["distributed"] / "weights").glob("*.safetensors")), "distributed sync writes no file"
+    versions = {(s.step, s.attrs["policy_version"]) for s in read_spans(runs["distributed"])
+                if s.name == "rollout/request"}
+    assert versions == {(0, 0), (1, 1)}  # step 1 was generated by the broadcast policy
+    disk, distributed = read_samples(runs["disk"]), read_samples(runs["distributed"])
+    assert [(s["id"], s["response_ids"]) for s in disk] == [(s["id"], s["response_ids"]) for s in distributed]
+    disk_w, dist_w = (load_file(str(r / "checkpoints" / "final" / "model.safetensors")) for r in runs.values())
+    difference = max((disk_w[k] - dist_w[k]).abs().max().item() for k in disk_w)
+    assert difference < 1e-9, f"disk and distributed weight sync trained policies that differ by {difference}"
+
+
+def test_with_distributed_sync_a_failed_engine_stops_the_run_instead_of_a_restart_that_could_not_join():
+    from rolloutpipe.rollout.engines.supervisor import EngineFailed
+    from tests.unit.test_engine_failure import Rollout
+
+    rollout = Rollout(num_engines=2, max_failures=3)
+    rollout.supervisor.weight_group = WeightGroup(master_address="127.0.0.1", master_port=1, world_size=3)
+    rollout.engines[1].error = RuntimeError("boom")
+    with pytest.raises(EngineFailed, match=r"engine engine1 failed: RuntimeError\('boom'\).*weight_sync=disk"):
+        rollout.supervisor.check()
+    assert rollout.restarted == []

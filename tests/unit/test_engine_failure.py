@@ -1,0 +1,176 @@
+"""Engine failure (supervisor.py with Admission): pure logic with fake engines, no processes."""
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from rolloutpipe.rollout.admission import Admission, AdmissionPolicy
+from rolloutpipe.rollout.config import RolloutConfig
+from rolloutpipe.rollout.engines.supervisor import EngineFailed, EngineSupervisor
+from rolloutpipe.types import GenerationResult
+from tests.fakes import FakeEngine
+
+
+class FakeSpans:
+    def __init__(self) -> None:
+        self.spans = []
+
+    def add(self, name, **attrs) -> None:
+        self.spans.append((name, attrs))
+
+
+class Rollout:
+    """A rollout node in miniature: engines, Admission, the supervisor, and the results that counted."""
+
+    def __init__(self, *, num_engines: int, policy: AdmissionPolicy = AdmissionPolicy.fifo, concurrency: int = 8,
+                 max_failures: int = 3, request_timeout_s: float | None = None) -> None:
+        self.counted: list[GenerationResult] = []
+        self.engines = [FakeEngine(f"engine{i}", self.on_result) for i in range(num_engines)]
+        self.restarted: list[FakeEngine] = []
+        self.spans = FakeSpans()
+        self.admission = Admission(policy=policy, engines=self.engines, concurrency=concurrency)
+        self.supervisor = EngineSupervisor(
+            engines=self.engines, restart=self.restart, where_to_look=lambda e: f"/logs/{e.name}.log",
+            max_failures=max_failures, request_timeout_s=request_timeout_s, spans=self.spans)
+        self.supervisor.begin_step(0, self.admission)
+
+    def restart(self, slot: int, name: str, failed) -> FakeEngine:
+        engine = FakeEngine(name, self.on_result)
+        self.restarted.append(engine)
+        return engine
+
+    def on_result(self, result: GenerationResult) -> None:  # what RolloutNode.on_result does
+        if self.admission.finished(result.request_id, result.engine):
+            self.supervisor.on_result(result)
+            self.counted.append(result)
+
+
+def group_requests(group: int, n: int = 4):
+    return [SimpleNamespace(request_id=f"step=0/group={group}/sample={s}", sampling_seed=100 * group + s)
+            for s in range(n)]
+
+
+def test_requests_of_a_dead_engine_are_resubmitted_with_their_seeds_and_its_late_results_ignored():
+    rollout = Rollout(num_engines=2)
+    e0, e1 = rollout.engines
+    for g in range(2):  # FIFO: group 0 on engine0, group 1 on engine1
+        rollout.admission.add_group(g, group_requests(g, n=2))
+    e0.finish("step=0/group=0/sample=0")  # counted: it finished before the failure
+    held = [r.request_id for r in e0.running]
+    assert held == ["step=0/group=0/sample=1"]
+    e0.error = RuntimeError("scheduler thread raised")
+    rollout.supervisor.check()
+
+    assert [(r.request_id, r.sampling_seed) for r in e1.running] == [
+        ("step=0/group=1/sample=0", 100), ("step=0/group=1/sample=1", 101), ("step=0/group=0/sample=1", 1)]
+    replacement = rollout.engines[0]
+    assert replacement.name == "engine0-restart1" and e0.shut_down
+    e0.finish("step=0/group=0/sample=1")  # the dead engine's late result: the request is on engine1 now
+    for request in list(e1.running):
+        e1.finish(request.request_id)
+    ids = sorted(r.request_id for r in rollout.counted)
+    assert ids == [f"step=0/group={g}/sample={s}" for g in range(2) for s in range(2)], "every sample exactly once"
+    assert next(r for r in rollout.counted if r.request_id == "step=0/group=0/sample=1").engine == "engine1"
+    assert rollout.admission.num_in_flight() == 0
+    (name, span), = rollout.spans.spans
+    assert name == "rollout/engine_restart" and span["engine"] == "engine0" and span["num_retried"] == 1
+
+
+def test_a_restarted_engine_serves_the_current_weights_and_takes_new_requests():
+    rollout = Rollout(num_engines=2)
+    rollout.supervisor.load_weights("/run/weights/policy_v3.safetensors", 3)
+    rollout.engines[1].error = RuntimeError("server exited with code -9")
+    rollout.supervisor.check()
+    replacement = rollout.engines[1]
+    assert replacement.weights == ("/run/weights/policy_v3.safetensors", 3)
+    for g in range(2):
+        rollout.admission.add_group(g, group_requests(g, n=2))
+    assert len(replacement.running) == 2 and len(rollout.engines[0].running) == 2
+
+
+def test_with_one_engine_its_requests_wait_for_the_restarted_one():
+    rollout = Rollout(num_engines=1)
+    rollout.admission.add_group(0, group_requests(0, n=2))
+    dead = rollout.engines[0]
+    dead.error = RuntimeError("boom")
+    rollout.supervisor.check()
+    assert [r.request_id for r in rollout.engines[0].running] == ["step=0/group=0/sample=0", "step=0/group=0/sample=1"]
+    assert rollout.engines[0].name == "engine0-restart1"
+
+
+def test_fgd_puts_retried_requests_back_in_line_frontier_first_within_concurrency():
+    rollout = Rollout(num_engines=2, policy=AdmissionPolicy.fgd, concurrency=2)
+    e0, e1 = rollout.engines
+    for g in range(3):
+        rollout.admission.add_group(g, group_requests(g, n=2))
+    rollout.admission.pump(lambda: [0, 1])
+    assert [r.request_id for r in e0.running] == ["step=0/group=0/sample=0", "step=0/group=0/sample=1"]
+    assert [r.request_id for r in e1.running] == ["step=0/group=1/sample=0", "step=0/group=1/sample=1"]
+    e0.error = RuntimeError("boom")
+    rollout.supervisor.check()
+    rollout.admission.pump(lambda: [0, 1])
+    assert len(e1.running) == 2, "engine1 is full: nothing more goes to it"
+    replacement = rollout.engines[0]
+    assert [r.request_id for r in replacement.running] == ["step=0/group=0/sample=0", "step=0/group=0/sample=1"]
+
+
+def test_aborted_requests_of_a_dead_engine_are_not_retried():
+    rollout = Rollout(num_engines=1)
+    rollout.admission.add_group(0, group_requests(0, n=2))
+    rollout.admission.add_group(1, group_requests(1, n=2))
+    assert rollout.admission.abort_groups([1]) == 2
+    rollout.engines[0].error = RuntimeError("boom")
+    rollout.supervisor.check()
+    assert [r.request_id for r in rollout.engines[0].running] == ["step=0/group=0/sample=0", "step=0/group=0/sample=1"]
+    assert rollout.admission.num_in_flight() == 2
+
+
+def test_an_engine_holding_requests_that_hands_none_back_within_the_timeout_is_restarted():
+    rollout = Rollout(num_engines=2, request_timeout_s=0.05)
+    for g in range(2):
+        rollout.admission.add_group(g, group_requests(g, n=2))
+    rollout.supervisor.check()
+    assert rollout.restarted == []
+    rollout.engines[1].finish("step=0/group=1/sample=0")
+    time.sleep(0.03)
+    rollout.engines[1].finish("step=0/group=1/sample=1")  # engine1 makes progress, engine0 does not
+    time.sleep(0.03)
+    rollout.supervisor.check()
+    assert [e.name for e in rollout.restarted] == ["engine0-restart1"]
+    assert "rollout.request_timeout_s=0.05" in rollout.spans.spans[0][1]["reason"]
+
+
+def test_an_idle_engine_never_times_out():
+    rollout = Rollout(num_engines=1, request_timeout_s=0.01)
+    time.sleep(0.03)
+    rollout.supervisor.check()
+    assert rollout.restarted == []
+
+
+def test_past_max_engine_failures_the_run_stops_naming_the_engine_and_its_log():
+    rollout = Rollout(num_engines=2, max_failures=1)
+    rollout.engines[1].error = RuntimeError("boom")
+    rollout.supervisor.check()
+    rollout.engines[1].error = RuntimeError("boom again")
+    with pytest.raises(EngineFailed, match=r"engine engine1-restart1 failed: RuntimeError\('boom again'\).*"
+                                           r"failure 2 of engine engine1.*max_engine_failures=1.*/logs/"
+                                           r"engine1-restart1.log"):
+        rollout.supervisor.check()
+
+
+def test_max_engine_failures_zero_stops_at_the_first_failure():
+    rollout = Rollout(num_engines=2, max_failures=0)
+    rollout.engines[0].error = RuntimeError("boom")
+    with pytest.raises(EngineFailed, match="engine engine0 failed"):
+        rollout.supervisor.check()
+    assert rollout.restarted == []
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("max_engine_failures", -1, "rollout.max_engine_failures=-1 must be >= 0"),
+    ("request_timeout_s", 0.0, "rollout.request_timeout_s=0.0 must be > 0"),
+])
+def test_engine_failure_settings_are_checked_at_the_edge(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        RolloutConfig(**{field: value})
