@@ -54,8 +54,9 @@ def measure(hidden: int, layers: int, vocab: int, repeats: int) -> dict:
 
     from rolloutpipe.trainer.config import OldLogprobSource, TrainerConfig
     from rolloutpipe.trainer.grpo import GRPOConfig
+    from rolloutpipe.trainer.grpo_trainer import TrainSample
     from rolloutpipe.trainer.restore import RestorePoint
-    from rolloutpipe.trainer.torch_backend import PolicyTrainer, TrainSample
+    from rolloutpipe.trainer.torch_backend import PolicyTrainer
 
     model, tokenizer = build(hidden, layers, vocab)
     trainer = PolicyTrainer(model=model, cfg=TrainerConfig(), grpo=GRPOConfig(), temperature=1.0, pad_id=0,

@@ -36,7 +36,8 @@ from transformers import Qwen3ForCausalLM
 from bench.trainer_memory import model_config
 from rolloutpipe.trainer.config import OldLogprobSource, TrainerConfig
 from rolloutpipe.trainer.grpo import GRPOConfig
-from rolloutpipe.trainer.torch_backend import PolicyTrainer, TrainSample
+from rolloutpipe.trainer.grpo_trainer import TrainSample
+from rolloutpipe.trainer.torch_backend import PolicyTrainer
 tokens, chunk, hidden, layers, steps, vocab, recompute = (int(a) for a in sys.argv[1:8])
 torch.manual_seed(0)
 trainer = PolicyTrainer(model=Qwen3ForCausalLM(model_config(hidden, layers, tokens, vocab)),

@@ -53,8 +53,8 @@ from rolloutpipe.rollout.rewards import OnTimeout
 from rolloutpipe.rollout.samples import check_on_policy, check_reward_failures, write_samples
 from rolloutpipe.rollout.schedule import RolloutSchedule
 from rolloutpipe.trainer.batching import BatchConsumer, MicroBatch
+from rolloutpipe.trainer.grpo_trainer import sequence_len, train_samples
 from rolloutpipe.trainer.node import TrainerNode
-from rolloutpipe.trainer.torch_backend import sequence_len, train_samples
 
 
 # ================================================================================================

@@ -39,9 +39,9 @@ def check_trainer_size(layers: int = 4) -> dict:
     from rolloutpipe.launch.memory_plan import CUDA_CONTEXT_BYTES, GiB, ModelShape, trainer_estimate
     from rolloutpipe.trainer.batching import BatchConsumer, MicroBatch
     from rolloutpipe.trainer.config import OldLogprobSource, TrainerBackend
+    from rolloutpipe.trainer.grpo_trainer import TrainSample, sequence_len
     from rolloutpipe.trainer.megatron.model import uses_transformer_engine
     from rolloutpipe.trainer.node import trainer_class
-    from rolloutpipe.trainer.torch_backend import TrainSample, sequence_len
 
     hf_config = Qwen3Config(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=layers,
                             num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,

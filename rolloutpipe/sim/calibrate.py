@@ -80,7 +80,8 @@ def calibrate_trainer(cfg, *, repeats: int = 5) -> TrainerModel:
     """Fit TrainerModel to PolicyTrainer's forward/backward over TRAINER_GRID; optimizer step measured apart."""
     from rolloutpipe.model import build_tiny_tokenizer, load_model
     from rolloutpipe.trainer.config import OldLogprobSource
-    from rolloutpipe.trainer.torch_backend import PolicyTrainer, TrainSample
+    from rolloutpipe.trainer.grpo_trainer import TrainSample
+    from rolloutpipe.trainer.torch_backend import PolicyTrainer
 
     tokenizer = build_tiny_tokenizer()
     trainer = PolicyTrainer(model=load_model(cfg.model, len(tokenizer)), cfg=cfg.trainer, grpo=cfg.grpo,

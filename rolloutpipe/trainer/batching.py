@@ -11,7 +11,7 @@ normaliser is the batch's total (torch_backend.py).
 
 Packing. With ``max_tokens_per_micro_batch`` = 0 a micro-batch is ``micro_batch_size`` samples in
 arrival order. With a budget B, the rank packs first fit by tokens (Slime's dynamic batch size):
-torch_backend.pack right-pads every row to the micro-batch's longest sequence (prompt + response), so
+grpo_trainer.pack right-pads every row to the micro-batch's longest sequence (prompt + response), so
 memory scales with rows x longest, and that *padded* size is what B bounds. A sample goes into the
 first open micro-batch it fits in, (rows + 1) x max(longest, its length) <= B, else opens a new one.
 A micro-batch is emitted as soon as no sample of any length can join it, (rows + 1) x longest > B

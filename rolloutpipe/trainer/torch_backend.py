@@ -22,11 +22,8 @@ import torch.distributed as dist
 
 from rolloutpipe.trainer.config import OldLogprobSource, TrainerConfig
 from rolloutpipe.trainer.grpo import GRPOConfig
-from rolloutpipe.trainer.grpo_trainer import GRPOTrainer, TrainSample, sequence_len, train_samples
+from rolloutpipe.trainer.grpo_trainer import GRPOTrainer
 from rolloutpipe.trainer.logprobs import chunked_logprobs, token_entropy, token_logprobs
-
-# TrainSample and its helpers live in grpo_trainer.py; pipeline.py, sim/, tools/, bench/ and tests import them here
-__all__ = ["PolicyTrainer", "TrainSample", "clip_grad_norm", "sequence_len", "sum_of_squares", "train_samples"]
 
 
 class PolicyTrainer(GRPOTrainer):

@@ -10,8 +10,9 @@ from rolloutpipe.control.checkpoint import latest_checkpoint
 from rolloutpipe.model import ModelConfig, build_tiny_tokenizer, load_model
 from rolloutpipe.trainer.config import OldLogprobSource, TrainerConfig
 from rolloutpipe.trainer.grpo import GRPOConfig
+from rolloutpipe.trainer.grpo_trainer import TrainSample
 from rolloutpipe.trainer.restore import RestorePoint
-from rolloutpipe.trainer.torch_backend import PolicyTrainer, TrainSample
+from rolloutpipe.trainer.torch_backend import PolicyTrainer
 
 
 def trained_one_step() -> PolicyTrainer:
