@@ -70,8 +70,9 @@ class RolloutNode:
             self.spans.resume_at(0 if self.resumed is None else self.resumed.step + 1)
         self.rewards = RewardThreads(pool=RewardPool(cfg.reward), tokenizer=self.tokenizer,
                                      num_threads=cfg.reward.num_workers, spans=self.spans)
-        self.factory = factory = EngineFactory(cfg.engine_setup(), vocab_size=len(self.tokenizer), on_result=self.on_result,
-                                               api_key=env.engine_api_key, transport=transport, run_dir=env.run_dir)
+        self.factory = factory = EngineFactory(cfg.engine_setup(), vocab_size=len(self.tokenizer),
+                                               on_result=self.on_result, api_key=env.engine_api_key,
+                                               transport=transport, run_dir=env.run_dir)
         self.engines = factory.build_all()  # this node's, and the other rollout nodes' (rollout/engines/hosts.py)
         self.rewards.host_of = factory.host_of
         if (hosts := sorted({factory.host_of(e.name) for e in self.engines} - {None})):

@@ -303,5 +303,6 @@ def test_attaching_asks_whether_the_server_honours_seeds(server, tmp_path):
     (tmp_path / "config.json").write_text("{}")
     cfg = load_config({"model": {"path": str(tmp_path)}, "run": {"dir": str(tmp_path / "run")},
                        "rollout": {"engine": "sglang", "sglang_deterministic_inference": False}})
-    command = NodeServers(cfg.engine_setup(), rank=0, bind_host="127.0.0.1", api_key=API_KEY, log_dir=tmp_path)._server(0, "e").command
+    servers = NodeServers(cfg.engine_setup(), rank=0, bind_host="127.0.0.1", api_key=API_KEY, log_dir=tmp_path)
+    command = servers._server(0, "e").command
     assert "--enable-deterministic-inference" not in command
