@@ -52,8 +52,7 @@ def build(hidden: int, layers: int, vocab: int):
 def measure(hidden: int, layers: int, vocab: int, repeats: int) -> dict:
     import torch
 
-    from rolloutpipe.trainer.config import OldLogprobSource, TrainerConfig
-    from rolloutpipe.trainer.grpo import GRPOConfig
+    from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
     from rolloutpipe.trainer.grpo_trainer import TrainSample
     from rolloutpipe.trainer.restore import RestorePoint
     from rolloutpipe.trainer.torch_backend import PolicyTrainer

@@ -35,7 +35,7 @@ import torch
 from transformers import Qwen3ForCausalLM
 from bench.trainer_memory import model_config
 from rolloutpipe.trainer.config import OldLogprobSource, TrainerConfig
-from rolloutpipe.trainer.grpo import GRPOConfig
+from rolloutpipe.trainer.config import GRPOConfig
 from rolloutpipe.trainer.grpo_trainer import TrainSample
 from rolloutpipe.trainer.torch_backend import PolicyTrainer
 tokens, chunk, hidden, layers, steps, vocab, recompute = (int(a) for a in sys.argv[1:8])

@@ -29,8 +29,7 @@ from rolloutpipe.rollout.config import EngineKind, EngineSetup, RolloutConfig
 from rolloutpipe.rollout.data import DataConfig
 from rolloutpipe.rollout.evaluation import EvalConfig
 from rolloutpipe.rollout.rewards import RewardConfig
-from rolloutpipe.trainer.config import TrainerConfig
-from rolloutpipe.trainer.grpo import GRPOConfig
+from rolloutpipe.trainer.config import GRPOConfig, TrainerConfig
 
 
 class ConfigError(ValueError):

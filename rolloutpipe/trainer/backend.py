@@ -12,8 +12,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from rolloutpipe.trainer.config import OldLogprobSource, TrainerBackend, TrainerConfig
-from rolloutpipe.trainer.grpo import GRPOConfig, LossSums
+from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerBackend, TrainerConfig
+from rolloutpipe.trainer.grpo import LossSums
 from rolloutpipe.trainer.grpo_trainer import BatchResult, TrainSample
 
 

@@ -79,3 +79,23 @@ class TrainerConfig:
     @property
     def data_parallel_size(self) -> int:
         return self.num_ranks // (self.megatron.tensor_parallel_size * self.megatron.pipeline_parallel_size)
+
+
+class LossAggregation(enum.Enum):
+    token_mean = "token_mean"
+    seq_mean_token_mean = "seq_mean_token_mean"
+
+
+@dataclass(kw_only=True, slots=True)
+class GRPOConfig:
+    normalize_advantage_std: bool = True
+    eps_clip: float = 0.2
+    """Lower clip range: ratio >= 1 - eps_clip."""
+    eps_clip_high: float = 0.2
+    """Upper clip range: ratio <= 1 + eps_clip_high (0.28 is DAPO's clip-higher)."""
+    loss_agg: LossAggregation = LossAggregation.token_mean
+
+    def __post_init__(self) -> None:
+        for key in ("eps_clip", "eps_clip_high"):
+            if not 0.0 < getattr(self, key) < 1.0:
+                raise ValueError(f"grpo.{key}={getattr(self, key)} must be in (0, 1); 0.2 is the usual value.")

@@ -19,30 +19,11 @@ up to the order of floating-point accumulation.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 import torch
 
-
-class LossAggregation(enum.Enum):
-    token_mean = "token_mean"
-    seq_mean_token_mean = "seq_mean_token_mean"
-
-
-@dataclass(kw_only=True, slots=True)
-class GRPOConfig:
-    normalize_advantage_std: bool = True
-    eps_clip: float = 0.2
-    """Lower clip range: ratio >= 1 - eps_clip."""
-    eps_clip_high: float = 0.2
-    """Upper clip range: ratio <= 1 + eps_clip_high (0.28 is DAPO's clip-higher)."""
-    loss_agg: LossAggregation = LossAggregation.token_mean
-
-    def __post_init__(self) -> None:
-        for key in ("eps_clip", "eps_clip_high"):
-            if not 0.0 < getattr(self, key) < 1.0:
-                raise ValueError(f"grpo.{key}={getattr(self, key)} must be in (0, 1); 0.2 is the usual value.")
+from rolloutpipe.trainer.config import GRPOConfig, LossAggregation
 
 
 @dataclass(kw_only=True, slots=True)

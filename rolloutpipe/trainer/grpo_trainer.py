@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from rolloutpipe.trainer.config import OldLogprobSource, TrainerConfig
-from rolloutpipe.trainer.grpo import BatchTotals, GRPOConfig, LossSums, normaliser, policy_loss_sums
+from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
+from rolloutpipe.trainer.grpo import BatchTotals, LossSums, normaliser, policy_loss_sums
 from rolloutpipe.types import CompleteGroup
 
 

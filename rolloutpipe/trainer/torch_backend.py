@@ -20,8 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rolloutpipe.trainer.config import OldLogprobSource, TrainerConfig
-from rolloutpipe.trainer.grpo import GRPOConfig
+from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
 from rolloutpipe.trainer.grpo_trainer import GRPOTrainer
 from rolloutpipe.trainer.logprobs import chunked_logprobs, token_entropy, token_logprobs
 

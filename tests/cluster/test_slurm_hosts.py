@@ -6,8 +6,6 @@ engines (a local run: the reference)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 from pathlib import Path
 

@@ -226,6 +226,12 @@ def test_core_import_pulls_no_heavy_backend():
                                 ["sglang", "megatron", "wandb", "submitit"])
 
 
+def test_the_launcher_starts_the_nodes_without_importing_torch():
+    """launch.py reads and checks the config and starts the node processes; torch (about 1.3 s) is theirs."""
+    assert_import_pulls_none_of(["rolloutpipe.config", "rolloutpipe.launch.local", "rolloutpipe.launch.preflight"],
+                                ["torch", "transformers"])
+
+
 def test_a_response_budget_beyond_the_models_context_stops_the_run_before_any_engine_starts(job_dir):
     """SGLang answers such requests with HTTP 400 (and the embedded server does the same); found at start, once."""
     run_dir = job_dir("context")

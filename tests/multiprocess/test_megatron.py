@@ -17,8 +17,7 @@ from transformers import Qwen3ForCausalLM
 
 from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
 from rolloutpipe.trainer.backend import trainer_class
-from rolloutpipe.trainer.config import OldLogprobSource, TrainerBackend, TrainerConfig
-from rolloutpipe.trainer.grpo import GRPOConfig
+from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerBackend, TrainerConfig
 from rolloutpipe.trainer.grpo_trainer import TrainSample
 from rolloutpipe.trainer.megatron import cpu
 from rolloutpipe.trainer.megatron.convert import Layout, hf_to_megatron, megatron_to_hf

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from rolloutpipe.rollout.advantages import group_advantages
-from rolloutpipe.trainer.grpo import GRPOConfig, LossAggregation, normaliser, policy_loss_sums
+from rolloutpipe.trainer.config import GRPOConfig, LossAggregation
+from rolloutpipe.trainer.grpo import normaliser, policy_loss_sums
 
 
 def test_advantages_use_only_the_groups_own_rewards():

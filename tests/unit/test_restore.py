@@ -8,8 +8,7 @@ from safetensors.torch import load_file
 
 from rolloutpipe.control.checkpoint import latest_checkpoint
 from rolloutpipe.model import ModelConfig, build_tiny_tokenizer, load_model
-from rolloutpipe.trainer.config import OldLogprobSource, TrainerConfig
-from rolloutpipe.trainer.grpo import GRPOConfig
+from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
 from rolloutpipe.trainer.grpo_trainer import TrainSample
 from rolloutpipe.trainer.restore import RestorePoint
 from rolloutpipe.trainer.torch_backend import PolicyTrainer

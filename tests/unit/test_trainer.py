@@ -10,8 +10,7 @@ import torch
 
 from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
 from rolloutpipe.trainer.backend import PolicyBackend, trainer_class
-from rolloutpipe.trainer.config import OldLogprobSource, TrainerBackend, TrainerConfig
-from rolloutpipe.trainer.grpo import GRPOConfig, LossAggregation
+from rolloutpipe.trainer.config import GRPOConfig, LossAggregation, OldLogprobSource, TrainerBackend, TrainerConfig
 from rolloutpipe.trainer.grpo_trainer import TrainSample, pack
 from rolloutpipe.trainer.torch_backend import PolicyTrainer
 from tests.conftest import needs_extra

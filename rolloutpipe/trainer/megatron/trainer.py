@@ -35,8 +35,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from rolloutpipe.trainer.config import OldLogprobSource, TrainerConfig
-from rolloutpipe.trainer.grpo import GRPOConfig
+from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
 from rolloutpipe.trainer.grpo_trainer import GRPOTrainer
 from rolloutpipe.trainer.logprobs import VocabShard, chunked_logprobs
 from rolloutpipe.trainer.megatron import cpu
