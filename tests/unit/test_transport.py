@@ -1,14 +1,12 @@
 """The control plane: groups cross a real TCPStore as signed handles; anything altered or stray is refused."""
 
 import json
-import logging
 import os
 import threading
 import time
 
 import pytest
 
-from rolloutpipe.control import transport as transport_module
 from rolloutpipe.control.liveness import Liveness
 from rolloutpipe.control.transport import HandleRejected, PeerLost, StoreAddress, Transport
 from rolloutpipe.types import CompleteGroup, FinishReason, Sample
@@ -208,10 +206,11 @@ def test_a_forged_abort_is_refused_and_a_genuine_one_still_stops_the_run(transpo
     waiter.liveness = Liveness(waiter, role="trainer", rank=0, peers=[], heartbeat_s=0.1, peer_timeout_s=1,
                                startup_timeout_s=5)
     transport.set(transport.key("abort"), json.dumps({"reason": "forged: stop now"}))
+    # TCPStore's set does not wait for the server, and the check reads through another connection: a round trip on
+    # the writer's own connection makes sure the store holds the record first (under load the check came first)
+    transport.get(transport.key("abort"))
     waiter.liveness.check(waiting_for="a handle")  # refused: no error
-    logger = logging.getLogger(transport_module.__name__)  # failed once in a full suite with nothing captured: say why
-    assert "refused a store record" in caplog.text, (caplog.records, logger.getEffectiveLevel(), logger.disabled,
-                                                     waiter.liveness._check_client._refused)
+    assert "refused a store record" in caplog.text
     transport.abort("rollout rank 0 failed: engine crashed")  # overwrites the forged record
     with pytest.raises(PeerLost, match="engine crashed"):
         waiter.wait_get(waiter.key("never"), what="a handle")
