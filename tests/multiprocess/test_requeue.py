@@ -47,6 +47,16 @@ def store_client(port: int, run_dir: Path, attempt: int = 0) -> Transport:
                           run_dir=run_dir, connect_timeout_s=30)
 
 
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory) -> Path:
+    """The uninterrupted run both tests end equal to (letter_fraction_waiting, one reward worker and the grace period
+    of the second test change neither the samples nor the update: the same run, only slower)."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted") / "whole"
+    result = run_job(run_dir, *WORKLOAD)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
 def captured(client: Transport, keys: list[str], procs: dict) -> dict[str, bytes]:
     """The raw values of ``keys`` in a running attempt's store, each as soon as it appears: what anyone who reaches
     the store can read (reading needs no key)."""
@@ -57,12 +67,11 @@ def captured(client: Transport, keys: list[str], procs: dict) -> dict[str, bytes
     return found
 
 
-def test_warned_run_stops_at_a_checkpoint_and_the_requeued_one_resumes_to_the_uninterrupted_weights(job_dir):
+def test_warned_run_stops_at_a_checkpoint_and_the_requeued_one_resumes_to_the_uninterrupted_weights(job_dir, whole):
     """Attempt 0 is warned and stops at a checkpoint; its sealed ``requeue`` record and the ``abort`` that stops it
     for the requeue are read from its store and written into attempt 1's (same run id, secret and keys): refused, as
     sealed with attempt 0's key, and attempt 1 runs to the end."""
-    whole, split = job_dir("whole"), job_dir("split")
-    assert run_job(whole, *WORKLOAD).returncode == 0
+    split = job_dir("split")
     split.mkdir(parents=True)
     port = free_port()
     procs = start_nodes(split, *WORKLOAD, port=port)
@@ -111,14 +120,13 @@ least 9.6 s, longer than the 5 s trainer rank 0 gives the step in progress after
 minus two margins of 2.5 s), so the warning always lands in a step that cannot end in time."""
 
 
-def test_a_warning_during_a_step_longer_than_the_grace_period_loses_no_finished_step(job_dir):
+def test_a_warning_during_a_step_longer_than_the_grace_period_loses_no_finished_step(job_dir, whole):
     """GPU steps last minutes, longer than Slurm's warning. Trainer rank 0 writes the last finished step's checkpoint
     as soon as it is warned (run.checkpoint_every=100: none was due), drops the step in progress, and the requeued
     run continues right after the last finished step: none is redone, and the weights are the uninterrupted run's."""
     overrides = [*WORKLOAD, "reward.name=letter_fraction_waiting", "reward.num_workers=1",
                  "launcher.requeue_grace_s=10"]
-    whole, split = job_dir("whole"), job_dir("split")
-    assert run_job(whole, *overrides).returncode == 0
+    split = job_dir("split")
     split.mkdir(parents=True)
     port = free_port()
     procs = start_nodes(split, *overrides, port=port, environ=LONG_STEPS)
