@@ -1,7 +1,8 @@
 """Two rollout nodes on the real Slurm cluster (slurm/local_cluster.sh), through every launcher: each rollout node's
 task starts and registers its own two engine servers, the first one drives all four, and two trainer ranks train
 on two more nodes. The samples and the (float64) final weights equal those of one rollout node running the four
-engines (a local run: the reference)."""
+engines (a local run: the reference). These are also the submitit and TorchX launchers' runs to completion; the
+shipped batch script's own run is in test_slurm.py."""
 
 from __future__ import annotations
 
@@ -52,9 +53,15 @@ def test_submitit_two_rollout_nodes_and_two_trainer_nodes_match_one_rollout_node
     result = launch(run_dir, *workload(data), *TWO_NODES, "launcher.trainer.nodes=2",
                     "launcher.rollout.cpus_per_task=1", "launcher.trainer.cpus_per_task=1")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    rows = sacct_components(job_id_of(run_dir))
+    assert f"step {NUM_STEPS}/{NUM_STEPS}" in result.stdout  # the launcher echoes the trainer's step lines
+    job_id = job_id_of(run_dir)
+    script = (run_dir / "slurm" / f"{job_id}_submission.sh").read_text()
+    assert script.count("#SBATCH hetjob") == 1 and script.count("srun ") == 1  # one het job, one srun
+    rows = sacct_components(job_id)
+    assert [(c, s) for c, s, _ in rows] == [(f"{job_id}+0", "COMPLETED"), (f"{job_id}+1", "COMPLETED")]
     rollout_nodes, trainer_nodes = (set(expand_hostlist(nodes)) for _, _, nodes in rows)
     assert len(rollout_nodes) == 2 and len(trainer_nodes) == 2 and not rollout_nodes & trainer_nodes, rows
+    assert sorted(p.name for p in (run_dir / "spans").glob("trainer-*.jsonl")) == ["trainer-0.jsonl", "trainer-1.jsonl"]
     assert_same_run(run_dir, one_node)
 
 
