@@ -18,8 +18,9 @@ the sync run's measured rollout-to-train-end and ideal@sync the ideal bound from
 times (stages undisturbed). ``rollout``/``compute vs sync`` are each mode's slowdown of the stages it
 overlaps. Every comparison is with the sync rows of the same layout. ``noise`` is the most cores other
 jobs on the machine used during one of the row's runs (CPU seconds of every process minus those of the
-run's own processes, sampled from /proc every 0.2 s, over its wall time) in the runs kept; before each run the bench waits until they use under
-``--quiet-below``, and a run during which they used more than ``--max-noise`` is run again.
+run's own processes, sampled from /proc every 0.2 s, over its wall time) in the runs kept; before each run the
+bench waits until they use under ``--quiet-below``, and a run during which they used more than ``--max-noise`` is
+run again.
 
 With ``--rollout-nodes N`` (N > 1) ``--host-workloads`` also run ``--host-modes`` in two more layouts, engines
 in their own processes (``rollout.engine=embedded_http``, as SGLang) to compare like with like: ``http``,

@@ -6,8 +6,8 @@
 Every run is the whole job in cgp mode (``launch.py rollout.engine=sglang``, the job starting its SGLang servers
 with the CPU recipe of tests/sglang_real/test_sglang_real.py, but at full batch: no
 ``--max-running-requests 1``), on a tiny random-init Qwen3 whose responses are long-tailed (EOS with probability
-~1/45 per token, up to ``--response-len``), 8 prompts x 4 samples a step in two training batches of 4 groups. Settings, each where
-SGLang itself decides the order in which requests run:
+~1/45 per token, up to ``--response-len``), 8 prompts x 4 samples a step in two training batches of 4 groups.
+Settings, each where SGLang itself decides the order in which requests run:
 
     kv_pressure     one engine whose KV cache (--max-total-tokens 512) holds about a third of the step's tokens:
                     SGLang admits a request only when its reservation (prompt + 0.7 x max_new_tokens, the ratio

@@ -54,7 +54,8 @@ def main() -> None:
     parser.add_argument("--no-calibrate", action="store_true")
     parser.add_argument("--measured", type=Path, default=None, help="reuse the runs of an earlier --out")
     parser.add_argument("--hardware", type=Path, default=REPO / "conf" / "sim" / "hardware" / "embedded_cpu.yaml")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "runs" / f"sim-validation-{time.strftime('%Y%m%d-%H%M%S')}")
+    parser.add_argument("--out", type=Path,
+                        default=REPO / "bench" / "runs" / f"sim-validation-{time.strftime('%Y%m%d-%H%M%S')}")
     args = parser.parse_args()
     common = [f"num_rollout={args.steps}", f"rollout_max_response_len={args.response_len}"]
     measured: dict[str, list[dict]] = {name: [] for name in SETTINGS}

@@ -156,7 +156,8 @@ def main() -> None:
         if admission == "fgd" and (setting, "fifo") in results:
             base_meas, base_pred = results[setting, "fifo"]
             key = "perf/rollout_to_train_end_s"
-            cells += [f"{100 * (meas[key] / base_meas[key] - 1):+.1f}%", f"{100 * (pred[key] / base_pred[key] - 1):+.1f}%"]
+            cells += [f"{100 * (meas[key] / base_meas[key] - 1):+.1f}%",
+                      f"{100 * (pred[key] / base_pred[key] - 1):+.1f}%"]
         else:
             cells += ["", ""]
         rows.append(cells)

@@ -88,7 +88,9 @@ class Config:
                 "(advantages compare a sample with its group); use 4 to 16."
             )
         if not 0.0 < self.rollout_temperature:
-            raise ValueError(f"rollout_temperature={self.rollout_temperature} must be > 0 for policy-gradient training.")
+            raise ValueError(
+                f"rollout_temperature={self.rollout_temperature} must be > 0 for policy-gradient training."
+            )
         if not 0.0 < self.rollout_top_p <= 1.0:
             raise ValueError(f"rollout_top_p={self.rollout_top_p} must be in (0, 1].")
         if self.global_batch_size % self.n_samples_per_prompt:

@@ -66,7 +66,8 @@ class ModelConfig:
         if self.path is not None and not (Path(self.path) / "config.json").is_file():
             raise ValueError(
                 f"model.path={self.path!r} is not an HF model directory (no config.json there). "
-                "Point it at a directory saved with save_pretrained, or set model.path=null for the embedded tiny model."
+                "Point it at a directory saved with save_pretrained, "
+                "or set model.path=null for the embedded tiny model."
             )
 
 

@@ -86,7 +86,8 @@ def calibrate(out: Path, run_dirs: list[Path]) -> None:
                       cgp_records=records["cgp"])
     preset = {key: asdict(getattr(sim, key)) for key in ("engine", "trainer", "overheads", "lengths")}
     preset["lengths"]["kind"] = sim.lengths.kind.value
-    header = (f"# @package sim\n# Written by tools/calibrate_sim.py on {time.strftime('%Y-%m-%d %H:%M')} (this machine: "
+    header = ("# @package sim\n"
+              f"# Written by tools/calibrate_sim.py on {time.strftime('%Y-%m-%d %H:%M')} (this machine: "
               "embedded engine and PyTorch trainer on one CPU each, then fitted in situ to real sync and cgp runs of "
               f"the long_tail workload, {len(lengths)} samples). Rerun to recalibrate.\n")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -76,7 +76,8 @@ def save_checkpoint(*, run_dir: Path, step: int, model: torch.nn.Module, model_s
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     _fsync_dir(final.parent)
-    for old in sorted((int(m.group(1)) for p in final.parent.glob("step=*") if (m := _COMPLETE.match(p.name))))[:-keep_last]:
+    for old in sorted((int(m.group(1)) for p in final.parent.glob("step=*")
+                       if (m := _COMPLETE.match(p.name))))[:-keep_last]:
         shutil.rmtree(final.parent / f"step={old}", ignore_errors=True)
     return final
 

@@ -125,7 +125,8 @@ class Transport:
 
     @classmethod
     def open(
-        cls, *, address: StoreAddress, is_host: bool, run_id: str, secret: bytes, run_dir: Path, connect_timeout_s: float
+        cls, *, address: StoreAddress, is_host: bool, run_id: str, secret: bytes, run_dir: Path,
+        connect_timeout_s: float,
     ) -> Transport:
         """Host the store (on ``address.host``'s own address only; port 0 takes a free one) or connect to it."""
         try:

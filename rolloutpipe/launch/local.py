@@ -146,7 +146,8 @@ class LocalLauncher:
                 culprit = next((c for c in children if c.process.returncode not in (None, 0)), None)
                 if culprit is not None:
                     deadline = time.monotonic() + self.grace_s + (0 if culprit.hosts_store else peer_timeout_s)
-            if culprit is not None and (all(code is not None for code in codes.values()) or time.monotonic() > deadline):
+            if culprit is not None and (all(code is not None for code in codes.values())
+                                        or time.monotonic() > deadline):
                 # one a signal ended (not ours, below) is the cause, even when a peer noticed and exited 1 first
                 culprit = next((c for c in children if not 0 <= (c.process.poll() or 0) <= 128), culprit)
                 stop_groups([c.process for c in children], stop_grace_s)

@@ -123,7 +123,8 @@ def batch_script(cfg: Config, *, folder: Path, python: str) -> str:
         f"#SBATCH --signal=B:USR1@{launcher.requeue_grace_s}",
         *requeue,
         *_group_lines(cfg, launcher.rollout, "het group 0: rollout node group"),
-        *(["# A lost rollout node loses its engines, not the job (rolloutpipe/rollout/engines/hosts.py); the rollout manager's",
+        *([("# A lost rollout node loses its engines, not the job (rolloutpipe/rollout/engines/hosts.py); "
+            "the rollout manager's"),
            "# loss stops the run, which then requeues itself (launch/requeue.py).", "#SBATCH --no-kill"]
           if survive else []),
         "#SBATCH hetjob",

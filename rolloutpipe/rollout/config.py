@@ -25,8 +25,9 @@ class RolloutConfig:
     num_engines: int | None = None
     """Engines in all. Null: launcher.rollout.nodes x engines_per_node (one per node when that is null too)."""
     engines_per_node: int | None = None
-    """Engine servers each rollout node starts (rollout/engines/hosts.py): on GPU nodes its GPUs / sglang_gpus_per_engine.
-    Null: num_engines / launcher.rollout.nodes. With rollout.engine=embedded (in-process) the group is one node."""
+    """Engine servers each rollout node starts (rollout/engines/hosts.py): on GPU nodes its GPUs /
+    sglang_gpus_per_engine. Null: num_engines / launcher.rollout.nodes. With rollout.engine=embedded (in-process) the
+    group is one node."""
     min_engines: int = 1
     """Engines that must stay in service: a lost engine host takes its engines out (their requests go to the
     others) and the run goes on while at least this many remain; below it the run stops."""

@@ -11,8 +11,9 @@ Dispatcher thread
 
 Release policy. ``cgp`` (and ``async_one_step``) publish each group as soon as it is complete and
 placed in its training batch, so the trainer starts on the first one. ``sync`` holds the step's groups
-back until all of them are complete, then publishes them in completion order: that is Slime's synchronous schedule (generate the whole batch, then train), with
-the same trainer code on the other side, so the two modes differ only in when groups are released.
+back until all of them are complete, then publishes them in completion order: that is Slime's synchronous
+schedule (generate the whole batch, then train), with the same trainer code on the other side, so the two modes
+differ only in when groups are released.
 """
 
 from __future__ import annotations

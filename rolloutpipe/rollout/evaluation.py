@@ -15,7 +15,8 @@ Two modes (``eval.mode``):
   holds before a waiting eval request. A running eval request is never preempted: a training request admitted
   later (a dropped group's replacement, an FGD group) waits at most for one eval response in that slot.
   Training is unchanged: a sample's tokens depend only on its seed and the weights, never on its batch-mates, so
-  the step trains the same samples in the same batches (tests/multiprocess/test_pipeline.py runs the parity test with eval on).
+  the step trains the same samples in the same batches (tests/multiprocess/test_pipeline.py runs the parity test
+  with eval on).
 - ``phase``: Slime's way, for comparison: step k's eval runs on its own, on every engine, before the step's
   rollout starts; the rollout then starts on idle engines.
 
@@ -207,7 +208,8 @@ class Evaluation:
                     log.warning("eval set %r has no path (eval.sets: path=null) and the run trains on data.path: "
                                 "it is not evaluated; give its path to evaluate it.", s.name)
                     continue
-                path = Path(s.path) if s.path is not None else write_heldout_jsonl(data.task, run_dir / HELDOUT_DATA_FILE)
+                path = (Path(s.path) if s.path is not None
+                        else write_heldout_jsonl(data.task, run_dir / HELDOUT_DATA_FILE))
                 prompts = load_prompts(data, tokenizer, path)
                 self.sets.append((s, prompts[: s.max_prompts] if s.max_prompts else prompts))
         names = sorted({s.reward for s, _ in self.sets})

@@ -57,7 +57,8 @@ class RolloutNode:
         self.cfg = cfg
         self.env = env
         self.transport = transport
-        self.spans = SpanRecorder(role="rollout", rank=env.rank, path=env.run_dir / "spans" / f"rollout-{env.rank}.jsonl",
+        self.spans = SpanRecorder(role="rollout", rank=env.rank,
+                                  path=env.run_dir / "spans" / f"rollout-{env.rank}.jsonl",
                                   clock=sync_clock(transport))
         self.tokenizer = load_tokenizer(cfg.model)
         prompts = load_prompts(cfg.data, self.tokenizer, prepare_data_path(cfg.data, env.run_dir))

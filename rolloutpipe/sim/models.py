@@ -7,9 +7,9 @@ tokens generated so far) add up to ``C`` tokens takes
 
 (fixed launch/scheduling cost, the per-sequence work of sampling and the MLP, and attention reading the
 KV cache). Requests join between iterations; a join costs ``prefill_base_s + prefill_per_token_s * P``
-for the joiners' P prompt tokens, paid by the whole batch; each finished request costs ``per_finish_s``. Calibrated on this machine's embedded engine
-by ``sim/calibrate.py``; GPU figures come from published SGLang throughput (conf/sim/hardware/*.yaml
-cite their sources).
+for the joiners' P prompt tokens, paid by the whole batch; each finished request costs ``per_finish_s``.
+Calibrated on this machine's embedded engine by ``sim/calibrate.py``; GPU figures come from published SGLang
+throughput (conf/sim/hardware/*.yaml cite their sources).
 
 Trainer. A micro-batch is padded to its longest sample, as trainer/torch_backend.py does, so it costs
 ``micro_batch_base_s + num_samples * (per_token_s * padded_len + per_token_squared_s * padded_len**2)``
@@ -168,7 +168,8 @@ class LengthModel:
     """Spread of log prompt length around ``prompt_tokens`` (0: every prompt the same length)."""
 
     def __post_init__(self) -> None:
-        if self.kind is LengthKind.histogram and (self.histogram_path is None or not Path(self.histogram_path).is_file()):
+        if self.kind is LengthKind.histogram and (self.histogram_path is None
+                                                  or not Path(self.histogram_path).is_file()):
             raise ValueError(f"sim.lengths.histogram_path={self.histogram_path!r} is not a file; give a text file "
                              "with one response length per line (tools/simulate.py calibrate writes one).")
 

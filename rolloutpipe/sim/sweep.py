@@ -100,8 +100,8 @@ def run_sweep(cfg: SimulateConfig, raw_job: Any, raw_sim: Any) -> list[Row]:
             result = simulate(job, sim, cfg.num_steps)
             cpu_s = time.process_time() - start
             medians = {key: statistics.median(r[key] for r in result.records) for key, _ in COLUMNS}
-            rows.append(Row(setting=", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in setting.items()) or "-", mode=mode,
-                            medians=medians, cpu_s=cpu_s, result=result))
+            rows.append(Row(setting=", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in setting.items()) or "-",
+                            mode=mode, medians=medians, cpu_s=cpu_s, result=result))
     return rows
 
 

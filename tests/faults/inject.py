@@ -46,7 +46,8 @@ POINTS = {
     "mid_dispatch": ("rolloutpipe.rollout.dispatcher", "Dispatcher._publish", kill_process),
     "mid_optimizer_step": ("rolloutpipe.trainer.torch_backend", "PolicyTrainer.finish_batch", kill_process),
     "mid_checkpoint_write": ("rolloutpipe.control.checkpoint", "save_file", kill_process),
-    "during_weight_sync": ("rolloutpipe.rollout.engines.embedded", "EmbeddedEngine.update_weights_from_disk", kill_process),
+    "during_weight_sync": ("rolloutpipe.rollout.engines.embedded", "EmbeddedEngine.update_weights_from_disk",
+                           kill_process),
     "engine_crash": ("rolloutpipe.rollout.engines.embedded", "EmbeddedEngine._decode_step", crash_engine),
     "engine_server_killed": ("rolloutpipe.rollout.engines.http_client", "SGLangEngine.submit", kill_engine_server),
 }

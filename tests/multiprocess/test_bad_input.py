@@ -118,8 +118,9 @@ def test_failing_reward_gives_zero_and_is_counted_without_stopping_the_run(job_d
     data = _rows_with_labels(tmp_path / "rows.jsonl", ["ok", bad_label, "ok", "ok"])
     run_dir = job_dir(reward)
     result = run_job(run_dir, *SMALL, "num_rollout=1", f"data.path={data}", "data.shuffle=false",
-                     f"reward.name={reward}", "reward.timeout_s=1", "reward.import_modules=[tests.fixtures.faulty_rewards]",
-                     "reward.on_timeout=zero", "run.save_samples=true", timeout_s=180)
+                     f"reward.name={reward}", "reward.timeout_s=1",
+                     "reward.import_modules=[tests.fixtures.faulty_rewards]", "reward.on_timeout=zero",
+                     "run.save_samples=true", timeout_s=180)
     assert result.returncode == 0, result.stderr[-3000:]
     [metrics] = read_metrics(run_dir)
     assert metrics["rollout/num_reward_errors"] == 4  # the 4 samples of the one bad prompt
@@ -222,7 +223,8 @@ def test_launcher_names_the_process_that_died(job_dir):
 
 
 def test_core_import_pulls_no_heavy_backend():
-    assert_import_pulls_none_of(["rolloutpipe", "rolloutpipe.pipeline", "rolloutpipe.config", "rolloutpipe.launch.local"],
+    assert_import_pulls_none_of(["rolloutpipe", "rolloutpipe.pipeline", "rolloutpipe.config",
+                                 "rolloutpipe.launch.local"],
                                 ["sglang", "megatron", "wandb", "submitit"])
 
 

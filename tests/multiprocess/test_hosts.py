@@ -42,11 +42,11 @@ def request_spans(run_dir: Path) -> list[dict]:
 def test_two_rollout_nodes_under_fgd_give_the_samples_and_weights_of_one_node_with_all_four_engines(
         tmp_path, four_engine_data, one_rollout_node):
     """With distributed weight sync: trainer rank 0's broadcast group spans the engines of both nodes. (Disk weight
-    sync across nodes: tests/cluster/test_slurm_hosts.py, through every Slurm launcher.) One FGD admission over the engines of
-    both hosts (4 engines x rollout.concurrency=2 slots; a group's 4 samples go to one engine): each step starts the
-    first training batch's two groups at once and holds the other two on the rollout node until a request of the
-    step has finished (FIFO would start all four at once), and both hosts' engines generate. The reference (one
-    node) runs FIFO: the samples do not depend on the admission order."""
+    sync across nodes: tests/cluster/test_slurm_hosts.py, through every Slurm launcher.) One FGD admission over the
+    engines of both hosts (4 engines x rollout.concurrency=2 slots; a group's 4 samples go to one engine): each step
+    starts the first training batch's two groups at once and holds the other two on the rollout node until a request
+    of the step has finished (FIFO would start all four at once), and both hosts' engines generate. The reference
+    (one node) runs FIFO: the samples do not depend on the admission order."""
     run_dir, data, one_node = tmp_path / "run", four_engine_data, one_rollout_node
     result = run_job(run_dir, *workload(data), *TWO_NODES, "pipeline.weight_sync=distributed",
                      "rollout.admission=fgd")

@@ -244,8 +244,9 @@ def test_the_sbatch_script_reaches_srun_when_the_launch_logs_warnings(tmp_path):
     (bin_dir / "srun").write_text(f"#!/bin/sh\necho \"$RP_RUN_DIR|$RP_RUN_ID|$*\" >> {tmp_path / 'srun.log'}\n")
     (bin_dir / "srun").chmod(0o755)
     run_dir = tmp_path / "run"
-    environ = {**node_environ(), "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "777", "SLURM_HET_SIZE": "2",
-               "SLURM_NTASKS_HET_GROUP_0": "1", "SLURM_NTASKS_HET_GROUP_1": "1", "SLURM_RESTART_COUNT": "0"}
+    environ = {**node_environ(), "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "777",
+               "SLURM_HET_SIZE": "2", "SLURM_NTASKS_HET_GROUP_0": "1", "SLURM_NTASKS_HET_GROUP_1": "1",
+               "SLURM_RESTART_COUNT": "0"}
     script = [str(REPO / "slurm" / "rolloutpipe.sbatch"), f"run.dir={run_dir}", "run.id=warned",
               "rollout.engine=sglang", "rollout.concurrency=10000000"]
     first = subprocess.run(["bash", *script], cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=120)
@@ -359,7 +360,8 @@ def test_the_docs_batch_script_for_four_rollout_nodes_is_what_the_launcher_write
                  "launcher.trainer.tasks_per_node=8", "launcher.trainer.gpus_per_node=8",
                  "launcher.trainer.cpus_per_task=12", "launcher.setup=[source /shared/venvs/rolloutpipe/bin/activate]")
     assert cfg.rollout.num_engines == 32
-    script = batch_script(cfg, folder=Path("/shared/runs/gpqa-4x8/slurm"), python="/shared/venvs/rolloutpipe/bin/python")
+    script = batch_script(cfg, folder=Path("/shared/runs/gpqa-4x8/slurm"),
+                          python="/shared/venvs/rolloutpipe/bin/python")
     page = (REPO / "docs" / "slurm.md").read_text()
     assert f"```bash\n{script}```" in page, "docs/slurm.md's 4 x 8-GPU rollout batch script is stale: regenerate it"
 

@@ -160,7 +160,8 @@ def test_transformer_engine_names_move_only_the_fused_norms_and_invert():
     te = transformer_engine_names(local)
     moved = sorted(set(te) - set(local))
     assert moved == sorted(f"decoder.layers.{i}.{name}" for i in range(layout.num_layers)
-                           for name in ("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"))
+                           for name in ("self_attention.linear_qkv.layer_norm_weight",
+                                        "mlp.linear_fc1.layer_norm_weight"))
     assert local_names(te).keys() == local.keys()
     assert all(local_names(te)[k] is v for k, v in local.items())
 

@@ -6,8 +6,8 @@ store's port and knows the run id (config.yaml is world-readable), but not the s
   servers);
 - the secret is not in any child's environment, nor in NodeEnv's repr.
 
-The engine servers' refusal of calls without the run's key is tests/multiprocess/test_sglang_client.py's; the sealed records,
-heart-beats and handles one by one are tests/unit/test_transport.py's.
+The engine servers' refusal of calls without the run's key is tests/multiprocess/test_sglang_client.py's; the
+sealed records, heart-beats and handles one by one are tests/unit/test_transport.py's.
 """
 
 from __future__ import annotations

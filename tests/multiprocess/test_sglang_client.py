@@ -142,7 +142,8 @@ def test_a_process_without_the_runs_key_can_neither_update_nor_steer_the_server(
     """An outsider on the same machine (no key, or a wrong one) gets 401 on every route but /health, and the
     server still serves policy_version 0; the refusal is in the server's log."""
     state = load_model(ModelConfig(dtype=DType.float64, init_seed=7), VOCAB_SIZE).state_dict()
-    save_file({k: v.contiguous() for k, v in state.items() if k != "lm_head.weight"}, str(tmp_path / "evil.safetensors"))
+    save_file({k: v.contiguous() for k, v in state.items() if k != "lm_head.weight"},
+              str(tmp_path / "evil.safetensors"))
     group = {"master_address": "127.0.0.1", "master_port": 1, "world_size": 2, "group_name": "g", "backend": "gloo"}
     calls = [(sglang_api.PAUSE_GENERATION, sglang_api.pause_body()),
              (sglang_api.BEGIN_WEIGHT_UPDATE, sglang_api.begin_weight_update_body()),
@@ -189,7 +190,8 @@ def test_a_weight_load_on_a_vanished_node_is_given_up_when_its_host_is_lost(tmp_
     lost = threading.Event()
     engine = SGLangEngine(name="engine5", endpoint=sglang_api.Endpoint(f"http://127.0.0.1:{silent.getsockname()[1]}"),
                           concurrency=1, on_result=Results(), weight_update_timeout_s=600,
-                          server_error=lambda: "its engine host (rollout rank 1) is lost: test" if lost.is_set() else None)
+                          server_error=lambda: ("its engine host (rollout rank 1) is lost: test"
+                                                if lost.is_set() else None))
     threading.Timer(1.0, lost.set).start()  # the host watch notices (after pipeline.peer_timeout_s)
     try:
         with pytest.raises(RuntimeError, match=r"engine5: update_weights_from_disk given up: .* its engine host "
@@ -267,7 +269,8 @@ def test_embedded_http_run_trains_through_the_server_and_stops_it(job_dir):
     versions = {(s.step, s.attrs["policy_version"]) for s in read_spans(run_dir) if s.name == "rollout/request"}
     assert versions == {(0, 0), (1, 1)}  # step 1 was generated after the weight update over HTTP
     port = int((run_dir / "engines" / "engine0.port").read_text())
-    assert not sglang_api.is_healthy(sglang_api.Endpoint(f"http://127.0.0.1:{port}"), timeout_s=1)  # the run stopped its server
+    # the run stopped its server
+    assert not sglang_api.is_healthy(sglang_api.Endpoint(f"http://127.0.0.1:{port}"), timeout_s=1)
 
 
 def test_fgd_reaches_sglang_as_group_order_priorities(tmp_path):

@@ -34,7 +34,8 @@ def iteration_by_iteration(lengths: list[int], prompt_len: int, concurrency: int
         if joiners:
             now += MODEL.prefill_s(prompt_len * len(joiners))
         context = sum(prompt_len + generated for generated in running.values())
-        now += MODEL.decode_base_s + MODEL.decode_per_request_s * len(running) + MODEL.decode_per_context_token_s * context
+        now += (MODEL.decode_base_s + MODEL.decode_per_request_s * len(running)
+                + MODEL.decode_per_context_token_s * context)
         for r in list(running):
             running[r] += 1
             if running[r] == lengths[r]:

@@ -1,4 +1,5 @@
-"""Distributed weight sync: trainer rank 0 broadcasts, engines behind SGLang's HTTP API receive (control/weights/distributed.py).
+"""Distributed weight sync: trainer rank 0 broadcasts, engines behind SGLang's HTTP API receive
+(control/weights/distributed.py).
 
 Two embedded-engine servers (float64) join a gloo group with this test process as rank 0, the role trainer rank 0
 plays in a run; the rollout node's side (EngineSupervisor -> SGLangEngine -> sglang_api) drives them.

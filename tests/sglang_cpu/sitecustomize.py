@@ -1,7 +1,7 @@
 """TEST SUPPORT ONLY: run SGLang 0.5.23 on a CPU machine (unsupported by SGLang). Never imported by rolloutpipe.
 
-The real-SGLang tier (``tests/sglang_real/test_sglang_real.py``, marker ``sglang_real``) puts this directory first on the
-``PYTHONPATH`` of the SGLang servers it starts, so Python imports this file at start-up in every process SGLang
+The real-SGLang tier (``tests/sglang_real/test_sglang_real.py``, marker ``sglang_real``) puts this directory first on
+the ``PYTHONPATH`` of the SGLang servers it starts, so Python imports this file at start-up in every process SGLang
 spawns (server, scheduler, detokenizer). It does two things, nothing else:
 
 1. **Stand-in modules** for ``sgl_kernel`` and ``torchvision`` (and every submodule of theirs). SGLang imports them

@@ -1,5 +1,5 @@
-"""Engines on several rollout nodes (rollout/engines/hosts.py), as the supervisor and Admission see them: pure logic with
-fake engines, no processes. Engine i is on host i // 2 (two engines per node)."""
+"""Engines on several rollout nodes (rollout/engines/hosts.py), as the supervisor and Admission see them: pure logic
+with fake engines, no processes. Engine i is on host i // 2 (two engines per node)."""
 
 import pytest
 

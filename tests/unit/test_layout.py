@@ -130,7 +130,8 @@ def test_the_guards_see_a_circle_a_hidden_import_and_a_cross_import():
     graph = import_graph()
     planted = {**graph, "rolloutpipe.config": graph["rolloutpipe.config"] | {"rolloutpipe.pipeline"}}
     assert find_circle(planted) is not None
-    planted = "def late():\n    from rolloutpipe.trainer import grpo\n    from ..trainer.batching import BatchConsumer\n"
+    planted = ("def late():\n    from rolloutpipe.trainer import grpo\n"
+               "    from ..trainer.batching import BatchConsumer\n")
     hidden = imports_of("rolloutpipe.rollout.planted", planted, set(graph))
     assert hidden == {"rolloutpipe.trainer.grpo", "rolloutpipe.trainer.batching"}
     assert layering_violations({**graph, "rolloutpipe.rollout.planted": hidden}) == [

@@ -174,7 +174,8 @@ class SGLangEngine:
         self._policy_version = policy_version
 
     def init_weights_update_group(self, group: WeightGroup, rank_offset: int) -> None:
-        """Join the trainer's weight-update process group (rolloutpipe/control/weights/distributed.py); blocks until it forms."""
+        """Join the trainer's weight-update process group (rolloutpipe/control/weights/distributed.py); blocks until
+        it forms."""
         self._control("init_weights_update_group", lambda: sglang_api.init_weights_update_group(
             self.endpoint, group, rank_offset, timeout_s=self._weight_update_timeout_s))
 

@@ -4,9 +4,10 @@
 
 ``--model-config`` is a YAML ``ModelConfig`` (the ``model`` section of a RolloutPipe config); ``--port 0`` takes a
 free port and writes it to ``--port-file`` once the server listens. With ``RP_ENGINE_API_KEY`` in its environment
-it takes calls only with that key, as SGLang does with ``--api-key`` (``sglang_api.authorized``). ``rollout.engine=embedded_http`` starts one per
-engine (engine/__init__.py), so the rollout node drives the embedded engine exactly as it drives SGLang servers:
-through ``SGLangEngine`` and ``sglang_api``, which parses every request and builds every response here too.
+it takes calls only with that key, as SGLang does with ``--api-key`` (``sglang_api.authorized``).
+``rollout.engine=embedded_http`` starts one per engine (engine/__init__.py), so the rollout node drives the
+embedded engine exactly as it drives SGLang servers: through ``SGLangEngine`` and ``sglang_api``, which parses
+every request and builds every response here too.
 
 What it mimics of SGLang 0.5.23, and only that: /generate (token ids in and out, per-request seed, log-probs,
 priority; a missing one runs last, as under SGLang's low-values-first priority scheduling; a duplicate in-flight
@@ -19,8 +20,8 @@ one given, as SGLang matches; an unknown rid is ignored),
 requests run), /begin_weight_update and /end_weight_update around /update_weights_from_disk (400 outside a
 session, as 0.5.23 does for its other weight-update routes) and /update_weights_from_distributed (400 outside a
 session, as in 0.5.23), after /init_weights_update_group (gloo only: this engine runs on CPU; the group is formed
-as SGLang forms it, see rolloutpipe/control/weights/distributed.py). A bucket's tensors are loaded as they arrive; the version
-changes with the bucket that carries ``weight_version``.
+as SGLang forms it, see rolloutpipe/control/weights/distributed.py). A bucket's tensors are loaded as they
+arrive; the version changes with the bucket that carries ``weight_version``.
 
 Threads: ``ThreadingHTTPServer`` runs one thread per connection; a /generate thread submits to the engine and waits
 for its result, which the engine's scheduler thread hands over through ``_Waiter``. The process stops on SIGTERM

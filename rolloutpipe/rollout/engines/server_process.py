@@ -145,8 +145,9 @@ def embedded_server(*, name: str, model_config_yaml: Path, concurrency: int, log
     ``host`` (this node's address: control/env.node_address)."""
     port_file = log_dir / f"{name}.port"
     port_file.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "rolloutpipe.rollout.engines.http_server", "--model-config", str(model_config_yaml),
-               "--host", host, "--port", "0", "--port-file", str(port_file), "--concurrency", str(concurrency)]
+    command = [sys.executable, "-m", "rolloutpipe.rollout.engines.http_server",
+               "--model-config", str(model_config_yaml), "--host", host, "--port", "0",
+               "--port-file", str(port_file), "--concurrency", str(concurrency)]
     if num_threads:
         command += ["--num-threads", str(num_threads)]
     return ServerProcess(name=name, command=command, log_path=log_dir / f"{name}.log", port_file=port_file,
@@ -159,8 +160,8 @@ def sglang_server(*, name: str, model_path: str, dtype: str, concurrency: int, s
     """``python -m sglang.launch_server`` for one engine, on this node's GPUs from ``base_gpu_id``, started through
     ``rolloutpipe.rollout.engines.sglang_launch`` so that its ``--api-key`` comes from the environment.
 
-    On a CPU the real-SGLang tier (tests/sglang_real/test_sglang_real.py) runs it, through a test-only workaround and with its
-    CPU flags in ``extra_args``; tools/gpu_check.py runs it on a GPU machine.
+    On a CPU the real-SGLang tier (tests/sglang_real/test_sglang_real.py) runs it, through a test-only workaround
+    and with its CPU flags in ``extra_args``; tools/gpu_check.py runs it on a GPU machine.
     """
     port = free_port()
     command = [

@@ -1,9 +1,9 @@
 """SGLang's HTTP API as RolloutPipe speaks it: the one module that knows its request and response shapes.
 
-Pinned release: sglang 0.5.23 (``pip install -e ".[sglang]"``). ``tests/unit/test_sglang_contract.py`` reads that release's
-own source (``srt/managers/io_struct.py``, ``srt/entrypoints/http_server.py`` and the ``/generate`` schema in
-``api/v1/api_types.py``) and checks that every route called and every field sent or read here exists there. When
-the pin moves, that test says what changed; fix it here and nowhere else.
+Pinned release: sglang 0.5.23 (``pip install -e ".[sglang]"``). ``tests/unit/test_sglang_contract.py`` reads that
+release's own source (``srt/managers/io_struct.py``, ``srt/entrypoints/http_server.py`` and the ``/generate`` schema
+in ``api/v1/api_types.py``) and checks that every route called and every field sent or read here exists there.
+When the pin moves, that test says what changed; fix it here and nowhere else.
 
 Both ends use this module: the client (``http_client.SGLangEngine``) builds requests and parses responses with it,
 and the embedded engine's server (``http_server``) parses requests and builds responses with it, so one client
@@ -339,7 +339,8 @@ def model_dir_for(weights_path: str) -> str:
     if not link.is_symlink():
         link.symlink_to(Path("..") / path.name)
     for stale in path.parent.glob("*.model"):  # earlier versions whose file the trainer has deleted
-        if stale != directory and (stale / "model.safetensors").is_symlink() and not (stale / "model.safetensors").exists():
+        if (stale != directory and (stale / "model.safetensors").is_symlink()
+                and not (stale / "model.safetensors").exists()):
             (stale / "model.safetensors").unlink()
             stale.rmdir()
     return str(directory)
@@ -480,7 +481,8 @@ def update_weights_from_distributed(server: Endpoint, buckets: list[Bucket], gro
 
 def honours_seeds(server: Endpoint) -> bool | None:
     """Whether the server samples with each request's ``sampling_seed``: SGLang only with
-    ``--enable-deterministic-inference`` (``/server_info``'s ``enable_deterministic_inference``); None: it does not say."""
+    ``--enable-deterministic-inference`` (``/server_info``'s ``enable_deterministic_inference``); None: it does not
+    say."""
     try:
         info = call(server, SERVER_INFO)
     except SGLangError:

@@ -5,7 +5,8 @@
 A process's command line is readable by every user of the machine (``ps``, ``/proc/<pid>/cmdline``); its
 environment only by its owner. This module takes the key out of the environment (so SGLang's own child processes
 do not inherit it either), adds ``--api-key <key>`` to ``sys.argv`` inside this process and runs SGLang's entry
-point as ``__main__``. The real-SGLang tier (tests/sglang_real/test_sglang_real.py, on the CPU) and tools/gpu_check.py run it.
+point as ``__main__``. The real-SGLang tier (tests/sglang_real/test_sglang_real.py, on the CPU) and
+tools/gpu_check.py run it.
 """
 
 from __future__ import annotations

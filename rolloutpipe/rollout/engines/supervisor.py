@@ -23,8 +23,8 @@ fresh engines: ``check`` keeps polling the retired slots, and each comes back in
 policy, as after a restart.
 
 With ``pipeline.weight_sync=distributed`` (control/weights/distributed.py) the engines form one process group with
-trainer rank 0, whose membership is fixed when it forms: a fresh engine could not join it, so there an engine failure stops the
-run (with that reason) instead of step 2.
+trainer rank 0, whose membership is fixed when it forms: a fresh engine could not join it, so there an engine
+failure stops the run (with that reason) instead of step 2.
 
 The supervisor has no thread: the rollout loop calls ``check`` every poll and ``load_weights`` between steps.
 The restart runs on that loop (seconds for a server process), while the other engines keep generating what
