@@ -150,7 +150,8 @@ def rollout_step(node: RolloutNode, step: int, version: int, weight_load_s: floa
 def run_trainer(node: TrainerNode) -> None:
     for step in range(node.start(), node.cfg.num_rollout):
         stats = train_step(node, step)
-        stats.weight_sync_s = sync_weights(node, step + 1) if node.is_writer else 0.0
+        with node.trainer.writer_reads():  # a sharded backend's other ranks join rank 0's gathers
+            stats.weight_sync_s = sync_weights(node, step + 1) if node.is_writer else 0.0
         node.end_step(step, stats)
         node.stop_if_requeued(step)  # Slurm warned of the time limit: stop at this step's checkpoint, be requeued
     node.finish()
@@ -161,10 +162,16 @@ def train_step(node: TrainerNode, step: int) -> TrainStats:
     cfg, trainer, spans = node.cfg, node.trainer, node.spans
     rank, world = trainer.data_parallel_rank, trainer.data_parallel_size  # tensor-parallel peers share groups
     version = cfg.pipeline.mode.policy_version_for(step)
-    stats = TrainStats(step=step, end_s=0.0, compute_s=0.0, tail_compute_s=0.0, wait_s=0.0, first_forward_s=0.0)
+    stats = TrainStats(step=step, end_s=0.0, compute_s=0.0, tail_compute_s=0.0, wait_s=0.0, first_forward_s=0.0,
+                       kl=cfg.grpo.kl_loss_coef > 0, corrected=cfg.grpo.corrects_rollout)
+    # FSDP's forward/backward is a collective: every rank follows every rank's micro-batches (loading every
+    # group) and pads to as many per batch as the rank with the most
+    lockstep = trainer.collective_micro_batches
     consumer = BatchConsumer(num_batches=cfg.num_steps_per_rollout, groups_per_batch=cfg.groups_per_batch,
                              micro_batch_size=cfg.micro_batch_size, length=sequence_len,
-                             max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch, rank=rank, world_size=world)
+                             max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
+                             rank=None if lockstep else rank, world_size=world)
+    num_micro_batches = [0] * world
     batch_compute_s, last_micro_batch_s, num_clipped = 0.0, 0.0, 0
     trainer.begin_step()
     for seq in range(cfg.rollout_batch_size):
@@ -176,6 +183,9 @@ def train_step(node: TrainerNode, step: int) -> TrainStats:
         for work in consumer.arrive(handle, lambda h: train_samples(node.transport.load_group(h))):
             start = time.time()
             if isinstance(work, MicroBatch):  # loss sums into the gradients; nothing is normalised yet
+                num_micro_batches[work.rank] += 1
+                if work.rank != rank:  # another rank's (lockstep only)
+                    continue
                 stats.first_forward_s = stats.first_forward_s or start
                 sums = trainer.forward_backward(work.samples, first_batch_of_step=work.batch == 0)
                 last_micro_batch_s = time.time() - start
@@ -186,6 +196,9 @@ def train_step(node: TrainerNode, step: int) -> TrainStats:
                 stats.num_padded_tokens += work.num_padded_tokens
                 stats.num_padding_tokens += work.num_padding_tokens
                 continue
+            for _ in range(max(num_micro_batches) - num_micro_batches[rank]):  # lockstep: empty passes
+                trainer.forward_backward([], first_batch_of_step=work.batch == 0)
+            num_micro_batches = [0] * world
             with spans.span("train/optimizer_step", step=step, batch=work.batch, policy_version=step,
                             groups=work.groups):
                 result = trainer.finish_batch()  # all-reduce, normalise once, clip, step
@@ -195,6 +208,7 @@ def train_step(node: TrainerNode, step: int) -> TrainStats:
             stats.num_tokens += result.num_tokens  # both over every data-parallel rank
             num_clipped += result.num_clipped_tokens
             stats.entropy_sum += result.entropy_sum
+            stats.add_loss_terms(result.totals)  # KL and rollout correction statistics (sums, a maximum)
             stats.compute_s += batch_compute_s + optimizer_s
             stats.tail_compute_s = last_micro_batch_s + optimizer_s
             batch_compute_s = 0.0

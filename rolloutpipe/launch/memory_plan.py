@@ -10,7 +10,7 @@ Trainer rank (all ranks alike: data-parallel replicas, or tensor-parallel shards
                                   gradients, fp32 master weights, fp32 Adam m and v; at the optimizer step a float32
                                   copy of the gradients too. Megatron: bf16 weights, DDP's fp32 gradient buffer, fp32
                                   master weights and Adam m, v (no distributed optimizer: each data-parallel rank
-                                  keeps the full state of its tensor-parallel shard).
+                                  keeps the full state of its tensor-parallel shard). FSDP: ``fsdp_state_terms``.
   activations                     what a decoder layer keeps for backward, per token (``layer_activation_bytes``: the
                                   tensors HF's Qwen3 layer saves; Megatron's local layer is counted alike), times
                                   layers and the micro-batch's padded size rows * (max prompt + max response).
@@ -37,7 +37,8 @@ Rollout engine (SGLang)
                                   --mem-fraction-static; the rest of the GPU is SGLang's reserve (activations,
                                   CUDA graphs).
 
-Validated against measured peak RSS of the CPU torch trainer (bench/memory_plan_validation.py, docs/trainer.md "Memory plan").
+Validated against measured peak RSS of the CPU torch trainer (bench/memory_plan_validation.py, docs/trainer.md
+"Memory plan").
 """
 
 from __future__ import annotations
@@ -112,6 +113,10 @@ QWEN3_SHAPES = {
                            head_dim=128, vocab_size=151936, tied_embeddings=True),
     "qwen3-8b": ModelShape(hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8,
                            head_dim=128, vocab_size=151936, tied_embeddings=False),
+    "qwen3-14b": ModelShape(hidden_size=5120, intermediate_size=17408, num_layers=40, num_heads=40, num_kv_heads=8,
+                            head_dim=128, vocab_size=151936, tied_embeddings=False),
+    "qwen3-32b": ModelShape(hidden_size=5120, intermediate_size=25600, num_layers=64, num_heads=64, num_kv_heads=8,
+                            head_dim=128, vocab_size=151936, tied_embeddings=False),
 }
 """The Qwen3 family's HF config.json numbers, so a plan needs no model directory (``--model-shape``)."""
 
@@ -255,29 +260,39 @@ def trainer_estimate(cfg: Config, shape: ModelShape, *, capacity_bytes: int,
     h, layers = shape.hidden_size, shape.num_layers
     shard = f"{params / 1e9:.2f}B params" + (f" (1/{tp} tensor-parallel shard)" if tp > 1 else "")
     more_tp = ("more trainer.megatron.tensor_parallel_size" if megatron
-               else "trainer.backend=megatron with tensor_parallel_size > 1")
+               else "trainer.backend=fsdp, or megatron with tensor_parallel_size > 1")
     fewer_tokens = (f"max_tokens_per_micro_batch={length} (one sample per micro-batch)" if rows > 1
                     else "shorter data.max_prompt_len / rollout_max_response_len")
 
+    fsdp = tr.backend is TrainerBackend.fsdp
+    n = tr.num_ranks if fsdp else 1  # FSDP: each rank keeps 1/n of the weights, gradients and optimizer state
     terms = [Term(name="weights", num_bytes=params * d, phase=Phase.always, how=f"{shard} x {d} B", knob=more_tp)]
-    if megatron:
+    if fsdp:
+        terms = fsdp_state_terms(shape, d=d, n=n)
+    elif megatron:
         grad_bytes = 8 if d == 8 else 4
         terms.append(Term(name="gradients", num_bytes=params * grad_bytes, phase=Phase.always,
                           how=f"DDP's gradient buffer, {grad_bytes} B/param", knob=more_tp))
     else:
         terms.append(Term(name="gradients", num_bytes=params * d, phase=Phase.always,
                           how=f"{d} B/param, from the first micro-batch to the optimizer step", knob=more_tp))
-    if d < 4:
+    if d < 4 and not fsdp:
         terms.append(Term(name="master weights", num_bytes=params * 4, phase=Phase.always, how="fp32, 4 B/param",
                           knob=more_tp))
-    terms.append(Term(name="optimizer state", num_bytes=params * 2 * master, phase=Phase.always,
-                      how=f"Adam m, v: 2 x {master} B/param", knob=more_tp))
-    if not megatron and d < 4:
+    if not fsdp:
+        terms.append(Term(name="optimizer state", num_bytes=params * 2 * master, phase=Phase.always,
+                          how=f"Adam m, v: 2 x {master} B/param", knob=more_tp))
+    if not megatron and not fsdp and d < 4:
         terms.append(Term(name="fp32 gradients", num_bytes=params * 4, phase=Phase.optimizer_step,
                           how="the gradients in float32 for the master weights", knob=more_tp))
     if cfg.num_steps_per_rollout > 1 and tr.old_logprobs is OldLogprobSource.trainer:
-        terms.append(Term(name="policy snapshot", num_bytes=params * d, phase=Phase.always,
+        terms.append(Term(name="policy snapshot", num_bytes=params * master // n if fsdp else params * d,
+                          phase=Phase.always,
                           how="version k's weights for old log-probs", knob="trainer.old_logprobs=engine"))
+    if cfg.grpo.kl_loss_coef > 0:
+        terms.append(Term(name="reference model", num_bytes=params * master // n if fsdp else params * d,
+                          phase=Phase.always,
+                          how="the frozen reference's weights for the KL term", knob="grpo.kl_loss_coef=0"))
 
     # GQA's keys and values repeated to every query head: Megatron's local DotProductAttention only (HF's SDPA call
     # without a mask uses enable_gqa; Transformer Engine takes grouped heads)
@@ -347,6 +362,29 @@ def trainer_estimate(cfg: Config, shape: ModelShape, *, capacity_bytes: int,
                     capacity_bytes=capacity_bytes, notes=notes)
 
 
+def fsdp_state_terms(shape: ModelShape, *, d: int, n: int) -> list[Term]:
+    """trainer.backend=fsdp on ``n`` ranks: the float32 master shards (a 16-bit model; else the model's dtype), their
+    gradients (reduced and accumulated in float32) and Adam's moments, each 1/n; and, during a micro-batch, what is
+    unsharded at once: the root (embedding, head, final norm) for the whole pass, the layer running and the next one
+    prefetched, in the compute dtype, and one layer's gradient before its reduce-scatter (plus its float32 copy)."""
+    params, kept = shape.num_params(), max(d, 4)
+    more_ranks = "more trainer.num_ranks (FSDP shards by them)"
+    root = shape.vocab_size * shape.hidden_size * (1 if shape.tied_embeddings else 2) + shape.hidden_size
+    layer = (params - root) // shape.num_layers
+    return [
+        Term(name="weights", num_bytes=params * kept // n, phase=Phase.always,
+             how=f"{params / 1e9:.2f}B params x {kept} B / {n} ranks" + (" (float32 master shards)" if d < 4 else ""),
+             knob=more_ranks),
+        Term(name="gradients", num_bytes=params * kept // n, phase=Phase.always,
+             how=f"{kept} B/param / {n} ranks, reduce-scattered every micro-batch", knob=more_ranks),
+        Term(name="optimizer state", num_bytes=params * 2 * kept // n, phase=Phase.always,
+             how=f"Adam m, v: 2 x {kept} B/param / {n} ranks", knob=more_ranks),
+        Term(name="unsharded in flight", num_bytes=(root + 2 * layer) * d + layer * (d + (4 if d < 4 else 0)),
+             phase=Phase.forward_backward,
+             how=f"root {root / 1e6:.0f}M + 2 layers x {layer / 1e6:.0f}M params x {d} B, one layer's gradient"),
+    ]
+
+
 def mem_fraction_static(cfg: Config) -> float:
     args = cfg.rollout.sglang_launch_args
     for i, arg in enumerate(args):
@@ -397,6 +435,11 @@ def fix_candidates(cfg: Config, shape: ModelShape) -> list[tuple[list[str], Conf
         overrides = [*overrides, "trainer.recompute=true"]
         cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, recompute=True))
         out.append((overrides, cfg))
+    if cfg.trainer.backend is TrainerBackend.fsdp:  # the fewest ranks that fit come first
+        for num_ranks in (2, 4, 8, 16, 24, 32, 48, 64, 96, 128):
+            if num_ranks > cfg.trainer.num_ranks:
+                ranks_cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, num_ranks=num_ranks))
+                out.append(([*overrides, f"trainer.num_ranks={num_ranks}"], ranks_cfg))
     if cfg.trainer.backend is TrainerBackend.megatron:
         for tp in (2, 4, 8):
             if (tp > cfg.trainer.megatron.tensor_parallel_size and shape.num_kv_heads % tp == 0

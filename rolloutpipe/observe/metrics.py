@@ -20,6 +20,11 @@ rollout node and t_end the end of its last optimizer step:
                                       right-padded to its micro-batch's longest sequence), over every rank
     train/entropy                     the policy's entropy at the trained response tokens (at the sampling
                                       temperature), mean over the step's tokens: falling fast means collapse
+    train/kl                          (grpo.kl_loss_coef > 0) the KL estimate to the reference, mean per token
+    train/tis_mean, train/tis_max     (grpo.rollout_correction) rho = exp(trainer old log-prob - engine log-prob)
+                                      over the response tokens (a sequence's rho on each of its tokens)
+    train/tis_clipfrac                the fraction of tokens whose weight is not rho: truncated (TIS), dropped (MIS)
+    train/engine_trainer_logprob_gap  mean |trainer old log-prob - engine log-prob| per response token
 """
 
 from __future__ import annotations
@@ -52,9 +57,9 @@ class SpanRecorder:
     rank from the header. (One JSON document per flush, and integers rather than floats, make a flush
     about twice as cheap as one ``json.dumps`` per span.) A process that starts again (resume) appends a
     new header, which applies to the lines after it, and ``{"resume_at": k}``: the spans of step k and later
-    before it are dropped on reading (that step is redone). Span times are on the run's clock: callers pass this process's
-    ``time.time()`` values and ``add`` adds the clock offset (control/clock.py), so the files of different nodes
-    merge as they are; the header keeps the offset and its uncertainty.
+    before it are dropped on reading (that step is redone). Span times are on the run's clock: callers pass this
+    process's ``time.time()`` values and ``add`` adds the clock offset (control/clock.py), so the files of
+    different nodes merge as they are; the header keeps the offset and its uncertainty.
 
     Cost. ``add`` appends a tuple under a lock (about 2-3 us on a busy 2-core machine, most of it the call
     with its keyword arguments); ``flush`` serialises (about 3 us a span) and runs between steps. The
@@ -259,12 +264,30 @@ class TrainStats:
     num_tokens: int = 0
     entropy_sum: float = 0.0
     """The policy's entropy summed over the step's trained response tokens (all data-parallel ranks)."""
+    kl_sum: float = 0.0
+    tis_sum: float = 0.0
+    tis_max: float = 0.0
+    num_tis_clipped_tokens: int = 0
+    logprob_gap_sum: float = 0.0
+    """The loss terms' statistics (trainer/grpo.py LossSums), summed over the step's batches and ranks."""
+    kl: bool = False
+    """Whether the step trained with a KL term (train/kl is reported)."""
+    corrected: bool = False
+    """Whether the step trained with rollout correction (train/tis_* are reported)."""
     num_padded_tokens: int = 0
     """Token slots of the step's micro-batches (rows x each one's longest sequence), over every trainer rank once
     TrainerNode.reduce has summed them."""
     num_padding_tokens: int = 0
     """The slots of ``num_padded_tokens`` that hold padding, summed the same way."""
     weight_sync_s: float = 0.0
+
+    def add_loss_terms(self, totals) -> None:
+        """One batch's ``grpo.BatchTotals`` (over every rank)."""
+        self.kl_sum += totals.kl_sum
+        self.tis_sum += totals.tis_sum
+        self.tis_max = max(self.tis_max, totals.tis_max)
+        self.num_tis_clipped_tokens += totals.num_tis_clipped_tokens
+        self.logprob_gap_sum += totals.logprob_gap_sum
 
 
 def reduce_step(rollout: RolloutStats, train: TrainStats, *, mean_compute_s: float, mean_tail_compute_s: float,
@@ -302,12 +325,24 @@ def reduce_step(rollout: RolloutStats, train: TrainStats, *, mean_compute_s: flo
         "perf/trainer_wait_ratio": max(window - mean_compute_s, 0.0) / window if window > 0 else 0.0,
         "perf/rollout_to_train_end_s": window,
         "perf/ideal_rollout_to_train_end_s": ideal,
-        "perf/pipeline_efficiency": (sync_estimate - window) / (sync_estimate - ideal) if sync_estimate > ideal else 0.0,
+        "perf/pipeline_efficiency": ((sync_estimate - window) / (sync_estimate - ideal) if sync_estimate > ideal
+                                     else 0.0),
         "perf/weight_sync_s": train.weight_sync_s,
         "perf/weight_load_s": rollout.weight_load_s,
         "perf/tokens_per_s": rollout.num_tokens / rollout_s if rollout_s > 0 else 0.0,
         "perf/padding_ratio": train.num_padding_tokens / train.num_padded_tokens if train.num_padded_tokens else 0.0,
-    }
+    } | loss_term_metrics(train)
+
+
+def loss_term_metrics(train: TrainStats) -> dict[str, float]:
+    """train/kl and train/tis_*, where the step trained with them (per response token of the step)."""
+    tokens = max(train.num_tokens, 1)
+    record = {"train/kl": train.kl_sum / tokens} if train.kl else {}
+    if train.corrected:
+        record |= {"train/tis_mean": train.tis_sum / tokens, "train/tis_max": train.tis_max,
+                   "train/tis_clipfrac": train.num_tis_clipped_tokens / tokens,
+                   "train/engine_trainer_logprob_gap": train.logprob_gap_sum / tokens}
+    return record
 
 
 def summary_line(record: dict, num_steps: int) -> str:

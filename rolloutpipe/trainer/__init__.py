@@ -7,6 +7,7 @@
     backend.py        PolicyBackend, what the node calls on a backend, and trainer_class, which names each one
     grpo_trainer.py   GRPOTrainer: the GRPO micro-batch body and the batch's update, once for every backend
     torch_backend.py  PolicyTrainer: the HF model, torch AdamW, data parallel over gloo
+    fsdp_backend.py   FSDPTrainer: the HF model sharded with FSDP2 (parameters, gradients, AdamW state)
     logprobs.py       pure torch: log-probs and entropy from hidden states by chunks, vocabulary parallel
     megatron/         MegatronTrainer: the same GRPOTrainer over Megatron-core (imported only when chosen)
 

@@ -7,6 +7,7 @@ batch's update are written there once), plus one ``case`` below and its value in
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -26,6 +27,11 @@ class PolicyBackend(Protocol):
     data_parallel_size: int
     optimizer: Any
     """Its ``state_dict`` / ``load_state_dict`` are what checkpoints hold (control/checkpoint.py)."""
+    collective_micro_batches: bool
+    """Every forward/backward is a collective of the data-parallel ranks (FSDP's gathers): the consume loop has
+    every rank run as many per training batch, padding with ``forward_backward([])``."""
+    bucket_bytes: int
+    """pipeline.weight_sync_bucket_mb: a sharded backend gathers the unsharded policy this much at a time."""
 
     def __init__(self, *, model: torch.nn.Module, cfg: TrainerConfig, grpo: GRPOConfig, temperature: float,
                  pad_id: int, multi_step: bool, process_group_active: bool,
@@ -39,6 +45,14 @@ class PolicyBackend(Protocol):
 
     def finish_batch(self) -> BatchResult:
         """The training batch is complete (on every rank): its one optimizer step."""
+
+    def load_reference(self, model: torch.nn.Module) -> None:
+        """Keep the HF ``model`` frozen as the reference of grpo.kl_loss_coef (GRPOTrainer's, through its hook
+        ``_reference_params``); a backend that cannot refuses here, at start."""
+
+    def writer_reads(self) -> contextlib.AbstractContextManager:
+        """Every rank enters it around trainer rank 0's reads of the policy (``hf_state``, ``save_weights``,
+        ``hf_model``, ``optimizer.state_dict``); a sharded backend's other ranks join rank 0's gathers inside it."""
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """The policy under HF names, full tensors on the CPU (what weight sync sends)."""
@@ -58,6 +72,8 @@ def trainer_class(backend: TrainerBackend) -> type[PolicyBackend]:
     match backend:
         case TrainerBackend.torch:
             from rolloutpipe.trainer.torch_backend import PolicyTrainer as chosen
+        case TrainerBackend.fsdp:
+            from rolloutpipe.trainer.fsdp_backend import FSDPTrainer as chosen
         case TrainerBackend.megatron:
             from rolloutpipe.trainer.megatron.trainer import MegatronTrainer as chosen
     return chosen

@@ -11,6 +11,8 @@ class TrainerBackend(enum.Enum):
 
     torch = "torch"
     """torch_backend.PolicyTrainer: the HF model, torch AdamW, data parallel over gloo."""
+    fsdp = "fsdp"
+    """fsdp_backend.FSDPTrainer: the HF model sharded with FSDP2 (params, grads, AdamW state) over the ranks."""
     megatron = "megatron"
     """rolloutpipe.trainer.megatron.MegatronTrainer: Megatron-core GPTModel, DDP and optimizer (tensor parallel)."""
 
@@ -40,6 +42,8 @@ class TrainerConfig:
     adam_beta2: float = 0.99
     max_grad_norm: float = 1.0
     old_logprobs: OldLogprobSource = OldLogprobSource.trainer
+    ref_model_path: str | None = None
+    """With grpo.kl_loss_coef > 0: the reference model's HF directory; null: model.path (the initial policy)."""
     num_threads: int | None = None
     """torch intra-op threads per rank; null: the CPUs the launcher gave this rank."""
     logprob_chunk_tokens: int = 1024
@@ -59,7 +63,7 @@ class TrainerConfig:
         if self.logprob_chunk_tokens < 0:
             raise ValueError(f"trainer.logprob_chunk_tokens={self.logprob_chunk_tokens} must be >= 0 (0: no chunks).")
         tp, pp = self.megatron.tensor_parallel_size, self.megatron.pipeline_parallel_size
-        if self.backend is TrainerBackend.torch and (tp, pp) != (1, 1):
+        if self.backend is not TrainerBackend.megatron and (tp, pp) != (1, 1):
             raise ValueError("trainer.megatron.* parallel sizes need trainer.backend=megatron.")
         if tp < 1 or pp < 1:
             raise ValueError(f"trainer.megatron.tensor_parallel_size={tp} and pipeline_parallel_size={pp} "
@@ -86,6 +90,42 @@ class LossAggregation(enum.Enum):
     seq_mean_token_mean = "seq_mean_token_mean"
 
 
+class PolicyLoss(enum.Enum):
+    """``grpo.policy_loss`` (slime ``--advantage-estimator``, verl ``actor.policy_loss.loss_mode``); grpo.py."""
+
+    grpo = "grpo"
+    """PPO's token-level clipped surrogate (verl: vanilla)."""
+    gspo = "gspo"
+    """The sequence-level ratio exp(mean_t log ratio), clipped per sequence (Zheng et al., 2025)."""
+    cispo = "cispo"
+    """-sg(clip(ratio)) * A * log p: the clipped ratio weighs the token's log-prob (MiniMax-M1)."""
+
+
+class RolloutCorrection(enum.Enum):
+    """``grpo.rollout_correction``: how the trainer/engine log-prob gap weighs the policy loss (grpo.py)."""
+
+    none = "none"
+    token_tis = "token_tis"
+    """Per token, min(ratio, tis_clip) (slime ``--use-tis``; verl ``rollout_is=token``)."""
+    seq_tis = "seq_tis"
+    """Per sequence, min(prod_t ratio, tis_clip) (verl ``rollout_is=sequence``)."""
+    token_mis = "token_mis"
+    """Per token, the ratio inside [tis_clip_low, tis_clip]; tokens outside leave the loss and its normaliser (slime's
+    icepop; verl ``rollout_rs``)."""
+    seq_mis = "seq_mis"
+    """Per sequence, prod_t ratio inside [tis_clip_low, tis_clip]; sequences outside leave the loss."""
+
+
+class KLLossType(enum.Enum):
+    """``grpo.kl_loss_type`` (slime ``--kl-loss-type``): the per-token estimator of KL(policy || reference)."""
+
+    k1 = "k1"
+    k2 = "k2"
+    k3 = "k3"
+    low_var_kl = "low_var_kl"
+    """k3 clamped to [-10, 10] (verl's default)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class GRPOConfig:
     normalize_advantage_std: bool = True
@@ -94,8 +134,37 @@ class GRPOConfig:
     eps_clip_high: float = 0.2
     """Upper clip range: ratio <= 1 + eps_clip_high (0.28 is DAPO's clip-higher)."""
     loss_agg: LossAggregation = LossAggregation.token_mean
+    policy_loss: PolicyLoss = PolicyLoss.grpo
+    """grpo, gspo or cispo (slime ``--advantage-estimator``; verl ``actor.policy_loss.loss_mode``)."""
+    rollout_correction: RolloutCorrection = RolloutCorrection.none
+    """Weigh (TIS) or mask (MIS) the policy loss by ratio = exp(trainer old log-prob - engine log-prob), so a step
+    trains on what the trainer's policy would have sampled (slime ``--use-tis``; verl ``algorithm.rollout_correction``).
+    Needs the engine's log-probs of every response token."""
+    tis_clip: float = 2.0
+    """TIS: the cap of the weight; MIS: the upper edge of the band kept (slime ``--tis-clip``; verl
+    ``rollout_is_threshold``)."""
+    tis_clip_low: float = 0.0
+    """TIS: the floor of the weight; MIS: the lower edge of the band kept (slime ``--tis-clip-low``)."""
+    kl_loss_coef: float = 0.0
+    """Weight of the KL to the frozen initial policy in the loss; > 0 keeps a reference model on every trainer rank
+    (slime ``--use-kl-loss --kl-loss-coef``; verl ``actor.use_kl_loss``, ``actor.kl_loss_coef``)."""
+    kl_loss_type: KLLossType = KLLossType.k1
+    """The KL estimator (slime ``--kl-loss-type``, default k1; verl ``actor.kl_loss_type``, default low_var_kl)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss gets -entropy_coef x the policy's entropy (slime ``--entropy-coef``; verl
+    ``actor.entropy_coeff``)."""
 
     def __post_init__(self) -> None:
         for key in ("eps_clip", "eps_clip_high"):
             if not 0.0 < getattr(self, key) < 1.0:
                 raise ValueError(f"grpo.{key}={getattr(self, key)} must be in (0, 1); 0.2 is the usual value.")
+        if not 0.0 <= self.tis_clip_low < self.tis_clip:
+            raise ValueError(f"grpo.tis_clip_low={self.tis_clip_low} and grpo.tis_clip={self.tis_clip} must satisfy "
+                             "0 <= tis_clip_low < tis_clip; slime's recipes use tis_clip=2.0, tis_clip_low=0.")
+        for key in ("kl_loss_coef", "entropy_coef"):
+            if getattr(self, key) < 0.0:
+                raise ValueError(f"grpo.{key}={getattr(self, key)} must be >= 0 (0 turns the term off).")
+
+    @property
+    def corrects_rollout(self) -> bool:
+        return self.rollout_correction is not RolloutCorrection.none

@@ -18,6 +18,12 @@ implementations). The trainer's own recomputation is the default because it is e
 bit on the first batch, so the clipped objective sees no engine/trainer mismatch. ``async_one_step`` always uses the
 engine's log-probs, the only record of the stale policy that generated its samples.
 
+Rollout correction (``grpo.rollout_correction``) weighs the loss by the trainer/engine ratio of policy k: the
+trainer's side is the old log-probs above, or with ``old_logprobs=engine`` the current ones detached (slime's
+fallback); the engine's are the samples' own. KL to a reference (``grpo.kl_loss_coef``) takes the reference's
+log-probs from the policy's own ``_logprobs`` under the reference's parameters, which ``load_reference`` keeps
+(the hook ``_reference_params``: each backend's layout and sharding of an HF model's weights).
+
 Precision. Token counts come from the response mask's non-zeros (exact integers in every dtype); log-probs, the
 loss and its sums are float32 at least, whatever the model's dtype.
 """
@@ -70,6 +76,8 @@ class BatchResult:
     num_clipped_tokens: int
     entropy_sum: float = 0.0
     """Sum over the batch's response tokens of the policy's entropy (train/entropy is its mean)."""
+    totals: BatchTotals | None = None
+    """Every sum of the batch over the data-parallel ranks (KL, rollout correction statistics)."""
 
 
 class GRPOTrainer(abc.ABC):
@@ -82,6 +90,11 @@ class GRPOTrainer(abc.ABC):
     data_parallel_rank: int
     data_parallel_size: int
     all_reduce: Callable[[torch.Tensor], object] | None
+    collective_micro_batches = False
+    """Whether every forward/backward is a collective (backend.PolicyBackend); FSDP's are."""
+    bucket_bytes = 512 << 20
+    """How much of the unsharded policy a sharded backend gathers at once (the node sets
+    pipeline.weight_sync_bucket_mb)."""
 
     def __init__(self, *, cfg: TrainerConfig, grpo: GRPOConfig, temperature: float, pad_id: int, multi_step: bool,
                  old_logprobs: OldLogprobSource) -> None:
@@ -94,6 +107,8 @@ class GRPOTrainer(abc.ABC):
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         self._snapshot: dict[str, torch.Tensor] | None = None
         """policy_version k's parameters, when batches after the step's first optimizer step clip against them."""
+        self._reference: dict[str, torch.Tensor] | None = None
+        """The frozen reference's parameters under the policy's names (``load_reference``), for grpo.kl_loss_coef."""
         self._totals = BatchTotals()
 
     def begin_step(self) -> None:
@@ -109,8 +124,16 @@ class GRPOTrainer(abc.ABC):
             logprobs, entropy = self._logprobs(input_ids, targets, mask)  # [B, L-1] x 2
             old = self._old_logprobs(samples, input_ids, targets, logprobs, mask, first_batch_of_step)
             advantages = torch.tensor([s.advantage for s in samples], dtype=logprobs.dtype, device=logprobs.device)
-            sums = policy_loss_sums(logprobs, old, advantages, mask, self.grpo)
-            sums.entropy_sum = float((entropy * mask).sum())
+            terms = {}
+            if self.grpo.kl_loss_coef > 0:
+                with torch.no_grad():
+                    terms["ref_logprobs"] = self._logprobs(input_ids, targets, mask, params=self._reference)[0]
+            if self.grpo.corrects_rollout:
+                terms["engine_logprobs"] = engine_logprobs(samples, like=logprobs, complete=True)
+                terms["trainer_old_logprobs"] = (old if self.old_logprobs is OldLogprobSource.trainer
+                                                 else logprobs.detach())
+            sums = policy_loss_sums(logprobs, old, advantages, mask, self.grpo, entropy=entropy, **terms)
+            sums.entropy_sum = float((entropy.detach() * mask).sum())
             # into the backend's gradients (Megatron: DDP's buffers); nothing is communicated until finish_batch
             sums.loss.backward()
         self._totals.add(sums)
@@ -119,12 +142,17 @@ class GRPOTrainer(abc.ABC):
     def finish_batch(self) -> BatchResult:
         """Sum over the data-parallel ranks, normalise once, clip and step: the batch's one optimizer update."""
         with self._framework_calls():
-            total = self._totals.reduce(self.all_reduce)
-            scale = 1.0 / normaliser(self.grpo, num_tokens=total.num_tokens, num_samples=total.num_samples)
+            total = self._totals.reduce(self.all_reduce, with_max=self.grpo.corrects_rollout)
+            scale = 1.0 / normaliser(self.grpo, num_tokens=total.num_loss_tokens, num_samples=total.num_loss_samples)
             grad_norm = self._optimizer_step(scale)
         self._totals = BatchTotals()
         return BatchResult(loss=total.loss * scale, grad_norm=grad_norm, num_tokens=total.num_tokens,
-                           num_clipped_tokens=total.num_clipped_tokens, entropy_sum=total.entropy_sum)
+                           num_clipped_tokens=total.num_clipped_tokens, entropy_sum=total.entropy_sum, totals=total)
+
+    def load_reference(self, model: torch.nn.Module) -> None:
+        """Keep ``model`` (an HF model: the initial policy, or trainer.ref_model_path) as the frozen reference of
+        grpo.kl_loss_coef, on this rank, laid out and sharded as the policy (``_reference_params``)."""
+        self._reference = self._reference_params(model)
 
     def save_weights(self, path: Path) -> float:
         """Write the policy as one safetensors file (HF names) atomically; returns seconds spent."""
@@ -138,6 +166,10 @@ class GRPOTrainer(abc.ABC):
     def close(self) -> None:
         """Release what the backend holds beyond its Python objects (Megatron: its process groups)."""
 
+    def writer_reads(self) -> contextlib.AbstractContextManager:
+        """Around trainer rank 0's reads of the policy, on every rank: nothing to join where rank 0 holds it whole."""
+        return contextlib.nullcontext()
+
     def _old_logprobs(self, samples, input_ids, targets, logprobs, mask, first_batch_of_step):
         if self.old_logprobs is OldLogprobSource.engine:
             return engine_logprobs(samples, like=logprobs)
@@ -145,6 +177,13 @@ class GRPOTrainer(abc.ABC):
             return logprobs.detach()
         with torch.no_grad():
             return self._logprobs(input_ids, targets, mask, params=self._snapshot)[0] * mask
+
+    def _reference_params(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Hook: the HF ``model``'s weights as this rank's tensors under the names of ``_policy().named_parameters()``
+        (its shard where the policy is sharded), detached, so that ``_logprobs(params=...)`` gives the reference's
+        log-probs. A backend without one refuses grpo.kl_loss_coef > 0 here, at start."""
+        raise ValueError(f"grpo.kl_loss_coef > 0 needs a reference model, which {type(self).__name__} does not keep "
+                         "yet; set grpo.kl_loss_coef=0 or use trainer.backend=torch or megatron.")
 
     # -- hooks: what a backend supplies ----------------------------------------------------------------------
     @abc.abstractmethod
@@ -191,10 +230,16 @@ def pack(samples: list[TrainSample], *, pad_id: int) -> tuple[torch.Tensor, ...]
     return input_ids, input_ids[:, 1:], mask
 
 
-def engine_logprobs(samples: list[TrainSample], *, like: torch.Tensor) -> torch.Tensor:
-    """The engine's log-probs of the response tokens, laid out like the trainer's [B, L-1]."""
+def engine_logprobs(samples: list[TrainSample], *, like: torch.Tensor, complete: bool = False) -> torch.Tensor:
+    """The engine's log-probs of the response tokens, laid out like the trainer's [B, L-1]; ``complete``: refuse a
+    sample without one for each of its tokens (rollout correction weighs every token)."""
     old = torch.zeros_like(like)
     for b, s in enumerate(samples):
+        if complete and len(s.engine_logprobs) != len(s.response_ids):
+            raise ValueError(
+                f"grpo.rollout_correction needs the engine's log-prob of every response token, and the engine "
+                f"returned {len(s.engine_logprobs)} for {len(s.response_ids)} tokens; use an engine that returns "
+                "them (SGLang with return_logprob, as the rollout asks) or set grpo.rollout_correction=none.")
         start = len(s.prompt_ids) - 1
         old[b, start : start + len(s.engine_logprobs)] = torch.tensor(s.engine_logprobs, dtype=old.dtype)
     return old

@@ -8,7 +8,8 @@ Backward recomputes each chunk's logits and forms the gradient of the log-softma
 
     d logp_t / d z_j = [j == target_t] - softmax(z_t)_j,        z = logits / temperature,
 
-so peak memory per token does not grow with the vocabulary; the price is one more [chunk, hidden] x [hidden,
+and the entropy's, d H_t / d z_j = -softmax(z_t)_j (log softmax(z_t)_j + H_t) (grpo.entropy_coef), from the same
+softmax, so peak memory per token does not grow with the vocabulary; the price is one more [chunk, hidden] x [hidden,
 vocabulary] matmul per chunk but the last (backward needs its softmax first, right after forward: it is kept). The
 arithmetic is the full log-softmax's (float32 at least, the logits in the model's dtype, the gradient cast back to
 it before the output layer's matmuls, as autograd does there), so values and gradients equal ``token_logprobs`` on
@@ -47,9 +48,9 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """The entropy [B, T] of softmax(logits / temperature), float32 at least, without gradient."""
-    with torch.no_grad():
+def token_entropy(logits: torch.Tensor, temperature: float, *, grad: bool = False) -> torch.Tensor:
+    """The entropy [B, T] of softmax(logits / temperature), float32 at least, with gradient if ``grad``."""
+    with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
         logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
         return -(logp.exp() * logp).sum(-1)
 
@@ -57,7 +58,7 @@ def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
                      *, temperature: float, chunk_tokens: int,
                      shard: VocabShard = VocabShard()) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p of ``targets`` [N] and the entropy [N] (no gradient) from ``hidden`` [N, H] and the output layer
+    """log p of ``targets`` [N] and the entropy [N] (both with gradient) from ``hidden`` [N, H] and the output layer
     ``weight`` [V_local, H] (``bias`` [V_local] or None); both float32 at least."""
     return _ChunkedLogprobs.apply(hidden, weight, bias, targets, _Spec(temperature, chunk_tokens, shard))
 
@@ -123,13 +124,15 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 ctx.last_softmax = p.div_(total[:, None])
             del z, p  # before the next chunk's logits exist: one chunk's [c, rows] tensors at a time
         ctx.spec = spec
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.mark_non_differentiable(entropy)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        ctx.set_materialize_grads(False)  # an unused entropy gets None: no entropy term in backward
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp, _grad_entropy):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(lse)
         spec: _Spec = ctx.spec
         rows = spec.real_rows(weight)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -147,7 +150,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 softmax, last = last, None
             else:
                 softmax = spec.scaled_logits(h, weight, bias).sub_(lse[start:end, None]).exp_()
+            if grad_entropy is not None:  # -g_H p (log p + H), before softmax becomes the log-prob's gradient
+                entropy_term = (torch.xlogy(softmax, softmax) + softmax * entropy[start:end, None]).mul_(
+                    -grad_entropy[start:end, None])
             grad_z = softmax.mul_(-g[:, None])  # -g * softmax
+            if grad_entropy is not None:
+                grad_z.add_(entropy_term)
+                del entropy_term
             local, here = spec.local_targets(targets[start:end], rows)
             grad_z.scatter_add_(-1, local[:, None], torch.where(here, g, 0.0)[:, None])
             grad_logits = grad_z.div_(spec.temperature).to(hidden.dtype)

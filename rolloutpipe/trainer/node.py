@@ -67,8 +67,8 @@ class TrainerNode:
         self.transport = transport
         self.is_writer = env.rank == 0
         """Rank 0 publishes weights and writes the run's outputs."""
-        self.spans = SpanRecorder(role="trainer", rank=env.rank, path=env.run_dir / "spans" / f"trainer-{env.rank}.jsonl",
-                                  clock=sync_clock(transport))
+        self.spans = SpanRecorder(role="trainer", rank=env.rank,
+                                  path=env.run_dir / "spans" / f"trainer-{env.rank}.jsonl", clock=sync_clock(transport))
         self.resumed = latest_checkpoint(env.run_dir) if cfg.run.resume is ResumeMode.auto else None
         self.first_step = 0 if self.resumed is None else self.resumed.step + 1
         self.metrics_path = env.run_dir / "metrics.jsonl"
@@ -90,6 +90,10 @@ class TrainerNode:
             old_logprobs=OldLogprobSource.engine if cfg.pipeline.mode is PipelineMode.async_one_step
             else cfg.trainer.old_logprobs,
         )
+        if cfg.grpo.kl_loss_coef > 0:  # the initial policy, also on resume: model.path, not the checkpoint
+            reference = replace(cfg.model, path=cfg.trainer.ref_model_path or cfg.model.path)
+            self.trainer.load_reference(load_model(reference, len(self.tokenizer)))
+        self.trainer.bucket_bytes = cfg.weight_sync().bucket_bytes  # (FSDP gathers the policy by these buckets)
         self.weights: WeightSender = sender(cfg.weight_sync(), transport=transport, run_dir=env.run_dir,
                                             policy=self.trainer)
         """Rank 0's: policy k+1 to the engines, the way pipeline.weight_sync names (control/weights/)."""
@@ -126,8 +130,10 @@ class TrainerNode:
         """Rank 0 opens weight sync and tells the rollout to start; returns the first step to run."""
         from tqdm import tqdm
 
+        with self.trainer.writer_reads():  # (broadcast sync reads the policy's dtype and device)
+            if self.is_writer:
+                self.weights.open()
         if self.is_writer:  # the rollout starts its first step only now, so no step's timings include start-up
-            self.weights.open()
             self.transport.put_record(self.transport.key("trainer", "ready"), {"ready": True})
         self.progress = tqdm(total=self.cfg.num_rollout, initial=self.first_step, desc="RL steps", unit="step",
                              disable=not (self.is_writer and sys.stderr.isatty()))
@@ -186,6 +192,11 @@ class TrainerNode:
         """The step's metrics record (rank 0 writes it: metrics.jsonl, the terminal, W&B), which finishes the step,
         and the copy of its state (restore.py); then its checkpoint when one is due."""
         record = self.reduce(step, stats)
+        with self.trainer.writer_reads():  # the restore point's copy: a sharded backend gathers it for rank 0
+            self._end_step_writer(step, record)
+        self.spans.flush()
+
+    def _end_step_writer(self, step: int, record: dict) -> None:
         if self.is_writer:
             record["run/requeues"] = self.env.restart_count
             source_state = self.transport.wait_record(self.transport.key(f"step={step}", "source_state"),
@@ -205,7 +216,6 @@ class TrainerNode:
                 self.write_checkpoint()
             # every rank is past the step's all-reduces in reduce(), so all of them have read its groups
             self.transport.forget_step(step, self.cfg.rollout_batch_size)
-        self.spans.flush()
 
     def reduce(self, step: int, stats: TrainStats) -> dict:
         means = torch.tensor([stats.compute_s, stats.tail_compute_s], dtype=torch.float64)
@@ -289,8 +299,10 @@ class TrainerNode:
             self.transport.liveness.finish()
         if self.distributed:
             dist.barrier()
+        with self.trainer.writer_reads():
+            final = self.trainer.hf_model() if self.is_writer else None
         if self.is_writer:
-            save_hf_checkpoint(self.trainer.hf_model(), self.tokenizer, self.env.run_dir / "checkpoints" / "final")
+            save_hf_checkpoint(final, self.tokenizer, self.env.run_dir / "checkpoints" / "final")
             finish_run(self.env.run_dir, self.tracker)  # trace.json, lifecycle.jsonl, timeline.png, W&B
             self._write_outcome(finished=True, requeue=False, reason="every step trained; the final policy is written")
             self.transport.liveness.finish()

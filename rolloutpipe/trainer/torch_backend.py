@@ -107,7 +107,13 @@ class PolicyTrainer(GRPOTrainer):
         kwargs = {"input_ids": input_ids}
         logits = (self.model(**kwargs) if params is None
                   else torch.func.functional_call(self.model, params, (), kwargs)).logits[:, :-1]
-        return token_logprobs(logits, targets, self.temperature), token_entropy(logits, self.temperature)
+        return (token_logprobs(logits, targets, self.temperature),
+                token_entropy(logits, self.temperature, grad=self.grpo.entropy_coef > 0))
+
+    def _reference_params(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The reference's parameters as they are: the same HF architecture as the policy, so the same names."""
+        return {k: v.detach() if self.device is None else v.detach().to(self.device)
+                for k, v in model.named_parameters()}
 
 
 def clip_grad_norm(grads: list[torch.Tensor], max_norm: float) -> float:

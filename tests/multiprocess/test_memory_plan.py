@@ -57,6 +57,26 @@ def test_qwen3_1_7b_shape_has_its_published_parameter_count():
     assert QWEN3_1_7B.num_params() / 2 < QWEN3_1_7B.num_params(tp=2) < QWEN3_1_7B.num_params() / 2 + 1e6
 
 
+def test_fsdp_keeps_a_1_over_n_share_of_the_training_state_and_names_the_fewest_ranks_that_fit():
+    """bf16 with FSDP: float32 master, gradient and Adam shards (16 B/param in all) / N, no replicated copy; the
+    memory plan's ladder ends at the fewest trainer ranks that fit (qwen3-32b: 16 of 80 GiB, with recompute)."""
+    qwen3_32b = memory_plan.QWEN3_SHAPES["qwen3-32b"]
+    count = qwen3_32b.num_params()
+    assert round(count / 1e9, 1) == 32.8  # the published 32.8B
+    for n in (8, 16):
+        estimate = trainer_estimate(gpqa("trainer.backend=fsdp", f"trainer.num_ranks={n}"), qwen3_32b,
+                                    capacity_bytes=80 * GIB)
+        assert (term(estimate, "weights"), term(estimate, "gradients"), term(estimate, "optimizer state")) == (
+            4 * count // n, 4 * count // n, 8 * count // n)
+        assert not any(t.name.startswith(("master weights", "fp32 gradients")) for t in estimate.terms)
+        assert term(estimate, "unsharded in flight") > 0
+    result = plan(gpqa("trainer.backend=fsdp", "trainer.num_ranks=8"), qwen3_32b, gpu_memory_gib=80)
+    assert not result.trainer.fits and result.fix[-1] == "trainer.num_ranks=16", result.fix
+    fewer = [f for f in result.fix if not f.startswith("trainer.num_ranks")]
+    assert not plan(gpqa("trainer.backend=fsdp", "trainer.num_ranks=8", *fewer), qwen3_32b).trainer.fits
+    assert plan(gpqa("trainer.backend=fsdp", *result.fix), qwen3_32b).trainer.fits
+
+
 def test_activations_grow_with_the_micro_batch_and_recompute_lowers_them():
     local = AttentionKind.materialised  # Megatron's local spec: [heads, T, T] kept per layer
 

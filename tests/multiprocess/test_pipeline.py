@@ -97,19 +97,38 @@ TOKEN_BUDGET = 80
 LONG_RESPONSES = ["rollout_max_response_len=32"]
 
 
-@pytest.mark.parametrize("dtype,num_ranks,extra,cgp_extra", [
-    ("float64", 1, [], []), ("float64", 2, ["grpo.loss_agg=seq_mean_token_mean"], []),
-    ("float64", 1, MULTI_STEP_FILTERED, []),
-    ("float64", 2, LONG_RESPONSES, [f"max_tokens_per_micro_batch={TOKEN_BUDGET}"]),
-    ("float32", 1, ONE_STEP, []), ("bfloat16", 1, ONE_STEP, []),
-    ("bfloat16", 2, [*ONE_STEP, "grpo.loss_agg=seq_mean_token_mean"], []),
-], ids=["float64-1-rank", "float64-2-ranks-seq-mean",
-        "float64-2-optimizer-steps-per-rollout-filtered", "float64-2-ranks-token-budget-micro-batches",
+# The loss variants of grpo.py ride on the float64 cases (each also varies the split, the order or the rank count);
+# float64-1-rank stays plain GRPO.
+GSPO = ["grpo.policy_loss=gspo"]
+TIS_AND_KL = ["grpo.rollout_correction=token_tis", "grpo.kl_loss_coef=0.1", "grpo.kl_loss_type=low_var_kl"]
+"""Two optimizer steps per rollout: the second batch's policy is not the reference, so the KL term moves it."""
+CISPO_MIS_ENTROPY = ["grpo.policy_loss=cispo", "grpo.rollout_correction=token_mis", "grpo.tis_clip=1.5",
+                     "grpo.tis_clip_low=0.5", "grpo.entropy_coef=0.01"]
+"""MIS's normaliser (the loss tokens) is the batch-level term: taken per micro-batch, the token budget's other
+micro-batches would move the update."""
+EVAL_IN_THE_TAIL = {"sync": ["eval.interval=0"], "cgp": ["eval.interval=1"]}
+"""Sync without evaluation against cgp evaluating the held-out split in the tail of every step: eval requests take
+the engines' free slots and run beside training requests, so if they changed anything trained (a sample, a batch,
+a reward, the loss) the two runs would differ."""
+
+
+@pytest.mark.parametrize("dtype,num_ranks,extra,mode_extra", [
+    ("float64", 1, [], EVAL_IN_THE_TAIL),
+    ("float64", 2, ["grpo.loss_agg=seq_mean_token_mean", *GSPO], {}),
+    ("float64", 1, [*MULTI_STEP_FILTERED, *TIS_AND_KL], {}),
+    ("float64", 2, [*LONG_RESPONSES, *CISPO_MIS_ENTROPY], {"cgp": [f"max_tokens_per_micro_batch={TOKEN_BUDGET}"]}),
+    ("float32", 1, ONE_STEP, {}), ("bfloat16", 1, ONE_STEP, {}),
+    ("bfloat16", 2, [*ONE_STEP, "grpo.loss_agg=seq_mean_token_mean"], {}),
+], ids=["float64-1-rank-eval-in-the-tail", "float64-2-ranks-seq-mean-gspo",
+        "float64-2-optimizer-steps-per-rollout-filtered-tis-kl",
+        "float64-2-ranks-token-budget-micro-batches-cispo-mis-entropy",
         "float32-1-rank", "bfloat16-1-rank", "bfloat16-2-ranks-seq-mean"])
-def test_pipelined_update_equals_synchronous_update(job_dir, dtype, num_ranks, extra, cgp_extra):
-    """``cgp_extra`` applies to the cgp run only (sync keeps micro_batch_size micro-batches)."""
+def test_pipelined_update_equals_synchronous_update(job_dir, dtype, num_ranks, extra, mode_extra):
+    """``mode_extra`` applies to one mode's run only (sync keeps micro_batch_size micro-batches)."""
+    cgp_extra = mode_extra.get("cgp", [])
     runs = {}
-    for mode, jitter, only in (("sync", "1", []), ("cgp", CGP_JITTER, cgp_extra)):
+    for mode, jitter in (("sync", "1"), ("cgp", CGP_JITTER)):
+        only = mode_extra.get(mode, [])
         run_dir = job_dir(f"{mode}-{num_ranks}")
         result = run_job(run_dir, *PARITY, f"model.dtype={dtype}", f"pipeline.mode={mode}",
                          f"trainer.num_ranks={num_ranks}", *extra, *only, environ={"RP_TEST_REWARD_JITTER": jitter})
@@ -122,13 +141,13 @@ def test_pipelined_update_equals_synchronous_update(job_dir, dtype, num_ranks, e
     assert [(s["id"], s["batch"], s["response_ids"], s["reward"]) for s in sync_samples] == [
         (s["id"], s["batch"], s["response_ids"], s["reward"]) for s in cgp_samples
     ], "same seed must give the same samples in the same batches in both modes"
-    if MULTI_STEP_FILTERED == extra:  # (FGD and filtering fix much of the order)
+    if set(MULTI_STEP_FILTERED) <= set(extra):  # (FGD and filtering fix much of the order)
         metrics = read_metrics(runs["cgp"])
         assert sum(m["rollout/num_filtered_groups"] for m in metrics) > 0, "the workload must exercise filtering"
         assert {s["batch"] for s in cgp_samples} == {0, 1}
     else:
         assert publish_order(runs["sync"]) != publish_order(runs["cgp"]), "the groups must arrive in other orders"
-    if cgp_extra:
+    if f"max_tokens_per_micro_batch={TOKEN_BUDGET}" in cgp_extra:
         packed = [(s.attrs["num_samples"], s.attrs["num_padded_tokens"]) for s in read_spans(runs["cgp"])
                   if s.name == "train/forward_backward"]
         assert all(padded <= TOKEN_BUDGET or rows == 1 for rows, padded in packed), packed
@@ -140,7 +159,15 @@ def test_pipelined_update_equals_synchronous_update(job_dir, dtype, num_ranks, e
     sync_w, cgp_w = final_weights(runs["sync"]), final_weights(runs["cgp"])
     init = load_model(ModelConfig(dtype=DType(dtype)), len(build_tiny_tokenizer())).state_dict()
     if dtype == "float64":
-        for key in ("train/loss", "train/grad_norm", "train/entropy"):
+        keys = ["train/loss", "train/grad_norm", "train/entropy", "rollout/reward_mean"]
+        if TIS_AND_KL[0] in extra or CISPO_MIS_ENTROPY[1] in extra:  # the engine/trainer gap and TIS statistics
+            keys += ["train/tis_mean", "train/tis_max", "train/tis_clipfrac", "train/engine_trainer_logprob_gap"]
+            assert all(abs(m["train/tis_mean"] - 1) < 1e-9 and m["train/engine_trainer_logprob_gap"] < 1e-9
+                       for m in cgp_m), "float64 engine and trainer log-probs agree"
+        if TIS_AND_KL[1] in extra:
+            keys.append("train/kl")
+            assert max(m["train/kl"] for m in cgp_m) > 0, "the KL term must be exercised"
+        for key in keys:
             assert [m[key] for m in cgp_m] == pytest.approx([m[key] for m in sync_m], rel=1e-9, abs=1e-12), key
         assert all(m["train/entropy"] > 0 for m in cgp_m)
         difference = max((sync_w[k] - cgp_w[k]).abs().max().item() for k in sync_w)
@@ -170,31 +197,11 @@ def test_pipelined_update_equals_synchronous_update(job_dir, dtype, num_ranks, e
     moved = max((sync_w[k] - init[k]).abs().max().item() for k in sync_w)
     assert moved > 1e-5, "training must have changed the weights"
     assert [m["step"] for m in cgp_m] == list(range(num_steps))
-
-
-def test_evaluation_in_the_tail_changes_neither_the_samples_nor_the_update(job_dir):
-    """Sync without evaluation against cgp evaluating the held-out split in the tail of every step (float64, one
-    rank): eval requests take the engines' free slots and run beside training requests, so if they changed anything
-    trained (a sample, a batch, a reward, the loss) the two runs would differ."""
-    runs = {}
-    for mode, jitter, evaluation in (("sync", "1", ["eval.interval=0"]), ("cgp", CGP_JITTER, ["eval.interval=1"])):
-        run_dir = job_dir(mode)
-        result = run_job(run_dir, *PARITY, "model.dtype=float64", f"pipeline.mode={mode}", *evaluation,
-                         environ={"RP_TEST_REWARD_JITTER": jitter})
-        assert result.returncode == 0, result.stderr[-3000:]
-        runs[mode] = run_dir
-    sync_samples, cgp_samples = read_samples(runs["sync"]), read_samples(runs["cgp"])
-    assert len(sync_samples) == 2 * 4 * 4
-    assert [(s["id"], s["batch"], s["response_ids"], s["reward"]) for s in sync_samples] == [
-        (s["id"], s["batch"], s["response_ids"], s["reward"]) for s in cgp_samples]
-    sync_m, cgp_m = read_metrics(runs["sync"]), read_metrics(runs["cgp"])
-    assert not any(k.startswith("eval/") for m in sync_m for k in m)
-    assert [m["eval/reversal_heldout/policy_version"] for m in cgp_m] == [0, 1]
-    assert all(m["eval/reversal_heldout/num_samples"] > 0 for m in cgp_m)
-    for key in ("train/loss", "train/grad_norm", "train/num_tokens", "rollout/reward_mean", "rollout/num_samples"):
-        assert [m[key] for m in cgp_m] == pytest.approx([m[key] for m in sync_m], rel=1e-9, abs=1e-12), key
-    sync_w, cgp_w = final_weights(runs["sync"]), final_weights(runs["cgp"])
-    assert max((sync_w[k] - cgp_w[k]).abs().max().item() for k in sync_w) < 1e-9
+    assert [m["rollout/num_samples"] for m in cgp_m] == [m["rollout/num_samples"] for m in sync_m]
+    if mode_extra is EVAL_IN_THE_TAIL:
+        assert not any(k.startswith("eval/") for m in sync_m for k in m)
+        assert [m["eval/reversal_heldout/policy_version"] for m in cgp_m] == [0, 1]
+        assert all(m["eval/reversal_heldout/num_samples"] > 0 for m in cgp_m)
 
 
 @pytest.mark.parametrize("mode", ["sync", "cgp"])

@@ -227,8 +227,8 @@ def test_a_duplicate_in_flight_rid_is_answered_400_and_a_4xx_is_a_request_error(
 
 def assert_no_engine_log_holds_a_key(engines: Path, key: str | None = None) -> int:
     """Every engine log under ``engines``: private to the user (directories 0700, files 0600), without ``key``, and
-    wherever SGLang wrote its server arguments, the key replaced (it logs ``'api_key': '...'`` at INFO). Returns how many
-    of those it saw, so a caller can tell that the check met a logged key."""
+    wherever SGLang wrote its server arguments, the key replaced (it logs ``'api_key': '...'`` at INFO). Returns how
+    many of those it saw, so a caller can tell that the check met a logged key."""
     import re
     import stat
 
@@ -308,6 +308,10 @@ def workload(model_dir: Path) -> list[str]:
             "rollout.server_start_timeout_s=300"]
 
 
+TIS = "grpo.rollout_correction=token_tis"
+"""On sync_run and cgp_run: the trainer weighs the loss by its ratio to SGLang's log-probs and reports the gap."""
+
+
 def launch(run_dir: Path, *overrides: str) -> subprocess.Popen:
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen([sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", *overrides],
@@ -336,7 +340,7 @@ def sync_run(model_dir, tmp_path_factory) -> Path:
     """sync, with the weights broadcast into SGLang (pipeline.weight_sync=distributed, gloo): compared with cgp_run
     (disk sync), it shows both that cgp trains what sync does and that distributed sync trains what disk sync does."""
     run_dir = tmp_path_factory.mktemp("sync") / "run"
-    finish(launch(run_dir, *workload(model_dir), "pipeline.mode=sync", "pipeline.weight_sync=distributed"))
+    finish(launch(run_dir, *workload(model_dir), "pipeline.mode=sync", "pipeline.weight_sync=distributed", TIS))
     return run_dir
 
 
@@ -360,7 +364,7 @@ def cgp_run(model_dir, tmp_path_factory) -> tuple[Path, str]:
     """cgp with FGD, and engine0's SGLang server SIGKILLed once step 0 is done: the job restarts it and resubmits
     what it held. (Run dir, the launcher's stderr.)"""
     run_dir = tmp_path_factory.mktemp("cgp") / "run"
-    proc = launch(run_dir, *workload(model_dir), "pipeline.mode=cgp", "rollout.admission=fgd")
+    proc = launch(run_dir, *workload(model_dir), "pipeline.mode=cgp", "rollout.admission=fgd", TIS)
     try:
         wait_for(lambda: (run_dir / "metrics.jsonl").exists(), "step 0 to finish", running=[proc], timeout_s=600)
         pid = server_pid(run_dir)
@@ -382,6 +386,9 @@ def test_sync_and_cgp_train_on_the_same_samples_to_the_same_weights(sync_run, cg
     ours, theirs = samples(sync_run), samples(cgp_run)
     assert len(ours) == 2 * 16 and ours == theirs
     assert max_weight_diff(sync_run, cgp_run) < 1e-5  # float32; only the order of additions differs
+    for m in read_metrics(cgp_run):  # SGLang's kernels are not the trainer's: a gap, and TIS weights near 1
+        assert 0 < m["train/engine_trainer_logprob_gap"] < 0.1, m
+        assert abs(m["train/tis_mean"] - 1) < 0.1 and m["train/tis_max"] > 0 and 0 <= m["train/tis_clipfrac"] < 1
 
 
 def test_a_killed_sglang_engine_is_restarted_and_its_requests_resubmitted_with_their_seeds(cgp_run):

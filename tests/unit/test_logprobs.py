@@ -37,7 +37,7 @@ def chunked(h, w, b, t, g, vocab, chunk):
     logp, entropy = chunked_logprobs(h, w, b, t, temperature=TEMPERATURE, chunk_tokens=chunk,
                                      shard=VocabShard(num_real=vocab))
     (logp * g.to(logp.dtype)).sum().backward()
-    return logp.detach(), entropy, [x.grad.clone() for x in (h, w, b)]
+    return logp.detach(), entropy.detach(), [x.grad.clone() for x in (h, w, b)]
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 100])
@@ -49,6 +49,26 @@ def test_chunked_log_probs_equal_the_full_log_softmax_in_float64(chunk):
     for a, b in zip(ours[2], full[2]):  # hidden, weight (its padding rows get none), bias
         torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
     assert ours[2][1][37:].abs().max() == 0
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 100])
+def test_chunked_entropy_has_the_full_entropys_gradient_in_float64(chunk):
+    """grpo.entropy_coef backpropagates the entropy: through the chunks, its gradient is the full softmax's."""
+    grads = []
+    for way in ("full", "chunked"):
+        h, w, b, t, g = problem(torch.float64)
+        g_entropy = g.flip(0)
+        if way == "full":
+            logits = torch.nn.functional.linear(h, w[:37], b[:37])
+            logp = token_logprobs(logits[None], t[None], TEMPERATURE)[0]
+            entropy = token_entropy(logits[None], TEMPERATURE, grad=True)[0]
+        else:
+            logp, entropy = chunked_logprobs(h, w, b, t, temperature=TEMPERATURE, chunk_tokens=chunk,
+                                             shard=VocabShard(num_real=37))
+        ((logp * g).sum() + (entropy * g_entropy).sum()).backward()
+        grads.append([x.grad.clone() for x in (h, w, b)])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
 def test_chunked_log_probs_in_bfloat16_are_as_close_to_float64_as_the_full_ones():
@@ -75,7 +95,7 @@ def _vocab_parallel_rank(rank: int, world: int, port: int, chunk: int, out: dict
                                          shard=VocabShard(start=rank * rows, num_real=37 - rank * rows,
                                                           group=dist.group.WORLD))
         (logp * g).sum().backward()
-        out[rank] = [logp.detach(), entropy, h.grad, mine[0].grad, mine[1].grad]
+        out[rank] = [logp.detach(), entropy.detach(), h.grad, mine[0].grad, mine[1].grad]
     finally:
         dist.destroy_process_group()
 

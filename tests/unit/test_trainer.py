@@ -122,7 +122,8 @@ def test_chunked_log_probs_give_the_full_logits_values_and_gradients():
         results[chunk] = (sums, first, trainer.finish_batch(), trainer.model.state_dict())
     (full_sums, full_first, full_second, full_state), (sums, first, second, state) = results[0], results[5]
     for a, b in zip(full_sums, sums):
-        assert a.num_tokens == b.num_tokens and float(a.loss.detach()) == pytest.approx(float(b.loss.detach()), rel=1e-12)
+        assert a.num_tokens == b.num_tokens
+        assert float(a.loss.detach()) == pytest.approx(float(b.loss.detach()), rel=1e-12)
         assert a.num_clipped_tokens == b.num_clipped_tokens
     for a, b in zip(grads[0], grads[5]):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13)
@@ -219,10 +220,12 @@ def test_every_backend_value_names_a_class_the_trainer_node_can_drive(backend):
     """trainer.backend resolves to a class that the node constructs with the same arguments and whose instances
     have every member of PolicyBackend (the calls of trainer/node.py, pipeline.py and weight sync)."""
     calls = {name for name, member in vars(PolicyBackend).items() if inspect.isfunction(member) and name[0] != "_"}
-    assert calls == {"begin_step", "forward_backward", "finish_batch", "hf_state", "save_weights", "hf_model", "close"}
+    assert calls == {"begin_step", "forward_backward", "finish_batch", "load_reference", "hf_state", "save_weights",
+                     "hf_model", "close", "writer_reads"}
     cls = trainer_class(backend)
     assert not inspect.isabstract(cls)
-    assert inspect.signature(cls.__init__).parameters.keys() == inspect.signature(PolicyBackend.__init__).parameters.keys()
+    expected = inspect.signature(PolicyBackend.__init__).parameters.keys()
+    assert inspect.signature(cls.__init__).parameters.keys() == expected
     model = load_model(ModelConfig(dtype=DType.float64), len(build_tiny_tokenizer()))
     trainer = cls(model=model, cfg=TrainerConfig(backend=backend), grpo=GRPOConfig(), temperature=TEMPERATURE,
                   pad_id=0, multi_step=False, process_group_active=False, old_logprobs=OldLogprobSource.trainer)

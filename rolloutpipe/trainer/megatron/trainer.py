@@ -147,13 +147,25 @@ class MegatronTrainer(GRPOTrainer):
         return torch.func.functional_call(self._head, {f"gpt.{k}": v for k, v in params.items()},
                                           (input_ids, targets, mask))
 
+    def _reference_params(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The reference's weights mapped as the policy's were at start: this rank's tensor-parallel shard."""
+        own = dict(self.gpt.named_parameters())
+        mapped = self._mapped(model.state_dict())
+        return {k: v.detach().to(device=own[k].device, dtype=own[k].dtype) for k, v in mapped.items()}
+
     # -- helpers ---------------------------------------------------------------------------------
-    def _load_hf(self, hf_state: dict[str, torch.Tensor]) -> None:
+    def _mapped(self, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """HF tensors as this rank's GPTModel parameters (its tensor-parallel shard), under their names."""
         own = dict(self.gpt.named_parameters())
         mapped = hf_to_megatron(hf_state, self.layout, tp_rank=self.tp_rank)
         if self.transformer_engine:
             mapped = transformer_engine_names(mapped)
         assert mapped.keys() == own.keys(), sorted(mapped.keys() ^ own.keys())
+        return mapped
+
+    def _load_hf(self, hf_state: dict[str, torch.Tensor]) -> None:
+        own = dict(self.gpt.named_parameters())
+        mapped = self._mapped(hf_state)
         with torch.no_grad():
             for name, value in mapped.items():
                 own[name].copy_(value)
