@@ -141,7 +141,8 @@ def test_pipelined_update_equals_synchronous_update(job_dir, dtype, num_ranks, e
     assert [(s["id"], s["batch"], s["response_ids"], s["reward"]) for s in sync_samples] == [
         (s["id"], s["batch"], s["response_ids"], s["reward"]) for s in cgp_samples
     ], "same seed must give the same samples in the same batches in both modes"
-    if set(MULTI_STEP_FILTERED) <= set(extra):  # (FGD and filtering fix much of the order)
+    filtered = set(MULTI_STEP_FILTERED) <= set(extra)
+    if filtered:  # (FGD and filtering fix much of the order)
         metrics = read_metrics(runs["cgp"])
         assert sum(m["rollout/num_filtered_groups"] for m in metrics) > 0, "the workload must exercise filtering"
         assert {s["batch"] for s in cgp_samples} == {0, 1}
@@ -159,7 +160,11 @@ def test_pipelined_update_equals_synchronous_update(job_dir, dtype, num_ranks, e
     sync_w, cgp_w = final_weights(runs["sync"]), final_weights(runs["cgp"])
     init = load_model(ModelConfig(dtype=DType(dtype)), len(build_tiny_tokenizer())).state_dict()
     if dtype == "float64":
-        keys = ["train/loss", "train/grad_norm", "train/entropy", "rollout/reward_mean"]
+        keys = ["train/loss", "train/grad_norm", "train/entropy"]
+        # (with dynamic sampling, the rollout's statistics count every completed group, filtered ones too, and which
+        # over-sampled groups complete before the step ends is a matter of timing)
+        if not filtered:
+            keys.append("rollout/reward_mean")
         if TIS_AND_KL[0] in extra or CISPO_MIS_ENTROPY[1] in extra:  # the engine/trainer gap and TIS statistics
             keys += ["train/tis_mean", "train/tis_max", "train/tis_clipfrac", "train/engine_trainer_logprob_gap"]
             assert all(abs(m["train/tis_mean"] - 1) < 1e-9 and m["train/engine_trainer_logprob_gap"] < 1e-9
@@ -197,7 +202,8 @@ def test_pipelined_update_equals_synchronous_update(job_dir, dtype, num_ranks, e
     moved = max((sync_w[k] - init[k]).abs().max().item() for k in sync_w)
     assert moved > 1e-5, "training must have changed the weights"
     assert [m["step"] for m in cgp_m] == list(range(num_steps))
-    assert [m["rollout/num_samples"] for m in cgp_m] == [m["rollout/num_samples"] for m in sync_m]
+    if not filtered:
+        assert [m["rollout/num_samples"] for m in cgp_m] == [m["rollout/num_samples"] for m in sync_m]
     if mode_extra is EVAL_IN_THE_TAIL:
         assert not any(k.startswith("eval/") for m in sync_m for k in m)
         assert [m["eval/reversal_heldout/policy_version"] for m in cgp_m] == [0, 1]
