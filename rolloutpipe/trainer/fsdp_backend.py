@@ -59,7 +59,7 @@ from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConf
 from rolloutpipe.trainer.grpo import LossSums
 from rolloutpipe.trainer.grpo_trainer import GRPOTrainer, TrainSample, pack
 from rolloutpipe.trainer.logprobs import token_entropy, token_logprobs
-from rolloutpipe.trainer.torch_backend import _chunkable, _HiddenToLogprobs, sum_of_squares
+from rolloutpipe.trainer.torch_backend import _chunkable, _HiddenToLogprobs, clip_grad_norm
 
 _DONE, _GATHER, _OPTIMIZER_STATE = 0, 1, 2
 """Rank 0's requests to the other ranks inside ``writer_reads``."""
@@ -333,16 +333,7 @@ def hf_names(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def clip_sharded_grad_norm(grads: list[torch.Tensor], max_norm: float) -> float:
     """torch_backend.clip_grad_norm over gradient shards: each rank's sum of squares of its shards in float64, one
     all-reduce, the same clip coefficient on every rank."""
-    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    total = sum((sum_of_squares(g) for g in local), torch.zeros((), dtype=torch.float64, device=local[0].device))
-    if dist.get_world_size() > 1:
-        dist.all_reduce(total)
-    norm = float(total.sqrt())
-    coefficient = max_norm / (norm + 1e-6)
-    if coefficient < 1.0:
-        for g in local:
-            g.mul_(coefficient)
-    return norm
+    return clip_grad_norm([g.to_local() if isinstance(g, DTensor) else g for g in grads], max_norm, all_reduce=True)
 
 
 @contextlib.contextmanager

@@ -116,12 +116,16 @@ class PolicyTrainer(GRPOTrainer):
                 for k, v in model.named_parameters()}
 
 
-def clip_grad_norm(grads: list[torch.Tensor], max_norm: float) -> float:
+def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, *, all_reduce: bool = False) -> float:
     """The 2-norm of all ``grads``, and the clip ``torch.nn.utils.clip_grad_norm_`` does (coefficient
     max_norm / (norm + 1e-6), applied when below 1). Each tensor's sum of squares is taken in float32 with torch's
     cascade sum and the sums are added in float64: about 2e-8 relative at 50M elements, where clip_grad_norm_'s
-    float32 vector_norm is 3.9e-3 off (measured on CPU), enough to move a clipped update."""
-    total = sum((sum_of_squares(g) for g in grads), torch.zeros((), dtype=torch.float64))
+    float32 vector_norm is 3.9e-3 off (measured on CPU), enough to move a clipped update. ``all_reduce``: ``grads``
+    are this rank's shards of the gradients (fsdp_backend), and the float64 sum is all-reduced over the ranks first,
+    so every rank clips by the same coefficient."""
+    total = sum((sum_of_squares(g) for g in grads), torch.zeros((), dtype=torch.float64, device=grads[0].device))
+    if all_reduce and dist.get_world_size() > 1:
+        dist.all_reduce(total)
     norm = float(total.sqrt())
     coefficient = max_norm / (norm + 1e-6)
     if coefficient < 1.0:
