@@ -271,8 +271,9 @@ class TrainerNode:
             checkpoint_step=self.restore.on_disk, reason=reason))
 
     def close(self) -> None:
-        """On every exit path: stop the requeue watch, then destroy the process group, so that neither outlives
-        the node into interpreter teardown.
+        """On every exit path: stop the requeue watch, release the backend's own process groups (Megatron's model
+        parallel groups; a world group the backend made itself), then destroy the node's process group, so that
+        none of them outlives the node into interpreter teardown.
 
         A thread still inside a c10d store call when the interpreter finalizes aborts the process when the call
         returns ("terminate called without an active exception": re-taking the GIL ends the thread with
@@ -285,6 +286,7 @@ class TrainerNode:
         self._closing.set()
         if self._watch is not None:
             self._watch.join()
+        self.trainer.close()
         if self.distributed:
             dist.destroy_process_group()
 
