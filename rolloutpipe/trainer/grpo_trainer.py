@@ -183,7 +183,7 @@ class GRPOTrainer(abc.ABC):
         (its shard where the policy is sharded), detached, so that ``_logprobs(params=...)`` gives the reference's
         log-probs. A backend without one refuses grpo.kl_loss_coef > 0 here, at start."""
         raise ValueError(f"grpo.kl_loss_coef > 0 needs a reference model, which {type(self).__name__} does not keep "
-                         "yet; set grpo.kl_loss_coef=0 or use trainer.backend=torch or megatron.")
+                         "yet; set grpo.kl_loss_coef=0 or use trainer.backend=torch, fsdp or megatron.")
 
     # -- hooks: what a backend supplies ----------------------------------------------------------------------
     @abc.abstractmethod
