@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from rolloutpipe.control.checkpoint import Shard, ShardedState
 from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerBackend, TrainerConfig
 from rolloutpipe.trainer.grpo import LossSums
 from rolloutpipe.trainer.grpo_trainer import BatchResult, TrainSample
@@ -32,6 +33,9 @@ class PolicyBackend(Protocol):
     every rank run as many per training batch, padding with ``forward_backward([])``."""
     bucket_bytes: int
     """pipeline.weight_sync_bucket_mb: a sharded backend gathers the unsharded policy this much at a time."""
+    sharded_checkpoint: bool
+    """Each rank checkpoints its own shards (``training_shards``, ``load_training_shards``: FSDP); else rank 0
+    checkpoints the whole ``optimizer.state_dict()``."""
 
     def __init__(self, *, model: torch.nn.Module, cfg: TrainerConfig, grpo: GRPOConfig, temperature: float,
                  pad_id: int, multi_step: bool, process_group_active: bool,
@@ -45,6 +49,12 @@ class PolicyBackend(Protocol):
 
     def finish_batch(self) -> BatchResult:
         """The training batch is complete (on every rank): its one optimizer step."""
+
+    def training_shards(self) -> dict[str, Shard]:
+        """With ``sharded_checkpoint``: this rank's rows of the training state (control/checkpoint.py)."""
+
+    def load_training_shards(self, state: ShardedState, param_groups: list[dict]) -> None:
+        """With ``sharded_checkpoint``: a sharded checkpoint, of any number of ranks, into this rank's shards."""
 
     def load_reference(self, model: torch.nn.Module) -> None:
         """Keep the HF ``model`` frozen as the reference of grpo.kl_loss_coef (GRPOTrainer's, through its hook

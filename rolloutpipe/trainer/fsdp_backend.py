@@ -35,10 +35,11 @@ weight sync, the restore point and the final policy still take the whole policy 
 KL to a reference (``grpo.kl_loss_coef``): the reference is kept as this rank's shards (``_reference_params``),
 swapped into the policy's shards for its no-grad pass; 1/N of the model per rank.
 
-Checkpoints keep the torch backend's format (HF weights, AdamW state by parameter index): rank 0 gathers the full
-optimizer state (``get_optimizer_state_dict(full_state_dict=True)``) into its restore point, and a resumed run on
-any number of ranks loads it and keeps its own shard. (A sharded torch.distributed.checkpoint format, which no rank
-would need to hold whole, is not built yet.)
+Checkpoints are sharded (control/checkpoint.py): each rank writes its own rows of the float32 master weights and
+of AdamW's state (``training_shards``, copied every step into its restore point: 1/N of the state, nothing
+gathered), rank 0 the policy in the HF layout (gathered by buckets) beside them. A resumed run on any number of
+ranks reads back the rows its shards need (``load_training_shards``); a checkpoint of the torch backend's format
+(the whole AdamW state by parameter index) loads too, each rank keeping its shard.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from rolloutpipe.control.checkpoint import Shard, ShardedState
 from rolloutpipe.control.weights.buckets import plan_buckets
 from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
 from rolloutpipe.trainer.grpo import LossSums
@@ -61,12 +63,13 @@ from rolloutpipe.trainer.grpo_trainer import GRPOTrainer, TrainSample, pack
 from rolloutpipe.trainer.logprobs import token_entropy, token_logprobs
 from rolloutpipe.trainer.torch_backend import _chunkable, _HiddenToLogprobs, clip_grad_norm
 
-_DONE, _GATHER, _OPTIMIZER_STATE = 0, 1, 2
+_DONE, _GATHER = 0, 1
 """Rank 0's requests to the other ranks inside ``writer_reads``."""
 
 
 class FSDPTrainer(GRPOTrainer):
     collective_micro_batches = True
+    sharded_checkpoint = True
 
     def __init__(self, *, model: torch.nn.Module, cfg: TrainerConfig, grpo: GRPOConfig, temperature: float,
                  pad_id: int, multi_step: bool, process_group_active: bool, old_logprobs: OldLogprobSource) -> None:
@@ -175,6 +178,50 @@ class FSDPTrainer(GRPOTrainer):
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
+    # -- sharded checkpoints ----------------------------------------------------------------------------
+    def training_shards(self) -> dict[str, Shard]:
+        """This rank's rows of the training state, by parameter index (the order of the full format): the master
+        weights ``<i>.param`` and AdamW's ``<i>.exp_avg``, ``<i>.exp_avg_sq``, ``<i>.step``. Views, not copies."""
+        shards: dict[str, Shard] = {}
+        for index, param in enumerate(self.root.parameters()):
+            offset, rows = self._rows(param)
+            shards[f"{index}.param"] = Shard(_local(param).detach(), offset, rows)
+            for name, value in self.optimizer.optimizer.state.get(param, {}).items():
+                shards[f"{index}.{name}"] = (Shard(_local(value), offset, rows) if isinstance(value, DTensor)
+                                             else Shard(value))
+        return shards
+
+    def load_training_shards(self, state: ShardedState, param_groups: list[dict]) -> None:
+        """A sharded checkpoint of any number of ranks into this rank's shards: master weights, AdamW's state and
+        hyper-parameters."""
+        params = list(self.root.parameters())
+        with torch.no_grad():
+            for key in state.names():
+                index, name = key.split(".", 1)
+                param = params[int(index)]
+                offset, _ = self._rows(param)
+                local = _local(param)
+                if state.whole(key):  # the step count
+                    self.optimizer.optimizer.state[param][name] = state.rows(key).clone()
+                    continue
+                rows = state.rows(key, offset, offset + local.shape[0])
+                if name == "param":
+                    local.copy_(rows)
+                else:
+                    moment = self.optimizer.optimizer.state[param][name] = torch.zeros_like(param)
+                    _local(moment).copy_(rows)
+        for group, saved in zip(self.optimizer.optimizer.param_groups, param_groups, strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+
+    def _rows(self, param: torch.Tensor) -> tuple[int, int]:
+        """The rows [offset, offset + local) of dimension 0 this rank holds of ``param`` (FSDP2's ``Shard(0)``:
+        ``torch.chunk``'s split), and the full tensor's rows."""
+        rows = param.shape[0]
+        chunk = -(-rows // self.data_parallel_size)
+        offset = min(self.data_parallel_rank * chunk, rows)
+        assert _local(param).shape[0] == min(chunk, rows - offset), (param.shape, _local(param).shape)
+        return offset, rows
+
     # -- reads by trainer rank 0 ------------------------------------------------------------------------
     @contextlib.contextmanager
     def writer_reads(self) -> Iterator[None]:
@@ -188,8 +235,6 @@ class FSDPTrainer(GRPOTrainer):
                 if request == _GATHER:
                     for _ in self._gathered_buckets():
                         pass
-                elif request == _OPTIMIZER_STATE:
-                    self.optimizer.full_state_dict()
             yield
             return
         self._leading = True
@@ -275,9 +320,9 @@ class FSDPTrainer(GRPOTrainer):
 
 
 class _FullStateOptimizer:
-    """The AdamW over the shards, whose ``state_dict`` / ``load_state_dict`` speak the torch backend's format (the
-    whole state, by parameter index, on CPU): what checkpoints hold (control/checkpoint.py). ``state_dict`` is
-    rank 0's, inside ``writer_reads``; ``load_state_dict`` runs on every rank, each keeping its shard."""
+    """The AdamW over the shards. Its ``state_dict`` gives only the param groups (by parameter index, as the torch
+    backend's): the state itself is checkpointed by each rank (``training_shards``). ``load_state_dict`` takes the
+    torch backend's whole state (control/checkpoint.py ``load_optimizer``) on every rank, each keeping its shard."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, trainer: FSDPTrainer) -> None:
         self.optimizer = optimizer
@@ -285,22 +330,14 @@ class _FullStateOptimizer:
         self.step = optimizer.step
         self.zero_grad = optimizer.zero_grad
 
-    def full_state_dict(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        state = get_optimizer_state_dict(self.trainer.root, self.optimizer,
-                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if not state:  # ranks but 0 (cpu_offload gathers onto rank 0 only)
-            return {}
-        names = [n for group in state["param_groups"] for n in group["params"]]
-        index = {name: i for i, name in enumerate(names)}
-        groups = [{**group, "params": [index[n] for n in group["params"]]} for group in state["param_groups"]]
-        return {"state": {index[n]: moments for n, moments in state["state"].items()}, "param_groups": groups}
-
     def state_dict(self) -> dict:
-        self.trainer._check_leading()
-        self.trainer._request(_OPTIMIZER_STATE)
-        return self.full_state_dict()
+        first = 0
+        groups = []
+        for group in self.optimizer.param_groups:
+            groups.append({**{k: v for k, v in group.items() if k != "params"},
+                           "params": list(range(first, first + len(group["params"])))})
+            first += len(group["params"])
+        return {"state": {}, "param_groups": groups}
 
     def load_state_dict(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict

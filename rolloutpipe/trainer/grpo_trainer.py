@@ -93,6 +93,8 @@ class GRPOTrainer(abc.ABC):
     collective_micro_batches = False
     """Whether every forward/backward is a collective (backend.PolicyBackend); FSDP's are."""
     bucket_bytes = 512 << 20
+    sharded_checkpoint = False
+    """Whether each rank checkpoints its own shards (backend.PolicyBackend); FSDP's do."""
     """How much of the unsharded policy a sharded backend gathers at once (the node sets
     pipeline.weight_sync_bucket_mb)."""
 

@@ -45,7 +45,7 @@ import torch.distributed.nn  # before any process group exists: see TrainerNode.
 
 from rolloutpipe.config import Config, PipelineMode, ResumeMode
 from rolloutpipe.control.attempt import Outcome, write_outcome
-from rolloutpipe.control.checkpoint import latest_checkpoint, load_optimizer
+from rolloutpipe.control.checkpoint import ShardedState, latest_checkpoint, load_optimizer, optimizer_groups
 from rolloutpipe.control.clock import sync_clock
 from rolloutpipe.control.env import NodeEnv, trainer_process_group_backend
 from rolloutpipe.control.lifetime import requeue_margin_s, stop_deferred
@@ -58,6 +58,10 @@ from rolloutpipe.observe.tracking import open_tracker
 from rolloutpipe.trainer.backend import PolicyBackend, trainer_class
 from rolloutpipe.trainer.config import OldLogprobSource
 from rolloutpipe.trainer.restore import RestorePoint
+
+SHARD_WAIT_S = 60.0
+"""Sharded checkpoints: how long rank 0 waits for the other ranks' files (written at the same step's end, or as
+each rank stops) before it leaves the step unwritten."""
 
 
 class TrainerNode:
@@ -97,12 +101,19 @@ class TrainerNode:
         self.weights: WeightSender = sender(cfg.weight_sync(), transport=transport, run_dir=env.run_dir,
                                             policy=self.trainer)
         """Rank 0's: policy k+1 to the engines, the way pipeline.weight_sync names (control/weights/)."""
-        if self.resumed is not None:
+        self.sharded = self.trainer.sharded_checkpoint
+        """Every rank checkpoints its own shards of the training state (FSDP), not rank 0 the whole of it."""
+        if self.resumed is not None and self.resumed.sharded and self.sharded:
+            with ShardedState(self.resumed.directory / "optimizer") as state:
+                self.trainer.load_training_shards(state, optimizer_groups(self.resumed))
+        elif self.resumed is not None:
             load_optimizer(self.trainer.optimizer, self.resumed)
         self.restore = RestorePoint(run_dir=env.run_dir, tokenizer=self.tokenizer,
                                     config_yaml=(env.run_dir / "config.yaml").read_text(),
-                                    keep_last=cfg.run.keep_last_checkpoints, on_disk=self.first_step - 1)
-        """Rank 0's copy of the last finished step: every checkpoint is written from it (restore.py)."""
+                                    keep_last=cfg.run.keep_last_checkpoints, on_disk=self.first_step - 1,
+                                    rank=env.rank, world_size=env.world_size, attempt=env.restart_count)
+        """The copy of the last finished step, rank 0's (and each rank's shards with ``sharded``): every checkpoint
+        is written from it (restore.py)."""
         self.last_step = self.first_step - 1
         """The last step whose metrics are written."""
         if cfg.run.resume is ResumeMode.auto:  # the steps from first_step are redone: their old spans go
@@ -171,10 +182,11 @@ class TrainerNode:
             return  # the store is gone: the run is over
         self._requeue_requested_s = signalled = time.monotonic()
         grace = self.cfg.launcher.requeue_grace_s
-        written = self.write_checkpoint()
+        written = self.write_checkpoint()  # (sharded: complete only once the other ranks stop or end the step)
         kept = f"step {written}'s checkpoint is written" if written is not None else (
             f"the last finished step ({self.restore.on_disk}) is on disk" if self.restore.on_disk >= 0
-            else "no step has finished yet")
+            else "no step has finished yet" if self.restore.step is None
+            else f"step {self.restore.step}'s checkpoint waits for the other ranks' shards")
         print(f"[trainer rank 0] Slurm warned of the time limit: {kept}; stopping after the step in progress and its "
               f"checkpoint if it ends within {grace - 2 * requeue_margin_s(grace):.0f}s (launcher.requeue_grace_s="
               f"{grace:g}), else dropping it", file=sys.stderr, flush=True)
@@ -190,10 +202,25 @@ class TrainerNode:
 
     def end_step(self, step: int, stats: TrainStats) -> None:
         """The step's metrics record (rank 0 writes it: metrics.jsonl, the terminal, W&B), which finishes the step,
-        and the copy of its state (restore.py); then its checkpoint when one is due."""
+        and the copy of its state (restore.py); then its checkpoint when one is due.
+
+        Sharded: every rank copies its shards first; rank 0's decision (a checkpoint due, or the stop for a
+        requeue) reaches every rank in the step's last collective, and each writes its file when it is yes."""
         record = self.reduce(step, stats)
+        if self.sharded:
+            self.restore.capture_shards(step, self.trainer.training_shards())
+            self._stopping = self.requeue_due(step)
+            decision = torch.tensor([self.checkpoint_due(step) or self._stopping], dtype=torch.int64,
+                                    device=self.trainer.device)
+            if self.distributed:
+                dist.broadcast(decision, src=0)
+            checkpoint = bool(decision.item())
         with self.trainer.writer_reads():  # the restore point's copy: a sharded backend gathers it for rank 0
             self._end_step_writer(step, record)
+        if self.sharded and checkpoint:
+            self.write_checkpoint(wait_s=SHARD_WAIT_S)
+        if self.is_writer:  # every rank is past the step's all-reduces in reduce(), so all have read its groups
+            self.transport.forget_step(step, self.cfg.rollout_batch_size)
         self.spans.flush()
 
     def _end_step_writer(self, step: int, record: dict) -> None:
@@ -211,11 +238,10 @@ class TrainerNode:
             self.progress.write(summary_line(record, self.cfg.num_rollout), file=sys.stdout)
             sys.stdout.flush()
             self.progress.update()
-            self._stopping = self.requeue_due(step)  # decided here, once: the checkpoint must be this step's
-            if self.checkpoint_due(step) or self._stopping:
-                self.write_checkpoint()
-            # every rank is past the step's all-reduces in reduce(), so all of them have read its groups
-            self.transport.forget_step(step, self.cfg.rollout_batch_size)
+            if not self.sharded:
+                self._stopping = self.requeue_due(step)  # decided here, once: the checkpoint must be this step's
+                if self.checkpoint_due(step) or self._stopping:
+                    self.write_checkpoint()
 
     def reduce(self, step: int, stats: TrainStats) -> dict:
         means = torch.tensor([stats.compute_s, stats.tail_compute_s], dtype=torch.float64)
@@ -240,21 +266,28 @@ class TrainerNode:
         every = self.cfg.run.checkpoint_every
         return every > 0 and ((step + 1) % every == 0 or step + 1 == self.cfg.num_rollout)
 
-    def write_checkpoint(self) -> int | None:
-        """Rank 0: the last finished step's checkpoint, from the restore point, unless it is on disk already (any
-        thread); returns the step written."""
-        if not self.is_writer:
+    def write_checkpoint(self, *, wait_s: float = 0.0) -> int | None:
+        """The last finished step's checkpoint, from the restore point, unless it is on disk already (any thread);
+        returns the step written (rank 0). Sharded: every rank writes its file, and rank 0 waits up to ``wait_s``
+        for the others' (restore.py)."""
+        if not (self.is_writer or self.sharded):
             return None
-        return self.restore.write(span=lambda step: self.spans.span("checkpoint/save", step=step))
+        return self.restore.write(span=lambda step: self.spans.span("checkpoint/save", step=step), wait_s=wait_s)
 
     def stop(self, err: BaseException) -> None:
         """The run stops before its end (pipeline.run_node, any cause): rank 0 keeps every finished step, writing
         the last one's checkpoint from the restore point, and says how the attempt ended (control/attempt.py)."""
-        if not self.is_writer or self.last_step + 1 == self.cfg.num_rollout:  # (finished: its outcome says so)
-            return
+        if self.last_step + 1 == self.cfg.num_rollout or not (self.is_writer or self.sharded):
+            return  # (finished: its outcome says so)
         try:
-            written = self.write_checkpoint()
+            written = self.write_checkpoint(wait_s=SHARD_WAIT_S)
+            if not self.is_writer:
+                return
         except Exception as save_err:  # noqa: BLE001 - the stop's own cause is what the process reports
+            if not self.is_writer:
+                print(f"[trainer rank {self.env.rank}] could not write its shard of the last finished step while "
+                      f"stopping ({type(save_err).__name__}: {save_err})", file=sys.stderr, flush=True)
+                return
             print(f"[trainer rank 0] could not write step {self.restore.step}'s checkpoint while stopping "
                   f"({type(save_err).__name__}: {save_err}); a resume continues after step {self.restore.on_disk}",
                   file=sys.stderr, flush=True)

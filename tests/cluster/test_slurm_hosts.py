@@ -2,7 +2,9 @@
 task starts and registers its own two engine servers, the first one drives all four, and two trainer ranks train
 on two more nodes. The samples and the (float64) final weights equal those of one rollout node running the four
 engines (a local run: the reference). These are also the submitit and TorchX launchers' runs to completion; the
-shipped batch script's own run is in test_slurm.py."""
+shipped batch script's own run is in test_slurm.py. The submitit run trains with FSDP (its update equals the torch
+backend's to rounding: tests/multiprocess/test_fsdp.py) and resumes from its sharded checkpoint onto one trainer
+node."""
 
 from __future__ import annotations
 
@@ -46,12 +48,13 @@ def assert_same_run(run_dir: Path, reference: Path, *, engines_lost: bool = Fals
     assert max((final[k] - expected[k]).abs().max().item() for k in final) < 1e-9
 
 
-def test_submitit_two_rollout_nodes_and_two_trainer_nodes_match_one_rollout_node(job_dir, four_engine_data,
-                                                                                  one_rollout_node):
+def test_submitit_two_rollout_nodes_and_two_fsdp_trainer_nodes_match_one_rollout_node_and_resume_on_one(
+        job_dir, four_engine_data, one_rollout_node):
     data, one_node = four_engine_data, one_rollout_node
     run_dir = job_dir("submitit-hosts")
-    result = launch(run_dir, *workload(data), *TWO_NODES, "launcher.trainer.nodes=2",
-                    "launcher.rollout.cpus_per_task=1", "launcher.trainer.cpus_per_task=1")
+    fsdp = ["trainer.backend=fsdp", f"run.checkpoint_every={NUM_STEPS}", "launcher.rollout.cpus_per_task=1",
+            "launcher.trainer.cpus_per_task=1"]
+    result = launch(run_dir, *workload(data), *TWO_NODES, *fsdp, "launcher.trainer.nodes=2")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert f"step {NUM_STEPS}/{NUM_STEPS}" in result.stdout  # the launcher echoes the trainer's step lines
     job_id = job_id_of(run_dir)
@@ -63,6 +66,18 @@ def test_submitit_two_rollout_nodes_and_two_trainer_nodes_match_one_rollout_node
     assert len(rollout_nodes) == 2 and len(trainer_nodes) == 2 and not rollout_nodes & trainer_nodes, rows
     assert sorted(p.name for p in (run_dir / "spans").glob("trainer-*.jsonl")) == ["trainer-0.jsonl", "trainer-1.jsonl"]
     assert_same_run(run_dir, one_node)
+    checkpoint = run_dir / "checkpoints" / f"step={NUM_STEPS - 1}"
+    assert sorted(p.name for p in (checkpoint / "optimizer").iterdir()) == [
+        "rank-0-of-2.safetensors", "rank-1-of-2.safetensors"]
+
+    # one step more, on one trainer node: its rank reads both nodes' shards
+    resumed = launch(run_dir, *workload(data), *TWO_NODES, *fsdp, "launcher.trainer.nodes=1", "trainer.num_ranks=1",
+                     f"num_rollout={NUM_STEPS + 1}", "run.resume=auto")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(NUM_STEPS + 1))
+    assert metrics[-1]["train/num_tokens"] > 0 and metrics[-1]["train/grad_norm"] > 0
+    assert sorted(p.name for p in (run_dir / "spans").glob("trainer-*.jsonl")) == ["trainer-0.jsonl", "trainer-1.jsonl"]
 
 
 def test_sbatch_two_rollout_nodes_match_one_rollout_node(tmp_path, four_engine_data, one_rollout_node):

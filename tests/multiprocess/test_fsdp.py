@@ -10,8 +10,10 @@ a real difference in the update (another normaliser, another sample) moves them 
 from __future__ import annotations
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
+from rolloutpipe.control.checkpoint import ShardedState
 from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
 from rolloutpipe.observe.metrics import read_spans
 from tests.conftest import SMALL, read_metrics, read_samples, run_job
@@ -112,3 +114,18 @@ def test_lockstep_pads_the_ranks_with_fewer_micro_batches(runs):
             if span.name == "train/forward_backward" and span.step == 0:
                 per_rank[span.rank] = per_rank.get(span.rank, 0) + 1
         assert per_rank == expected, (run, per_rank)
+
+
+def test_each_rank_checkpoints_its_shards_and_a_resume_onto_another_rank_count_reads_them(runs):
+    """fsdp-cgp-4's step-0 checkpoint: four files of rows, no whole optimizer state; the resume on 1 rank read them
+    back (its update equals the synchronous one: test_sharded_pipelined_update_equals_synchronous_update)."""
+    checkpoint = runs["fsdp-cgp-4"] / "checkpoints" / "step=0"
+    assert sorted(p.name for p in (checkpoint / "optimizer").iterdir()) == [
+        f"rank-{r}-of-4.safetensors" for r in range(4)]
+    assert not (checkpoint / "optimizer.safetensors").exists()
+    assert not list(checkpoint.parent.glob("*.shards-*")), "every shard directory was moved into its checkpoint"
+    with ShardedState(checkpoint / "optimizer") as state:
+        weights = load_file(str(checkpoint / "model.safetensors"))
+        embedding = state.rows("0.param")  # float64 master weights: the HF weights themselves
+        assert torch.equal(embedding, weights["model.embed_tokens.weight"])
+        assert state.rows("0.exp_avg_sq").abs().sum() > 0 and state.whole("0.step")

@@ -3,10 +3,13 @@ model has done since, with buffers reused from step to step. Pure: one process, 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 from safetensors.torch import load_file
 
-from rolloutpipe.control.checkpoint import latest_checkpoint
+from rolloutpipe.control.checkpoint import Shard, ShardedState, latest_checkpoint, load_optimizer, write_shard
 from rolloutpipe.model import ModelConfig, build_tiny_tokenizer, load_model
 from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
 from rolloutpipe.trainer.grpo_trainer import TrainSample
@@ -60,3 +63,51 @@ def test_each_capture_reuses_the_buffers_and_keeps_tied_weights_tied(tmp_path):
     assert {k: v.data_ptr() for k, v in state.items()} == buffers
     assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
     assert all(torch.equal(state[k], v) for k, v in trainer.model.state_dict().items())
+
+
+def rows_of(tensor: torch.Tensor, rank: int, world_size: int) -> Shard:
+    """FSDP2's Shard(0) split: torch.chunk's, a rank past the last chunk holding none."""
+    chunk = -(-tensor.shape[0] // world_size)
+    offset = min(rank * chunk, tensor.shape[0])
+    return Shard(tensor[offset:offset + chunk], offset, tensor.shape[0])
+
+
+def test_a_sharded_state_reads_back_any_rows_whichever_files_hold_them(tmp_path):
+    """Written by 4 ranks (rows 3, 3, 3, 1 of 10), read as 3 ranks need them (4, 4, 2) and whole."""
+    full = torch.arange(30, dtype=torch.float64).reshape(10, 3)
+    for rank in range(4):
+        write_shard(tmp_path, rank=rank, world_size=4, shards={"0.exp_avg": rows_of(full, rank, 4),
+                                                               "0.step": Shard(torch.tensor(7.0))})
+    with ShardedState(tmp_path) as state:
+        assert torch.equal(state.rows("0.exp_avg"), full)
+        for rank in range(3):
+            wanted = rows_of(full, rank, 3)
+            got = state.rows("0.exp_avg", wanted.offset, wanted.offset + wanted.tensor.shape[0])
+            assert torch.equal(got, wanted.tensor)
+        assert state.whole("0.step") and state.rows("0.step").item() == 7.0
+    (tmp_path / "rank-2-of-4.safetensors").unlink()
+    with pytest.raises(ValueError, match="rank-<r>-of-<N>"):
+        ShardedState(tmp_path)
+
+
+def test_rank_0_completes_a_sharded_checkpoint_once_every_rank_wrote_its_file(tmp_path):
+    trainer = trained_one_step()
+    state = trainer.optimizer.state_dict()
+    points = [RestorePoint(run_dir=tmp_path, tokenizer=build_tiny_tokenizer(), config_yaml="", keep_last=2,
+                           on_disk=-1, rank=rank, world_size=2, attempt=3) for rank in range(2)]
+    for rank, point in enumerate(points):
+        point.capture_shards(0, {f"{i}.{name}": rows_of(v, rank, 2) if v.dim() else Shard(v)
+                                 for i, moments in state["state"].items() for name, v in moments.items()})
+    groups_only = SimpleNamespace(state_dict=lambda: {"state": {}, "param_groups": state["param_groups"]})
+    points[0].capture(0, model=trainer.model, optimizer=groups_only, source_state={"cursor": 4})
+    assert points[0].write(wait_s=0.2) is None, "rank 1's file is missing"
+    assert latest_checkpoint(tmp_path) is None
+    assert points[1].write() is None  # rank 1 writes its file only
+    assert points[0].write() == 0
+    checkpoint = latest_checkpoint(tmp_path)
+    assert checkpoint.sharded and not (checkpoint.directory / "optimizer.safetensors").exists()
+    assert not list(tmp_path.glob("checkpoints/*.shards-*"))
+    resumed = trained_one_step()  # an unsharded backend resumes from it: the rows assembled
+    load_optimizer(resumed.optimizer, checkpoint)
+    loaded = resumed.optimizer.state_dict()["state"]
+    assert all(torch.equal(loaded[i][k], v) for i, s in state["state"].items() for k, v in s.items())
