@@ -34,8 +34,8 @@ class PolicyBackend(Protocol):
     bucket_bytes: int
     """pipeline.weight_sync_bucket_mb: a sharded backend gathers the unsharded policy this much at a time."""
     sharded_checkpoint: bool
-    """Each rank checkpoints its own shards (``training_shards``, ``load_training_shards``: FSDP); else rank 0
-    checkpoints the whole ``optimizer.state_dict()``."""
+    """Each rank checkpoints its own shards (a ``ShardedBackend``: FSDP); else rank 0 checkpoints the whole
+    ``optimizer.state_dict()``."""
 
     def __init__(self, *, model: torch.nn.Module, cfg: TrainerConfig, grpo: GRPOConfig, temperature: float,
                  pad_id: int, multi_step: bool, process_group_active: bool,
@@ -49,12 +49,6 @@ class PolicyBackend(Protocol):
 
     def finish_batch(self) -> BatchResult:
         """The training batch is complete (on every rank): its one optimizer step."""
-
-    def training_shards(self) -> dict[str, Shard]:
-        """With ``sharded_checkpoint``: this rank's rows of the training state (control/checkpoint.py)."""
-
-    def load_training_shards(self, state: ShardedState, param_groups: list[dict]) -> None:
-        """With ``sharded_checkpoint``: a sharded checkpoint, of any number of ranks, into this rank's shards."""
 
     def load_reference(self, model: torch.nn.Module) -> None:
         """Keep the HF ``model`` frozen as the reference of grpo.kl_loss_coef (GRPOTrainer's, through its hook
@@ -75,6 +69,17 @@ class PolicyBackend(Protocol):
 
     def close(self) -> None:
         """Release what the backend holds beyond its Python objects."""
+
+
+@runtime_checkable
+class ShardedBackend(PolicyBackend, Protocol):
+    """A backend with ``sharded_checkpoint``: every rank checkpoints its own rows of the training state."""
+
+    def training_shards(self) -> dict[str, Shard]:
+        """This rank's rows of the training state (control/checkpoint.py), as views."""
+
+    def load_training_shards(self, state: ShardedState, param_groups: list[dict]) -> None:
+        """A sharded checkpoint, of any number of ranks, into this rank's shards."""
 
 
 def trainer_class(backend: TrainerBackend) -> type[PolicyBackend]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
-from rolloutpipe.trainer.backend import PolicyBackend, trainer_class
+from rolloutpipe.trainer.backend import PolicyBackend, ShardedBackend, trainer_class
 from rolloutpipe.trainer.config import GRPOConfig, LossAggregation, OldLogprobSource, TrainerBackend, TrainerConfig
 from rolloutpipe.trainer.grpo_trainer import TrainSample, pack
 from rolloutpipe.trainer.torch_backend import PolicyTrainer
@@ -231,6 +231,7 @@ def test_every_backend_value_names_a_class_the_trainer_node_can_drive(backend):
                   pad_id=0, multi_step=False, process_group_active=False, old_logprobs=OldLogprobSource.trainer)
     try:
         assert isinstance(trainer, PolicyBackend)
+        assert isinstance(trainer, ShardedBackend) == trainer.sharded_checkpoint == (backend is TrainerBackend.fsdp)
         assert (trainer.data_parallel_rank, trainer.data_parallel_size) == (0, 1)
     finally:
         trainer.close()
