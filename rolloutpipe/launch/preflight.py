@@ -2,7 +2,8 @@
 
 ``check_model`` reads model.path's config.json and tokenizer (no weights), so a model the trainer backend cannot map
 faithfully, or a tokenizer that cannot serve the model, stops ``python launch.py`` with exit code 2 and the key to
-change, instead of after the queue wait and the model load on every rank.
+change, instead of after the queue wait and the model load on every rank. So does an explicit
+``trainer.megatron.distributed_optimizer=true`` that cannot run (``check_distributed_optimizer``).
 
 ``warn_memory`` (GPU launchers only: launch.py's Slurm kinds, TorchX with GPUs) logs the memory plan's warnings
 (launch/memory_plan.py) when an estimate exceeds a GPU's memory: a warning, never a refusal, since an estimate is
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 
 from rolloutpipe.config import Config, ConfigError
+from rolloutpipe.launch.config import LauncherKind
 from rolloutpipe.model import load_tokenizer
 from rolloutpipe.trainer.config import TrainerBackend
 
@@ -21,6 +23,7 @@ log = logging.getLogger(__name__)
 
 
 def check_model(cfg: Config) -> None:
+    check_distributed_optimizer(cfg)
     if cfg.model.path is None:
         return  # the embedded tiny model and its tokenizer are made for each other
     from transformers import AutoConfig
@@ -38,6 +41,24 @@ def check_model(cfg: Config) -> None:
             check_supported(hf_config, tp_size=cfg.trainer.megatron.tensor_parallel_size)
         except ValueError as err:
             raise ConfigError(str(err)) from None
+
+
+def check_distributed_optimizer(cfg: Config) -> None:
+    """An explicit ``trainer.megatron.distributed_optimizer=true`` that cannot run: with float64 anywhere, and with
+    the local launcher (the trainer ranks run on this machine) where this machine has no CUDA."""
+    if cfg.trainer.backend is not TrainerBackend.megatron or not cfg.trainer.megatron.distributed_optimizer:
+        return
+    from rolloutpipe.trainer.megatron.optimizer import resolve_distributed_optimizer
+
+    cuda = True
+    if cfg.launcher.kind is LauncherKind.local:
+        import torch  # only here: the launcher itself does not need torch
+
+        cuda = torch.cuda.is_available()
+    try:
+        resolve_distributed_optimizer(True, cuda=cuda, dtype=cfg.model.dtype.value)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def check_tokenizer(tokenizer, hf_config, *, path: str) -> None:

@@ -7,7 +7,10 @@ sums the buffers over the data-parallel group (``calculate_per_token_loss`` make
 average), the gradients are scaled once by 1 / normaliser, and Megatron's optimizer (fp32 Adam,
 decoupled weight decay on every parameter, as the torch backend's AdamW) clips by the global norm and
 steps. Which data-parallel rank trained which group changes only the order of additions, so the
-pipelined update equals the synchronous one here as well.
+pipelined update equals the synchronous one here as well. With ``trainer.megatron.distributed_optimizer``
+(null: on a GPU) the optimizer is Megatron's DistributedOptimizer: finalize_model_grads reduce-scatters the
+buffers instead, each rank steps its 1/N of the master weights and moments, and the step all-gathers the
+parameters (optimizer.py, which also gives checkpoints its state).
 
 Parallelism. Trainer ranks form tensor-parallel groups of ``trainer.megatron.tensor_parallel_size``
 consecutive ranks; the consume loop deals groups by data-parallel rank, so the ranks of one
@@ -24,13 +27,15 @@ write them without the other ranks (``save_weights``, ``hf_model``).
 
 CPU. Without CUDA every Megatron call runs inside ``cpu.cuda_calls_on_cpu()``, which redirects
 Megatron's CUDA-only calls; float32 and float64 only (bf16 needs Megatron's mixed-precision
-optimizer, which needs CUDA). The GPU path (CUDA present) is Megatron's own code but has not been
-run by this project's tests.
+optimizer, which needs CUDA), and the replicated optimizer (the distributed one needs CUDA). The GPU path
+(CUDA present) is Megatron's own code but has not been run by this project's tests (tools/gpu_check.py does).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -53,14 +58,24 @@ from rolloutpipe.trainer.megatron.model import (
     init_parallel_state,
     uses_transformer_engine,
 )
+from rolloutpipe.trainer.megatron.optimizer import (
+    DistributedParameterState,
+    ReplicatedState,
+    megatron_optimizer_configs,
+    request,
+    resolve_distributed_optimizer,
+)
+
+_DONE, _OPTIMIZER_STATE = 0, 1
+"""Trainer rank 0's requests to the other ranks inside ``writer_reads`` (the distributed optimizer's gather)."""
 
 
 class MegatronTrainer(GRPOTrainer):
     def __init__(self, *, model: torch.nn.Module, cfg: TrainerConfig, grpo: GRPOConfig, temperature: float,
                  pad_id: int, multi_step: bool, process_group_active: bool, old_logprobs: OldLogprobSource) -> None:
         from megatron.core import parallel_state
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.distributed import DistributedDataParallel
+        from megatron.core.optimizer import get_megatron_optimizer
 
         super().__init__(cfg=cfg, grpo=grpo, temperature=temperature, pad_id=pad_id, multi_step=multi_step,
                          old_logprobs=old_logprobs)
@@ -71,6 +86,9 @@ class MegatronTrainer(GRPOTrainer):
         if self.device is None and self.dtype not in (torch.float32, torch.float64):
             raise ValueError(f"trainer.backend=megatron on a machine without CUDA trains float32 or float64 only "
                              f"(model.dtype is {self.dtype}): Megatron's bf16 optimizer needs CUDA.")
+        self.distributed_optimizer = resolve_distributed_optimizer(
+            cfg.megatron.distributed_optimizer, cuda=self.device is not None, dtype=str(self.dtype).split(".")[-1])
+        """Megatron's DistributedOptimizer (optimizer.py); resolved before anything is built."""
         check_supported(model.config, tp_size=tp)
         self.layout = Layout.from_hf(model.config, tp_size=tp)
         with cpu.cuda_calls_on_cpu():
@@ -90,15 +108,15 @@ class MegatronTrainer(GRPOTrainer):
             padding_idx = model.get_input_embeddings().padding_idx
             if padding_idx is not None:
                 self.gpt.embedding.word_embeddings.register_forward_hook(_no_gradient_through(padding_idx))
-            self.ddp = DistributedDataParallel(
-                config=self.gpt.config, module=self.gpt,
-                ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=self.dtype != torch.float64),
-            )
-            self.optimizer = get_megatron_optimizer(OptimizerConfig(
-                optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
-                adam_beta2=cfg.adam_beta2, adam_eps=1e-8, clip_grad=cfg.max_grad_norm,
-                bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
-            ), [self.ddp])
+            ddp_config, optimizer_config = megatron_optimizer_configs(cfg, dtype=self.dtype,
+                                                                      distributed=self.distributed_optimizer)
+            self.ddp = DistributedDataParallel(config=self.gpt.config, module=self.gpt, ddp_config=ddp_config)
+            self.megatron_optimizer = get_megatron_optimizer(optimizer_config, [self.ddp])
+        self.optimizer = (DistributedParameterState(self.megatron_optimizer, data_parallel_size=self.data_parallel_size,
+                                                    tensor_parallel_size=tp, announce=self._announce_gather)
+                          if self.distributed_optimizer else ReplicatedState(self.megatron_optimizer))
+        """What checkpoints read and load (optimizer.py); ``megatron_optimizer`` steps."""
+        self._leading = False
         self._head = _HiddenToLogprobs(self.gpt, self.layout, tp_rank=self.tp_rank, tp_group=self.tp_group,
                                        chunk_tokens=cfg.logprob_chunk_tokens, temperature=temperature)
         self._tp_shards: list[dict[str, torch.Tensor]] | None = None
@@ -118,6 +136,34 @@ class MegatronTrainer(GRPOTrainer):
         """Release Megatron's process groups (and the one-rank world group if this trainer made it)."""
         destroy_parallel_state(created_world=self._created_world)
 
+    @contextlib.contextmanager
+    def writer_reads(self) -> Iterator[None]:
+        """Every rank, around trainer rank 0's reads: with the distributed optimizer the others join the gathers of
+        its state that rank 0 asks for (``optimizer.state_dict``), until rank 0 leaves; the weights need no gather
+        (every optimizer step leaves them whole on each tensor-parallel group's first rank)."""
+        if not self.distributed_optimizer or dist.get_world_size() == 1:
+            yield
+            return
+        if dist.get_rank() != 0:
+            while request(None, device=self.device) != _DONE:
+                self.optimizer.gather()
+            yield
+            return
+        self._leading = True
+        try:
+            yield
+        finally:
+            self._leading = False
+            request(_DONE, device=self.device)
+
+    def _announce_gather(self) -> None:
+        if dist.get_world_size() == 1:
+            return
+        if not self._leading:
+            raise RuntimeError("trainer.backend=megatron: rank 0 read the distributed optimizer's state outside "
+                               "writer_reads(); the other ranks would never join its gather")
+        request(_OPTIMIZER_STATE, device=self.device)
+
     # -- GRPOTrainer's hooks ---------------------------------------------------------------------
     def _policy(self) -> torch.nn.Module:
         return self.gpt
@@ -129,9 +175,9 @@ class MegatronTrainer(GRPOTrainer):
 
         finalize_model_grads([self.ddp])
         self.ddp.scale_gradients(scale)
-        _, grad_norm, _ = self.optimizer.step()
+        _, grad_norm, _ = self.megatron_optimizer.step()
         self.ddp.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        self.megatron_optimizer.zero_grad()
         self._gather_shards()
         return float(grad_norm)
 

@@ -1,0 +1,171 @@
+"""Megatron's optimizer for the trainer: replicated, or its DistributedOptimizer (``trainer.megatron.distributed_optimizer``).
+
+Replicated (the CPU path, and ``distributed_optimizer=false``): every data-parallel rank keeps the whole optimizer
+state; DDP all-reduces the gradients. Distributed: Megatron's DistributedOptimizer keeps each rank's 1/N of the
+float32 master weights and of Adam's moments; DDP reduce-scatters the gradients into the shards and, after the step,
+all-gathers the updated parameters. The update is the same: only the order of the gradients' additions differs.
+Megatron's distributed optimizer wraps CUDA half/bfloat16/float32 tensors only, so it needs a GPU and refuses float64.
+
+No overlap. ``overlap_grad_reduce`` / ``overlap_param_gather`` stay off: Megatron starts a bucket's reduce when its
+last gradient of the *last* micro-batch is ready, and CGP does not know which micro-batch is last before its backward
+(a training batch is complete only when its last group arrives); the batch's one reduce runs in finalize_model_grads.
+
+Checkpoints (control/checkpoint.py keeps ``{"state": {index: {name: tensor}}, "param_groups": [...]}``). Replicated:
+Megatron's own optimizer state dict, as before. Distributed: ``DistributedParameterState`` speaks the same layout,
+one entry per gradient buffer, each holding the buffer's master weights and moments, gathered whole on trainer rank 0
+(Megatron's ``get_parameter_state_dp_zero``: a gather over the data-parallel group, which the other ranks join inside
+``writer_reads``), and the hyper-parameters with the data-parallel size they were written at. A resumed run scatters
+them back to the shards (``load_parameter_state_from_dp_zero``). Resuming on another data-parallel size, or with the
+other optimizer, is refused with the key to set: the buffers' padding depends on the layout, so nothing would check
+that a shard landed where it belongs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from rolloutpipe.trainer.config import TrainerConfig
+
+FORMAT = "megatron_distributed_optimizer"
+"""Marks a checkpoint's optimizer state as written by ``DistributedParameterState``."""
+
+
+def resolve_distributed_optimizer(requested: bool | None, *, cuda: bool, dtype: str) -> bool:
+    """``trainer.megatron.distributed_optimizer``: null means on a GPU (float64 excepted); true where it cannot run
+    raises with the reason and the key to set. ``dtype`` is model.dtype's name (``"bfloat16"``)."""
+    if requested is None:
+        return cuda and dtype != "float64"
+    if requested and not cuda:
+        raise ValueError("trainer.megatron.distributed_optimizer=true needs a GPU: Megatron's DistributedOptimizer "
+                         "keeps its shards and communication buffers in CUDA memory, and this trainer has no CUDA "
+                         "device. Set trainer.megatron.distributed_optimizer=false (or null: false on the CPU).")
+    if requested and dtype == "float64":
+        raise ValueError("trainer.megatron.distributed_optimizer=true takes float16, bfloat16 or float32 parameters "
+                         "(Megatron refuses float64 ones); set model.dtype=float32, or "
+                         "trainer.megatron.distributed_optimizer=false.")
+    return requested
+
+
+def megatron_optimizer_configs(cfg: TrainerConfig, *, dtype: torch.dtype, distributed: bool):
+    """Megatron's DDP config and optimizer config for this trainer: (DistributedDataParallelConfig, OptimizerConfig).
+
+    fp32 Adam with decoupled weight decay (as the torch backend's AdamW), clipping by the global norm; gradients
+    reduced in float32 unless the model is float64 (kept exact)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=dtype != torch.float64,
+                                        use_distributed_optimizer=distributed,
+                                        overlap_grad_reduce=False, overlap_param_gather=False)
+    optimizer = OptimizerConfig(
+        optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2, adam_eps=1e-8, clip_grad=cfg.max_grad_norm,
+        bf16=dtype == torch.bfloat16, params_dtype=dtype, use_distributed_optimizer=distributed,
+    )
+    return ddp, optimizer
+
+
+class DistributedParameterState:
+    """Megatron's (chained) DistributedOptimizer with ``state_dict`` / ``load_state_dict`` in the checkpoint layout
+    (module docstring). ``state_dict`` is trainer rank 0's, inside ``writer_reads`` while the other ranks run
+    ``gather``; ``load_state_dict`` runs on every rank."""
+
+    def __init__(self, optimizer, *, data_parallel_size: int, tensor_parallel_size: int,
+                 announce: Callable[[], None] = lambda: None) -> None:
+        self.megatron = optimizer
+        self.announce = announce
+        """Called first by ``state_dict``: asks the other ranks to join the gather."""
+        self.data_parallel_size = data_parallel_size
+        self.tensor_parallel_size = tensor_parallel_size
+
+    def gather(self) -> list[dict | None]:
+        """Every rank: each sub-optimizer's parameter state, whole on data-parallel rank 0 (None elsewhere)."""
+        return [sub.get_parameter_state_dp_zero() for sub in self.megatron.chained_optimizers]
+
+    def state_dict(self) -> dict:
+        self.announce()
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for gathered in self.gather():
+            for key, buffers in gathered.items():
+                if key == "buckets_coalesced":
+                    continue
+                (world,) = buffers.values()  # Megatron keeps one dtype per gradient buffer
+                state[len(state)] = {name: world[name] for name in ("param", "exp_avg", "exp_avg_sq")}
+        return {"state": state, "param_groups": [{
+            "format": FORMAT, "data_parallel_size": self.data_parallel_size,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "optimizers": [_plain(sub.state_dict()) for sub in self.megatron.chained_optimizers],
+        }]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        check_format(state_dict, distributed=True, data_parallel_size=self.data_parallel_size,
+                     tensor_parallel_size=self.tensor_parallel_size)
+        (meta,) = state_dict["param_groups"]
+        tensors = state_dict["state"]
+        index = 0
+        for sub, hyper in zip(self.megatron.chained_optimizers, meta["optimizers"], strict=True):
+            sub.load_state_dict(hyper)
+            parameter_state: dict = {"buckets_coalesced": True}
+            for buffer_index, ranges in enumerate(sub.gbuf_ranges):
+                (dtype_key,) = ranges.keys()
+                world = {name: tensors[index][name].float() for name in ("param", "exp_avg", "exp_avg_sq")}
+                parameter_state[buffer_index] = {dtype_key: {**world, "numel_unpadded": world["param"].numel()}}
+                index += 1
+            sub.load_parameter_state_from_dp_zero(parameter_state)
+        if index != len(tensors):
+            raise ValueError(f"the checkpoint's optimizer state has {len(tensors)} gradient buffers, this model "
+                             f"{index}: it was written for another model.")
+
+
+def check_format(state_dict: dict, *, distributed: bool, data_parallel_size: int, tensor_parallel_size: int) -> None:
+    """Refuse optimizer state this optimizer would misread, naming the key to set."""
+    groups = state_dict["param_groups"]
+    written = len(groups) == 1 and groups[0].get("format") == FORMAT
+    if written != distributed:
+        was, now = ("true", "false") if written else ("false", "true")
+        raise ValueError(f"the checkpoint's optimizer state was written with trainer.megatron.distributed_optimizer"
+                         f"={was}, and this run resolves it to {now}: set trainer.megatron.distributed_optimizer="
+                         f"{was} to resume from it.")
+    if not distributed:
+        return
+    sizes = (groups[0]["data_parallel_size"], groups[0]["tensor_parallel_size"])
+    if sizes != (data_parallel_size, tensor_parallel_size):
+        raise ValueError(f"the checkpoint's distributed optimizer state was written at data-parallel size {sizes[0]}"
+                         f" and tensor-parallel size {sizes[1]}; this run has {data_parallel_size} and "
+                         f"{tensor_parallel_size}. Resume with the same trainer.num_ranks and "
+                         "trainer.megatron.tensor_parallel_size (its shards are laid out for them).")
+
+
+class ReplicatedState:
+    """Megatron's replicated optimizer, its state dict unchanged, refusing a distributed optimizer's checkpoint."""
+
+    def __init__(self, optimizer) -> None:
+        self.megatron = optimizer
+
+    def state_dict(self) -> dict:
+        return self.megatron.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        check_format(state_dict, distributed=False, data_parallel_size=0, tensor_parallel_size=0)
+        self.megatron.load_state_dict(state_dict)
+
+
+def _plain(value):
+    """Megatron's hyper-parameter dict as JSON data (state.json): tuples as lists, scalar tensors as numbers."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    return value
+
+
+def request(message: int | None, *, device: torch.device | None) -> int:
+    """Trainer rank 0 sends ``message`` to every trainer rank; the others receive it (``writer_reads``)."""
+    tensor = torch.tensor([-1 if message is None else message], dtype=torch.int64, device=device)
+    dist.broadcast(tensor, src=0)
+    return int(tensor.item())
