@@ -55,7 +55,8 @@ class RolloutConfig:
     """Start SGLang servers with ``--enable-deterministic-inference``: only with it does SGLang honour each request's
     ``sampling_seed`` (its per-request seeded sampler), which makes samples reproducible: the same seed gives the same
     sample on any engine, a retried request after an engine failure regenerates the sample it lost, and sync and cgp
-    train on identical samples. It costs throughput (batch-invariant kernels; SGLang quotes tens of percent), and
+    train on identical samples. It is also what makes SGLang sample as the embedded engine does (engines/sampler.py,
+    at top_p 1). It costs throughput (batch-invariant kernels; SGLang quotes tens of percent), and
     needs an attention backend that supports it (flashinfer, fa3 or triton on GPU). False: faster, and every sample
     differs from run to run. Attached servers are asked (/server_info) and a warning says when seeds will be ignored."""
     sglang_gpus_per_engine: int = 1

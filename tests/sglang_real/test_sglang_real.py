@@ -174,6 +174,61 @@ print("same")
     assert result.returncode == 0 and "same" in result.stdout, result.stderr[-2000:]
 
 
+SAME_PICKS = """
+import torch, triton
+import sitecustomize  # noqa: F401 - the stand-in sgl_kernel (the seeded-sampler patch is off: no hash replaced)
+from sglang.kernels.ops.sampling import murmur_hash
+from sglang.srt.layers import sampler as sglang_sampler
+from rolloutpipe.rollout.engines.sampler import sample_tokens
+
+@torch.compiler.disable
+def triton_hash(seed, positions, cols):  # murmur_hash32's GPU branch: SGLang's Triton kernel, interpreted on the CPU
+    n, m = seed.shape[0], cols.shape[0]
+    out = torch.empty((n, m), dtype=torch.uint32)
+    murmur_hash.murmur_hash32_kernel[(n, triton.cdiv(m, 1024))](seed, positions, cols, out, n, m, BLOCK_SIZE=1024)
+    return out
+
+sglang_sampler.murmur_hash32 = triton_hash
+g = torch.Generator().manual_seed(0)
+n, vocab = 384, 1000
+logits = torch.randn(n, vocab, generator=g) * 3
+logits[::3] = (logits[::3] * 2).round() / 2  # rows full of exact ties
+temperatures = torch.rand(n, generator=g, dtype=torch.float64) * 1.5 + 0.2
+seeds = torch.randint(-2**63, 2**63 - 1, (n,), generator=g)
+positions = torch.randint(0, 40000, (n,), generator=g)
+# Sampler.forward's standard path under --enable-deterministic-inference: float32 temperatures, torch.softmax.
+probs = torch.softmax(logits / temperatures.float()[:, None], dim=-1)
+ones = torch.ones(n, dtype=torch.float64)
+theirs = sglang_sampler.sampling_from_probs_torch(probs, seeds, positions).long()
+ours, _ = sample_tokens(logits, temperatures, ones, seeds, positions)
+assert torch.equal(ours, theirs), f"top_p 1: {(ours != theirs).sum()} of {n} rows differ"
+# With top-p / top-k: SGLang's own filter decides the nucleus; its key is torch.log(probs), -inf outside.
+top_ps = torch.tensor([1.0, 0.9, 0.5, 0.97])[torch.arange(n) % 4]
+top_ks = torch.tensor([1 << 30, 1 << 30, 7, 40], dtype=torch.int32)[torch.arange(n) // 4 % 4]
+_, kept, order, _ = sglang_sampler.top_k_top_p_min_p_sampling_from_probs_torch(
+    probs.clone(), top_ks, top_ps, torch.zeros(n), False, None, positions, return_filtered_probs=True)
+nucleus = torch.zeros(n, vocab, dtype=torch.bool).scatter_(1, order.long(), kept > 0)
+theirs = sglang_sampler.multinomial_with_seed(probs.log().masked_fill(~nucleus, -torch.inf), seeds, positions)
+ours, _ = sample_tokens(logits, temperatures, top_ps.double(), seeds, positions, top_ks=top_ks)
+assert torch.equal(ours, theirs.view(-1)), f"top-p/k: {(ours != theirs.view(-1)).sum()} of {n} rows differ"
+rank_keyed = sglang_sampler.top_k_top_p_min_p_sampling_from_probs_torch(
+    probs.clone(), top_ks, top_ps, torch.zeros(n), False, seeds, positions).long()
+print(f"same; SGLang's rank-keyed top-p/k path picks the same token in {(rank_keyed == ours).sum()} of {n} rows")
+"""
+
+
+def test_the_embedded_sampler_picks_sglangs_tokens_from_the_same_logits():
+    """rolloutpipe's sample_tokens against SGLang's own seeded sampler (``sampling_from_probs_torch`` ->
+    ``multinomial_with_seed``, torch.compiled as SGLang ships it, its hash the Triton kernel run by Triton's
+    interpreter) for 384 rows of the same float32 logits, seeds (negative ones too), positions and temperatures:
+    every row picks the same token at top_p 1, and with top-p / top-k masks decided by SGLang's own filter."""
+    env = {k: v for k, v in os.environ.items() if k != "RP_SGLANG_CPU_SEEDED_SAMPLER"} | {"TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", SAME_PICKS], check=False, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and "same" in result.stdout, (result.stdout + result.stderr)[-3000:]
+    print(result.stdout.strip())
+
+
 def test_fgd_priorities_put_the_frontier_group_first_on_a_server_that_queues(client):
     """One request at a time (--max-running-requests 1) and a blocker running: the six queued requests of groups
     2, 1, 0 (submitted in that order) run by priority, the group index, so group 0 (FGD's frontier) ends first.

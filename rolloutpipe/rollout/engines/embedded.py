@@ -11,11 +11,12 @@ What it does, plainly:
   Joiners are prefilled together (left padded) and their rows concatenated onto the batch; rows of finished
   requests are dropped and leading all-padding columns trimmed. Padded keys get exactly zero attention weight,
   so a request's logits do not depend on its batch-mates beyond float rounding.
-- **Per-request random streams.** Each request owns a ``torch.Generator`` seeded with ``sampling_seed`` and draws
-  exactly one uniform from it per generated token (inverse-CDF sampling over the nucleus, in float64), so its
-  tokens are the same whether it runs alone or among others. Temperature 0 is greedy (the draw is still made and
-  ignored). ``output_logprobs`` are log softmax(logits / temperature) of the sampled token, over the full
-  vocabulary (temperature 1 when greedy), before any top-p filtering.
+- **SGLang's seeded sampler.** Every token is drawn by ``sampler.sample_tokens``: Gumbel-max with noise hashed
+  from the request's ``sampling_seed``, the token's position and the token id, as SGLang's deterministic sampler
+  does, so a request's tokens are the same whether it runs alone or among others, and the same as an SGLang
+  server's from the same logits (sampler.py says where they differ). Temperature 0 is greedy.
+  ``output_logprobs`` are log softmax(logits / temperature) of the sampled token, over the full vocabulary
+  (temperature 1 when greedy), before any top-p filtering.
 - **Stops like SGLang.** A request ends on its ``stop_token_ids`` or on one of the model's own EOS ids (its
   config's and its generation config's ``eos_token_id``, as SGLang's ``ModelConfig.hf_eos_token_id``), unless it
   asks ``ignore_eos``; ``submit`` refuses a prompt plus ``max_new_tokens`` beyond the model's context
@@ -44,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rolloutpipe.rollout.engines.base import OnResult
+from rolloutpipe.rollout.engines.sampler import sample_tokens
 from rolloutpipe.types import FinishReason, GenerationRequest, GenerationResult
 
 log = logging.getLogger(__name__)
@@ -74,31 +76,6 @@ def _hf_cache_tensors(cache) -> KV:
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-# --- sampling: pure tensor code --------------------------------------------------------------------------------
-
-
-def sample_tokens(
-    logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor, uniforms: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row, and its log-probability under softmax(logits / temperature).
-
-    logits [B, V]; temperatures, top_ps, uniforms [B] (uniforms in [0, 1), one draw of the row's own stream).
-    Returns tokens [B] (int64) and logprobs [B] (float64). Rows never interact, so a row's result does not depend
-    on the others. Temperature 0 rows are greedy and report the logprob at temperature 1.
-    """
-    logits = logits.double()
-    greedy = temperatures == 0
-    logprobs = (logits / torch.where(greedy, 1.0, temperatures.double())[:, None]).log_softmax(-1)
-    probs, order = logprobs.exp().sort(dim=-1, descending=True, stable=True)
-    # Nucleus: the shortest prefix (by descending probability) whose mass reaches top_p; the top token always stays.
-    probs = probs * ((probs.cumsum(-1) - probs) < top_ps.double()[:, None])
-    cdf = probs.cumsum(-1)
-    rank = (cdf < uniforms.double()[:, None] * cdf[:, -1:]).sum(-1, keepdim=True)
-    sampled = order.gather(-1, rank).squeeze(-1)
-    tokens = torch.where(greedy, logits.argmax(-1), sampled)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-
-
 # --- request state ---------------------------------------------------------------------------------------------
 
 
@@ -109,7 +86,6 @@ class _RequestState:
     """Submission order, breaks priority ties."""
     policy_version: int
     submitted_s: float
-    generator: torch.Generator
     started_s: float = 0.0
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -190,13 +166,11 @@ class EmbeddedEngine:
             self._raise_if_unusable()
             if request.request_id in self._in_flight_ids:
                 raise ValueError(f"request {request.request_id} is already in flight on engine {self.name}.")
-            generator = torch.Generator().manual_seed(request.sampling_seed)
             state = _RequestState(
                 request=request,
                 seq=self._num_submitted,
                 policy_version=self._policy_version,
                 submitted_s=time.time(),
-                generator=generator,
                 stop_ids=frozenset() if ignore_eos else frozenset(request.stop_token_ids) | self.eos_token_ids,
             )
             self._num_submitted += 1
@@ -378,8 +352,10 @@ class EmbeddedEngine:
         requests = [s.request for s in states]
         temperatures = torch.tensor([r.temperature for r in requests], dtype=torch.float64)
         top_ps = torch.tensor([r.top_p for r in requests], dtype=torch.float64)
-        uniforms = torch.cat([torch.rand(1, generator=s.generator, dtype=torch.float64) for s in states])
-        tokens, logprobs = sample_tokens(logits, temperatures, top_ps, uniforms)
+        seeds = torch.tensor([r.sampling_seed for r in requests], dtype=torch.int64)
+        # SGLang's position of a sampled token: that of the last token fed (the prompt's last, then each output's).
+        positions = torch.tensor([len(r.input_ids) + len(s.output_ids) - 1 for r, s in zip(requests, states)])
+        tokens, logprobs = sample_tokens(logits, temperatures, top_ps, seeds, positions)
         results, keep = [], list(range(first_row))
         for row, (state, token, logprob) in enumerate(zip(states, tokens.tolist(), logprobs.tolist()), first_row):
             state.output_ids.append(token)

@@ -15,6 +15,7 @@ Facts about 0.5.23 that shape this module (read in its source):
   ``sampling_seed`` is a per-request seed in [-2**63, 2**63). We always send ``top_k=-1``: with the default
   ``--sampling-defaults model`` an unset top_k would come from the model's generation_config (Qwen3: 20), and the
   engine would sample from a distribution the trainer does not compute.
+- Only ``--enable-deterministic-inference`` servers use ``sampling_seed``: the sampler engines/sampler.py reproduces.
 - Output log-probs (``meta_info.output_token_logprobs``, entries ``[logprob, token_id, text]``) are
   log softmax(logits / temperature) of the sampled token unless the server runs with
   ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``: the convention of ``GenerationResult.output_logprobs``.
