@@ -44,6 +44,7 @@ from rolloutpipe.control.env import NodeEnv, Role
 from rolloutpipe.control.lifetime import Stopped
 from rolloutpipe.control.liveness import Liveness
 from rolloutpipe.control.transport import StoreAddress, Transport
+from rolloutpipe.control.weights.digest import short as short_digest
 from rolloutpipe.observe.metrics import RolloutStats, TrainStats
 from rolloutpipe.rollout.engines.hosts import EngineHost
 from rolloutpipe.rollout.evaluation import EvalMode
@@ -151,7 +152,7 @@ def run_trainer(node: TrainerNode) -> None:
     for step in range(node.start(), node.cfg.num_rollout):
         stats = train_step(node, step)
         with node.trainer.writer_reads():  # a sharded backend's other ranks join rank 0's gathers
-            stats.weight_sync_s = sync_weights(node, step + 1) if node.is_writer else 0.0
+            stats.weight_sync_s, stats.weights_digest = sync_weights(node, step + 1) if node.is_writer else (0.0, "")
         node.end_step(step, stats)
         node.stop_if_requeued(step)  # Slurm warned of the time limit: stop at this step's checkpoint, be requeued
     node.finish()
@@ -217,12 +218,13 @@ def train_step(node: TrainerNode, step: int) -> TrainStats:
     return stats
 
 
-def sync_weights(node: TrainerNode, version: int) -> float:
-    """Publish policy ``version`` (a file, or a broadcast) and wait until every engine serves it (rank 0 only)."""
+def sync_weights(node: TrainerNode, version: int) -> tuple[float, str]:
+    """Publish policy ``version`` (a file, or a broadcast) and wait until every engine serves it (rank 0 only).
+    Returns the seconds spent and the policy's ``train/weights_digest``, from what was sent (control/weights/)."""
     cfg, start = node.cfg, time.time()
     serves = version < cfg.num_rollout  # the last policy only goes to the final checkpoint
     with node.spans.span("sync/weights", step=version - 1):
-        node.weights.publish(version, serves=serves)
+        digest = node.weights.publish(version, serves=serves)
         if serves and cfg.pipeline.mode is not PipelineMode.async_one_step:
             node.transport.wait_record(node.transport.key("serving", f"policy_version={version}"),
                                        what=f"the engines to serve policy_version {version}")
@@ -231,7 +233,7 @@ def sync_weights(node: TrainerNode, version: int) -> float:
     retired = version - (2 if cfg.pipeline.mode is PipelineMode.async_one_step else 1)
     node.weights.retire(retired)
     node.transport.forget_policy(retired)
-    return time.time() - start
+    return time.time() - start, short_digest(digest)
 
 
 # ================================================================================================

@@ -4,9 +4,12 @@
     python tools/report.py runs/sync runs/cgp --out docs/bench     # hand-picked runs
     python tools/report.py /tmp/bench --timeline                   # also draw each setting's modes side by side
     python tools/report.py runs/ --wandb my-entity/my-project      # also log the table (and timelines) to W&B
+    python tools/report.py --first-difference runs/sync runs/cgp   # the first step whose weights digests differ
 
 Per setting: each mode's rollout-to-train-end and trainer waiting ratio, the reductions vs sync, and the
-measured span-recording overhead (definitions in rolloutpipe/observe/report.py).
+measured span-recording overhead (definitions in rolloutpipe/observe/report.py). With ``--first-difference`` it
+compares two runs' ``train/weights_digest`` step by step instead; exit status 0 if they agree at every common step,
+1 if they differ, 2 if a run cannot be compared (no digests, no common step).
 """
 
 from __future__ import annotations
@@ -15,12 +18,22 @@ import argparse
 import sys
 from pathlib import Path
 
-from rolloutpipe.observe.report import build_table, find_runs, summarise_run, to_csv, to_markdown
+from rolloutpipe.observe.report import (
+    build_table,
+    describe_difference,
+    find_runs,
+    first_difference,
+    summarise_run,
+    to_csv,
+    to_markdown,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("paths", nargs="+", type=Path, help="run directories, or directories holding runs")
+    parser.add_argument("paths", nargs="*", type=Path, help="run directories, or directories holding runs")
+    parser.add_argument("--first-difference", nargs=2, type=Path, metavar=("RUN_A", "RUN_B"),
+                        help="print the first step where the two runs' train/weights_digest differ (no table)")
     parser.add_argument("--out", type=Path, default=Path("rolloutpipe_report"),
                         help="writes OUT.md and OUT.csv (default: ./rolloutpipe_report)")
     parser.add_argument("--skip-steps", type=int, default=1, help="warm-up steps left out of each run (default 1)")
@@ -30,6 +43,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wandb", metavar="ENTITY/PROJECT", help="log the table and timelines to a W&B run")
     parser.add_argument("--wandb-mode", choices=["offline", "online"], default="offline")
     args = parser.parse_args(argv)
+    if args.first_difference:
+        run_a, run_b = args.first_difference
+        try:
+            comparison = first_difference(run_a, run_b)
+        except ValueError as err:
+            print(f"cannot compare: {err}", file=sys.stderr)
+            return 2
+        print(describe_difference(comparison, run_a, run_b), end="")
+        return 0 if comparison.first_difference is None else 1
+    if not args.paths:
+        parser.error("name run directories (or --first-difference RUN_A RUN_B)")
 
     runs = find_runs(args.paths)
     summaries = [s for s in (summarise_run(r, skip_steps=args.skip_steps, stat=args.stat) for r in runs) if s]

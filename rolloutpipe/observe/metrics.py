@@ -25,6 +25,9 @@ rollout node and t_end the end of its last optimizer step:
                                       over the response tokens (a sequence's rho on each of its tokens)
     train/tis_clipfrac                the fraction of tokens whose weight is not rho: truncated (TIS), dropped (MIS)
     train/engine_trainer_logprob_gap  mean |trainer old log-prob - engine log-prob| per response token
+    train/weights_digest              (a str) 16 hex digits of the sha256 of the policy after the step's last
+                                      optimizer step (control/weights/digest.py): equal in two runs exactly when
+                                      their policies are bit-identical; metrics.jsonl and W&B (a text column)
 """
 
 from __future__ import annotations
@@ -280,6 +283,8 @@ class TrainStats:
     num_padding_tokens: int = 0
     """The slots of ``num_padded_tokens`` that hold padding, summed the same way."""
     weight_sync_s: float = 0.0
+    weights_digest: str = ""
+    """Rank 0: ``train/weights_digest`` of the policy this step made (pipeline.sync_weights); "" elsewhere."""
 
     def add_loss_terms(self, totals) -> None:
         """One batch's ``grpo.BatchTotals`` (over every rank)."""
@@ -331,7 +336,7 @@ def reduce_step(rollout: RolloutStats, train: TrainStats, *, mean_compute_s: flo
         "perf/weight_load_s": rollout.weight_load_s,
         "perf/tokens_per_s": rollout.num_tokens / rollout_s if rollout_s > 0 else 0.0,
         "perf/padding_ratio": train.num_padding_tokens / train.num_padded_tokens if train.num_padded_tokens else 0.0,
-    } | loss_term_metrics(train)
+    } | loss_term_metrics(train) | ({"train/weights_digest": train.weights_digest} if train.weights_digest else {})
 
 
 def loss_term_metrics(train: TrainStats) -> dict[str, float]:

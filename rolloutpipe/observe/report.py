@@ -15,6 +15,9 @@ same setting:
 The recording overhead is the largest over the run's processes of (CPU time in SpanRecorder.add and
 flush) / (the process's wall time from first to last span), as measured by the run itself
 (trace.recording_overhead).
+
+Two runs step by step (``first_difference``): the first step whose ``train/weights_digest`` differs, over the steps
+both runs logged; equal digests mean bit-identical policies (control/weights/digest.py).
 """
 
 from __future__ import annotations
@@ -171,6 +174,70 @@ def _mean_or_none(values: list[float | None]) -> float | None:
 
 def _percent(value: float | None) -> str:
     return "" if value is None else f"{100 * value:.1f}%"
+
+
+DIGEST = "train/weights_digest"
+
+
+@dataclass(kw_only=True, slots=True)
+class DigestComparison:
+    """Two runs' weights digests, step by step."""
+
+    common_steps: list[int]
+    """The steps both runs logged a digest for, in order."""
+    first_difference: int | None
+    """The first of ``common_steps`` whose digests differ (None: they agree at every one)."""
+    digests: tuple[str, str] | None
+    """Run A's and run B's digest at ``first_difference``."""
+    steps: tuple[list[int], list[int]]
+    """The steps each run logged a digest for."""
+
+
+def run_digests(run_dir: Path) -> dict[int, str]:
+    """Step -> ``train/weights_digest`` of a run's metrics.jsonl; raises ValueError with the reason if it has none."""
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise ValueError(f"{run_dir} has no metrics.jsonl: not a run directory")
+    digests = {step: r[DIGEST] for step, r in read_metrics(run_dir).items() if DIGEST in r}
+    if not digests:
+        raise ValueError(f"{run_dir}/metrics.jsonl logs no {DIGEST} (a run from before weights digests, or a "
+                         "simulated one): it cannot be compared step by step")
+    return digests
+
+
+def first_difference(run_a: Path, run_b: Path) -> DigestComparison:
+    a, b = run_digests(run_a), run_digests(run_b)
+    common = sorted(a.keys() & b.keys())
+    if not common:
+        raise ValueError(f"{run_a} logged digests at steps {_steps(sorted(a))} and {run_b} at {_steps(sorted(b))}: "
+                         "no step in common")
+    differ = next((step for step in common if a[step] != b[step]), None)
+    return DigestComparison(common_steps=common, first_difference=differ,
+                            digests=None if differ is None else (a[differ], b[differ]), steps=(sorted(a), sorted(b)))
+
+
+def describe_difference(comparison: DigestComparison, run_a: Path, run_b: Path) -> str:
+    """What ``tools/report.py --first-difference`` prints."""
+    common, differ = comparison.common_steps, comparison.first_difference
+    if differ is None:
+        line = (f"the weights digests agree at all {len(common)} common steps ({_steps(common)}): the policies are "
+                "bit-identical after each")
+    else:
+        agreed = [s for s in common if s < differ]
+        a, b = comparison.digests
+        line = (f"first difference at step {differ}: {DIGEST} {a} ({run_a}) vs {b} ({run_b}); "
+                + (f"the {len(agreed)} common steps before it agree ({_steps(agreed)})" if agreed
+                   else "no common step before it"))
+    steps_a, steps_b = comparison.steps
+    if steps_a != steps_b:
+        line += f"\n(only the common steps are compared: {run_a} logged {_steps(steps_a)}, {run_b} {_steps(steps_b)})"
+    return line + "\n"
+
+
+def _steps(steps: list[int]) -> str:
+    """``0-29``, or the list where steps are missing."""
+    if steps == list(range(steps[0], steps[-1] + 1)):
+        return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+    return "steps " + ", ".join(map(str, steps))
 
 
 def to_csv(rows: list[dict]) -> str:

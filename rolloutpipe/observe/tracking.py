@@ -8,7 +8,8 @@ two together).
 
 What is logged.
     every step     the metrics.jsonl record, same names (``perf/trainer_wait_ratio``, ``train/loss``, ...),
-                   at W&B step = RL step
+                   at W&B step = RL step; ``train/weights_digest`` is a str, which W&B keeps in the history and
+                   the summary (the runs table shows it) without a chart
     on resume      the same W&B run, unless the resume redoes steps it already logged (a crash after the last
                    checkpoint): W&B ignores a step below its last and its rewind is a private preview, so the
                    resumed run then logs to a new W&B run, ``<id>-redo<n>``, which first gets the steps

@@ -28,9 +28,9 @@ at a time (``pipeline.weight_sync_bucket_mb``, ``buckets.plan_buckets``): every 
 parameters (``DTensor.full_tensor``), rank 0 takes a CPU copy, and the bucket is freed before the next one; so no
 rank holds more than one bucket of the unsharded model on its device. The other ranks join those gathers inside
 ``writer_reads`` (trainer/node.py, pipeline.py), answering rank 0's requests until rank 0 leaves it. Disk weight
-sync streams the buckets into one safetensors file (``save_weights``): host memory holds one bucket too. Broadcast
-weight sync, the restore point and the final policy still take the whole policy on rank 0's host (``hf_state``,
-``hf_model``).
+sync streams the buckets into one safetensors file (``save_weights``), broadcast weight sync broadcasts each as it
+is gathered (``hf_buckets``): host memory holds one bucket too. The restore point and the final policy still take
+the whole policy, in the model's dtype, on rank 0's host (``hf_model``).
 
 KL to a reference (``grpo.kl_loss_coef``): the reference is kept as this rank's shards (``_reference_params``),
 swapped into the policy's shards for its no-grad pass; 1/N of the model per rank.
@@ -56,7 +56,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rolloutpipe.control.checkpoint import Shard, ShardedState
-from rolloutpipe.control.weights.buckets import plan_buckets
+from rolloutpipe.control.weights.buckets import Bucket, plan_buckets
 from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
 from rolloutpipe.trainer.grpo import LossSums
 from rolloutpipe.trainer.grpo_trainer import GRPOTrainer, TrainSample, pack
@@ -251,6 +251,13 @@ class FSDPTrainer(GRPOTrainer):
             state |= bucket
         return state
 
+    def hf_buckets(self) -> tuple[list[Bucket], Iterator[dict[str, torch.Tensor]]]:
+        """The policy by buckets, each gathered only when its turn comes (broadcast weight sync)."""
+        return self._plan(), self._lead_gather()
+
+    def hf_on_gpu(self) -> bool:
+        return False  # rank 0 takes CPU copies of the gathered buckets
+
     def save_weights(self, path: Path) -> float:
         """The policy as one safetensors file, streamed bucket by bucket (the header first: names, dtypes and
         shapes are known without gathering), written atomically; returns seconds spent."""
@@ -285,6 +292,11 @@ class FSDPTrainer(GRPOTrainer):
         if self._created_world:
             dist.destroy_process_group()
 
+    def _plan(self) -> list[Bucket]:
+        """The buckets every rank gathers by (the same on every rank: names, shapes and the model's dtype)."""
+        metas = {k: torch.empty(v.shape, dtype=self.dtype, device="meta") for k, v in self._names.items()}
+        return plan_buckets(metas, self.bucket_bytes)
+
     def _lead_gather(self) -> Iterator[dict[str, torch.Tensor]]:
         self._check_leading()
         self._request(_GATHER)
@@ -306,8 +318,7 @@ class FSDPTrainer(GRPOTrainer):
     def _gathered_buckets(self) -> Iterator[dict[str, torch.Tensor]]:
         """Every rank: the full tensors, one ``plan_buckets`` bucket at a time (a collective per tensor); rank 0
         gets CPU copies in the model's dtype, the others empty dicts."""
-        metas = {k: torch.empty(v.shape, dtype=self.dtype, device="meta") for k, v in self._names.items()}
-        for bucket in plan_buckets(metas, self.bucket_bytes):
+        for bucket in self._plan():
             out: dict[str, torch.Tensor] = {}
             with torch.no_grad():
                 for name in bucket.names:

@@ -33,13 +33,14 @@ from __future__ import annotations
 import abc
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from rolloutpipe.control.weights.buckets import Bucket, plan_buckets
 from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
 from rolloutpipe.trainer.grpo import BatchTotals, LossSums, normaliser, policy_loss_sums
 from rolloutpipe.types import CompleteGroup
@@ -186,6 +187,17 @@ class GRPOTrainer(abc.ABC):
         log-probs. A backend without one refuses grpo.kl_loss_coef > 0 here, at start."""
         raise ValueError(f"grpo.kl_loss_coef > 0 needs a reference model, which {type(self).__name__} does not keep "
                          "yet; set grpo.kl_loss_coef=0 or use trainer.backend=torch, fsdp or megatron.")
+
+    def hf_buckets(self) -> tuple[list[Bucket], Iterator[dict[str, torch.Tensor]]]:
+        """The policy under HF names by ``plan_buckets`` buckets of ``bucket_bytes``: the plan, and each bucket's
+        tensors in turn (a sharded backend gathers one bucket at a time)."""
+        state = self.hf_state()
+        buckets = plan_buckets(state, self.bucket_bytes)
+        return buckets, ({name: state[name] for name in bucket.names} for bucket in buckets)
+
+    def hf_on_gpu(self) -> bool:
+        """Whether ``hf_state``'s tensors are CUDA tensors (broadcast weight sync then uses NCCL)."""
+        return next(iter(self.hf_state().values())).is_cuda
 
     # -- hooks: what a backend supplies ----------------------------------------------------------------------
     @abc.abstractmethod

@@ -34,6 +34,8 @@ RUNS = {"fsdp-sync-1": ("fsdp", "sync", 1, "1"), "fsdp-cgp-2": ("fsdp", "cgp", 2
         "fsdp-cgp-4": ("fsdp", "cgp", 4, "5"), "torch-cgp-2": ("torch", "cgp", 2, "5")}
 """name: backend, pipeline.mode, trainer.num_ranks, the reward jitter seed. fsdp-cgp-4 stops after step 0 and its
 checkpoint, and resumes on 1 rank for step 1 (RESUMED_ON)."""
+EXTRA = {"fsdp-cgp-2": ["rollout.engine=embedded_http", "pipeline.weight_sync=distributed"]}
+"""fsdp-cgp-2 broadcasts the policy to the engines' servers, each bucket as it is gathered."""
 RESUMED_ON = {"fsdp-cgp-4": 1}
 
 
@@ -48,7 +50,7 @@ class Runs:
         if name not in self.done:
             backend, mode, num_ranks, jitter = RUNS[name]
             run_dir = self.base / name
-            common = [*WORKLOAD, f"trainer.backend={backend}", f"pipeline.mode={mode}"]
+            common = [*WORKLOAD, f"trainer.backend={backend}", f"pipeline.mode={mode}", *EXTRA.get(name, [])]
             environ = {"RP_TEST_REWARD_JITTER": jitter}
             if name in RESUMED_ON:
                 first = run_job(run_dir, *common, f"trainer.num_ranks={num_ranks}", "num_rollout=1",
@@ -129,3 +131,4 @@ def test_each_rank_checkpoints_its_shards_and_a_resume_onto_another_rank_count_r
         embedding = state.rows("0.param")  # float64 master weights: the HF weights themselves
         assert torch.equal(embedding, weights["model.embed_tokens.weight"])
         assert state.rows("0.exp_avg_sq").abs().sum() > 0 and state.whole("0.step")
+

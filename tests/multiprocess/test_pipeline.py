@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rolloutpipe.control.weights.digest import file_weights_digest, short
 from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
 from rolloutpipe.observe.metrics import read_spans
 from rolloutpipe.trainer.config import TrainerConfig
@@ -78,6 +79,26 @@ def low_precision_bounds(dtype: str, *, longest_row: int, lr: float) -> dict[str
 
 def final_weights(run_dir):
     return load_file(str(run_dir / "checkpoints" / "final" / "model.safetensors"))
+
+
+def weights_digests(run_dir) -> list[str]:
+    """Each step's train/weights_digest: a new one every step, the last one the final checkpoint's (its file is written
+    by save_pretrained, apart from weight sync, in another header order)."""
+    digests = [m["train/weights_digest"] for m in read_metrics(run_dir)]
+    assert digests[-1] == short(file_weights_digest(run_dir / "checkpoints" / "final" / "model.safetensors"))
+    assert len(set(digests)) == len(digests), digests
+    return digests
+
+
+def assert_digests_tell_identical_from_different(runs: dict, final: dict) -> None:
+    """Two runs' digests agree at the last step exactly when their final weights are bit-identical, and then at every
+    step (a digest names the bits, whatever made them: mode, rank split, weight-sync way)."""
+    (a, b), (wa, wb) = runs.values(), final.values()
+    identical = wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    da, db = weights_digests(a), weights_digests(b)
+    assert (da[-1] == db[-1]) == identical, (identical, da, db)
+    if identical:
+        assert da == db
 
 
 def publish_order(run_dir) -> list[tuple[int, int]]:
@@ -158,6 +179,7 @@ def test_pipelined_update_equals_synchronous_update(job_dir, dtype, num_ranks, e
     sync_m, cgp_m = read_metrics(runs["sync"]), read_metrics(runs["cgp"])
     assert [m["train/num_tokens"] for m in sync_m] == [m["train/num_tokens"] for m in cgp_m]  # every dtype
     sync_w, cgp_w = final_weights(runs["sync"]), final_weights(runs["cgp"])
+    assert_digests_tell_identical_from_different(runs, {"sync": sync_w, "cgp": cgp_w})
     init = load_model(ModelConfig(dtype=DType(dtype)), len(build_tiny_tokenizer())).state_dict()
     if dtype == "float64":
         keys = ["train/loss", "train/grad_norm", "train/entropy"]

@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 
 from rolloutpipe.control.checkpoint import latest_checkpoint
 from tests.conftest import DENSE_REWARD, SMALL, read_metrics, read_samples, run_job
+from tests.multiprocess.test_pipeline import assert_digests_tell_identical_from_different
 
 pytestmark = pytest.mark.multiprocess
 
@@ -31,6 +32,7 @@ def test_resumed_run_ends_with_the_weights_of_an_uninterrupted_run(job_dir):
     a = load_file(str(whole / "checkpoints" / "final" / "model.safetensors"))
     b = load_file(str(split / "checkpoints" / "final" / "model.safetensors"))
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-9
+    assert_digests_tell_identical_from_different({"whole": whole, "split": split}, {"whole": a, "split": b})
     assert sorted(p.name for p in (split / "checkpoints").glob("step=?")) == ["step=2", "step=3"]  # keep_last=2
 
 

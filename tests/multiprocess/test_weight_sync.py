@@ -24,6 +24,7 @@ from rolloutpipe.rollout.engines import server_process, sglang_api
 from rolloutpipe.rollout.engines.http_client import SGLangEngine
 from rolloutpipe.rollout.engines.supervisor import EngineSupervisor
 from tests.conftest import DENSE_REWARD, SMALL, read_samples, run_job
+from tests.multiprocess.test_pipeline import assert_digests_tell_identical_from_different
 from tests.multiprocess.test_sglang_client import API_KEY, MODEL, VOCAB_SIZE, Results, in_process, request
 
 NUM_SERVERS = 2
@@ -54,8 +55,10 @@ def test_buckets_keep_the_state_order_and_respect_the_size():
 
 def test_a_cpu_trainer_broadcasts_over_gloo_even_to_sglang_engines():
     """nccl cannot send CPU tensors; gloo fills SGLang's CUDA buffers through host memory."""
-    assert weight_sync_backend(True, {"w": torch.zeros(2)}) == "gloo"
-    assert weight_sync_backend(False, {"w": torch.zeros(2)}) == "gloo"
+    assert weight_sync_backend(True, on_gpu=False) == "gloo"
+    assert weight_sync_backend(False, on_gpu=False) == "gloo"
+    assert weight_sync_backend(True, on_gpu=True) == "nccl"
+    assert weight_sync_backend(False, on_gpu=True) == "gloo"
 
 
 def test_distributed_weight_sync_needs_http_engines_and_says_so():
@@ -132,6 +135,9 @@ def test_distributed_weight_sync_trains_the_same_policy_as_disk_sync(job_dir):
     disk, distributed = read_samples(runs["disk"]), read_samples(runs["distributed"])
     assert [(s["id"], s["response_ids"]) for s in disk] == [(s["id"], s["response_ids"]) for s in distributed]
     disk_w, dist_w = (load_file(str(r / "checkpoints" / "final" / "model.safetensors")) for r in runs.values())
+    # the digest of the file each step wrote (disk) and of the tensors each step broadcast (distributed, and the final
+    # policy, which is not broadcast) name the same bits the same way
+    assert_digests_tell_identical_from_different(runs, {"disk": disk_w, "distributed": dist_w})
     difference = max((disk_w[k] - dist_w[k]).abs().max().item() for k in disk_w)
     assert difference < 1e-9, f"disk and distributed weight sync trained policies that differ by {difference}"
 

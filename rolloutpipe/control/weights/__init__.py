@@ -6,6 +6,7 @@
                     process group (SGLang's /update_weights_from_distributed; HTTP engines only)
     buckets.py      the distributed way's wire shapes (the group's address, the bucket plan), which the engines'
                     HTTP side reads too
+    digest.py       the weights digest of a policy (``train/weights_digest``), the same whichever way sent it
 
 Every way keeps the on-policy invariant the same way: the rollout node makes every engine call, and only between
 steps, when no request is in flight (rollout/node.py ``load_weights``). Each module defines ``Sender`` (trainer
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -64,6 +65,11 @@ class PolicyWeights(Protocol):
 
     def hf_state(self) -> dict[str, torch.Tensor]: ...
 
+    def hf_buckets(self) -> tuple[list[Bucket], Iterator[dict[str, torch.Tensor]]]:
+        """The bucket plan, and each bucket's tensors in turn (a sharded policy: gathered one bucket at a time)."""
+
+    def hf_on_gpu(self) -> bool: ...
+
     def save_weights(self, path: Path) -> float: ...
 
 
@@ -83,9 +89,10 @@ class WeightSender(Protocol):
 
     def open(self) -> None: ...
 
-    def publish(self, version: int, *, serves: bool) -> None:
+    def publish(self, version: int, *, serves: bool) -> str:
         """Send policy ``version``; ``serves`` is False for the last one, which only goes to the final checkpoint.
-        Returns once the policy is on its way (a broadcast returns once the engines have received it)."""
+        Returns once the policy is on its way (a broadcast returns once the engines have received it), with its
+        weights digest (digest.py), taken from what was sent: the file, or the broadcast tensors."""
 
     def retire(self, version: int) -> None: ...
 

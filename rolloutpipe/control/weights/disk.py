@@ -2,8 +2,9 @@
 
 Trainer rank 0 writes ``run_dir/weights/policy_v<k>.safetensors`` and publishes its path, size and sha256 in the
 store (a sealed record, control/transport.py); the rollout node checks that the path is that file and the file has
-that digest, then has every engine call ``update_weights_from_disk``. Needs a file system both node groups see.
-A replacement engine (after a failure) loads the same file, so engines are replaceable.
+that digest, then has every engine call ``update_weights_from_disk``. Meanwhile rank 0 reads the file back for the
+step's weights digest (digest.py: unlike the file's sha256, it does not depend on the header's order). Needs a file
+system both node groups see. A replacement engine (after a failure) loads the same file, so engines are replaceable.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from rolloutpipe.control.transport import Transport
 from rolloutpipe.control.weights import EngineGroup, PolicyWeights, WeightSyncSettings, weights_record_key
+from rolloutpipe.control.weights.digest import file_weights_digest
 
 ENGINES_REPLACEABLE = True
 
@@ -39,12 +41,13 @@ class Sender:
     def open(self) -> None:
         pass
 
-    def publish(self, version: int, *, serves: bool) -> None:
+    def publish(self, version: int, *, serves: bool) -> str:
         path = self.run_dir / weights_file(version)
         self.policy.save_weights(path)
         self.transport.put_record(weights_record_key(self.transport, version), {
             "path": weights_file(version), "policy_version": version, "size": path.stat().st_size,
             "sha256": file_digest(path)})
+        return file_weights_digest(path)  # read back while the engines load it: a sharded policy is not gathered again
 
     def retire(self, version: int) -> None:
         (self.run_dir / weights_file(version)).unlink(missing_ok=True)

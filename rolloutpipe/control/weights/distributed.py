@@ -46,17 +46,17 @@ from rolloutpipe.control.env import free_port, node_address
 from rolloutpipe.control.transport import Transport
 from rolloutpipe.control.weights import EngineGroup, PolicyWeights, WeightSyncSettings, weights_record_key
 from rolloutpipe.control.weights.buckets import Bucket, WeightGroup, plan_buckets
+from rolloutpipe.control.weights.digest import Digest
 
 ENGINES_REPLACEABLE = False
 """The group's membership is fixed when it forms: a fresh engine could not join it."""
 
-def weight_sync_backend(engines_on_gpus: bool, state: dict[str, torch.Tensor]) -> str:
+def weight_sync_backend(engines_on_gpus: bool, on_gpu: bool) -> str:
     """nccl when both ends hold CUDA tensors (SGLang engines, a trainer on GPUs: Megatron with CUDA), else gloo.
 
     gloo also serves a CPU trainer broadcasting into SGLang's CUDA receive buffers (it copies through host memory);
     nccl cannot start from CPU tensors, nor put two ranks on one GPU (a trainer sharing the engines' GPU).
     """
-    on_gpu = next(iter(state.values())).is_cuda
     return "nccl" if engines_on_gpus and on_gpu else "gloo"
 
 
@@ -175,21 +175,26 @@ class Sender:
         settings = self.settings
         group = WeightGroup(master_address=node_address(self.transport.address.host), master_port=free_port(),
                             world_size=1 + settings.num_engine_ranks,
-                            backend=weight_sync_backend(settings.engines_on_gpus, self.policy.hf_state()))
+                            backend=weight_sync_backend(settings.engines_on_gpus, self.policy.hf_on_gpu()))
         self.transport.put_record(self.transport.key("weight_sync", "group"), group.to_json())
         self.broadcaster = Broadcaster(group=group, bucket_bytes=settings.bucket_bytes,
                                        timeout_s=settings.join_timeout_s,
                                        check=lambda what: self.transport.liveness.check(waiting_for=what))
 
-    def publish(self, version: int, *, serves: bool) -> None:
-        if not serves:  # nothing to broadcast: the final policy goes to the checkpoint only
-            return
+    def publish(self, version: int, *, serves: bool) -> str:
+        """Each bucket is broadcast as the policy yields it (a sharded one gathers it then), and digested; the last
+        policy only goes to the final checkpoint: its buckets are digested, not sent."""
         assert self.broadcaster is not None, "open() first"
-        state = self.policy.hf_state()
-        buckets = self.broadcaster.plan(state)
-        self.transport.put_record(weights_record_key(self.transport, version),
-                                  {"policy_version": version, "buckets": [asdict(b) for b in buckets]})
-        self.broadcaster.send(state, buckets, version)
+        buckets, tensors = self.policy.hf_buckets()
+        if serves:
+            self.transport.put_record(weights_record_key(self.transport, version),
+                                      {"policy_version": version, "buckets": [asdict(b) for b in buckets]})
+        digest = Digest()
+        for bucket, state in zip(buckets, tensors, strict=True):
+            if serves:
+                self.broadcaster.send(state, [bucket], version)
+            digest.update(state)
+        return digest.hexdigest()
 
     def retire(self, version: int) -> None:
         pass
