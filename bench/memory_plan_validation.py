@@ -1,7 +1,8 @@
-"""The memory plan's trainer terms against measured peak memory of the CPU torch trainer.
+"""The memory plan's trainer terms against measured peak memory of the CPU torch and FSDP trainers.
 
-    python bench/memory_plan_validation.py            # the default cases, a few minutes on 2 CPU cores
-    python bench/memory_plan_validation.py --only 0 3
+    python bench/memory_plan_validation.py            # both tables, about six minutes on 2 CPU cores
+    python bench/memory_plan_validation.py --tables torch --only 0 3
+    python bench/memory_plan_validation.py --tables fsdp
 
 Each case is two micro-batches (forward/backward, gradients accumulating, no optimizer step) of one sample
 (32 prompt tokens + N response tokens) through PolicyTrainer on a Qwen3 with the real 151,936-entry vocabulary,
@@ -13,6 +14,16 @@ and config: the gradients plus the larger of the forward/backward peak (activati
 and the end of backward (the embedding's gradient being summed). On CPU the torch backend runs
 HF's SDPA, so the prediction assumes fused (O(T)) attention; a CPU kernel that materialised T x T scores would show
 as a ratio growing with T.
+
+The FSDP table (``trainer.backend=fsdp``, bench/fsdp_memory.py's real gloo processes at 1, 2 and 4 ranks, float32,
+two samples per micro-batch): each rank's parameter, gradient and AdamW shards (bytes of the local tensors) against
+the plan's weights, gradients and optimizer state terms (1/N each), and the peak of a steady micro-batch (the second
+of a batch, after an optimizer step: AdamW's state held, the gradient shards allocated by the first; peak RSS over
+the RSS before the batch) against the plan's gradients plus its forward/backward peak: the unsharded parameters in
+flight (the root for the whole pass, the layer running, the next one prefetched, one layer's unsharded gradient),
+the activations and the log-prob chunk. "in flight" is what FSDP adds to the micro-batch's transient: its peak less
+its gradient shards, less the same for the replicated torch backend on the same model and batch (one process, its
+gradients whole), against the plan's unsharded-in-flight term.
 """
 
 from __future__ import annotations
@@ -24,6 +35,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import os  # noqa: E402
+import types  # noqa: E402
+
+from bench import fsdp_memory  # noqa: E402
 from bench.trainer_memory import PROMPT_TOKENS, measure, model_config  # noqa: E402
 from rolloutpipe.config import load_config  # noqa: E402
 from rolloutpipe.launch.memory_plan import ModelShape, Phase, trainer_estimate  # noqa: E402
@@ -38,6 +53,11 @@ CASES = [  # (hidden, layers, response tokens, logprob_chunk_tokens, trainer.rec
     (1024, 4, 2048, 512, False),
     (1024, 4, 2048, 512, True),
 ]
+FSDP_CASES = [  # (hidden, layers, vocabulary, response tokens, logprob_chunk_tokens), each at 1, 2 and 4 ranks
+    (512, 4, 32768, 512, 256),     # activations and the log-prob chunk beside the root and two layers in flight
+    (1024, 4, 32768, 128, 256),    # wider layers, fewer tokens: the unsharded parameters dominate the transient
+]
+FSDP_RANKS = (1, 2, 4)
 MiB = 1 << 20
 GLIBC_RETURNS_FREED_BLOCKS = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 """Every allocation over 1 MiB its own mapping, returned when freed: without it glibc's heap keeps the pages of
@@ -58,11 +78,61 @@ def predict(hidden: int, layers: int, tokens: int, chunk: int, recompute: bool) 
                                                   estimate.phase_bytes(Phase.end_of_backward)) / MiB}
 
 
+def predict_fsdp(hidden: int, layers: int, vocab: int, tokens: int, chunk: int, num_ranks: int) -> dict[str, float]:
+    """MiB of the plan's FSDP terms for bench/fsdp_memory.py's model (tied embeddings, 64-wide heads) and batch."""
+    from transformers import Qwen3Config
+
+    cfg = load_config({"micro_batch_size": 2, "rollout_max_response_len": tokens,
+                       "data": {"max_prompt_len": PROMPT_TOKENS}, "model": {"dtype": "float32"},
+                       "trainer": {"backend": "fsdp", "num_ranks": num_ranks, "logprob_chunk_tokens": chunk}})
+    shape = ModelShape.from_hf(Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden,
+                                           num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                                           num_key_value_heads=hidden // 128, head_dim=64, tie_word_embeddings=True))
+    estimate = trainer_estimate(cfg, shape, capacity_bytes=0)
+    terms = {t.name: t.num_bytes / MiB for t in estimate.terms}
+    return {**terms, "micro-batch peak": terms["gradients"] + max(estimate.phase_bytes(Phase.forward_backward),
+                                                                   estimate.phase_bytes(Phase.end_of_backward)) / MiB}
+
+
+def fsdp_table() -> None:
+    os.environ.update(GLIBC_RETURNS_FREED_BLOCKS)  # the rank processes inherit it
+    print("\nFSDP: bench/fsdp_memory.py's ranks (gloo), Qwen3 (64-wide heads, intermediate 3 x hidden, tied), float32, "
+          "two samples of 32 prompt + N response tokens per micro-batch; MiB per rank (rank 0, largest of any rank "
+          "for the shards), predicted -> measured (measured / predicted)")
+    print("| hidden | layers | tokens | chunk | ranks | weights | gradients | AdamW | in flight | torch backend's "
+          "transient (measured) | steady micro-batch peak |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for hidden, layers, vocab, tokens, chunk in FSDP_CASES:
+        args = types.SimpleNamespace(hidden=hidden, layers=layers, vocab=vocab, tokens=tokens, chunk=chunk,
+                                     recompute=False, backend="torch")
+        replicated = fsdp_memory.measure(1, args)[0]
+        baseline = (replicated["micro_batch_peak_over_start"] - replicated["grads"]) / MiB
+        args.backend = "fsdp"
+        for n in FSDP_RANKS:
+            p = predict_fsdp(hidden, layers, vocab, tokens, chunk, n)
+            results = fsdp_memory.measure(n, args)
+            m = {key: max(r[key] for r in results.values()) / MiB for key in ("params", "grads", "optimizer")}
+            peak = results[0]["micro_batch_peak_over_start"] / MiB
+            in_flight = peak - results[0]["grads"] / MiB - baseline
+
+            def cell(predicted: float, measured: float) -> str:
+                return f"{predicted:.0f} -> {measured:.0f} ({measured / predicted:.2f})"
+
+            print(f"| {hidden} | {layers} | {PROMPT_TOKENS + tokens} | {chunk} | {n} | "
+                  f"{cell(p['weights'], m['params'])} | {cell(p['gradients'], m['grads'])} | "
+                  f"{cell(p['optimizer state'], m['optimizer'])} | {cell(p['unsharded in flight'], in_flight)} | "
+                  f"{baseline:.0f} | {cell(p['micro-batch peak'], peak)} |", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", type=int, nargs="+", help="indices into CASES")
+    parser.add_argument("--tables", nargs="+", choices=["torch", "fsdp"], default=["torch", "fsdp"])
     args = parser.parse_args()
     cases = [CASES[i] for i in args.only] if args.only else CASES
+    if "fsdp" in args.tables and "torch" not in args.tables:
+        fsdp_table()
+        return 0
     print("two micro-batches of one sample, Qwen3 (16 heads, 8 kv heads, intermediate 3 x hidden), vocabulary "
           "151,936, float32 on CPU; MiB over the RSS before the step")
     print("| hidden | layers | tokens | chunk | recompute | activations | log-prob | embedding grad (bwd end) | "
@@ -76,6 +146,8 @@ def main() -> int:
               f"{p['activations']:.0f} | "
               f"{p['log-prob']:.0f} | {p['embedding gradient']:.0f} | {p['gradients']:.0f} | {p['predicted']:.0f} | "
               f"{measured:.0f} | {measured / p['predicted']:.2f} |", flush=True)
+    if "fsdp" in args.tables:
+        fsdp_table()
     return 0
 
 

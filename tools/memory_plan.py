@@ -3,10 +3,13 @@
     python tools/memory_plan.py +experiment=gpqa model.path=/path/to/Qwen3-1.7B
     python tools/memory_plan.py +experiment=gpqa --model-shape qwen3-1.7b --gpu-memory-gib 141
     python tools/memory_plan.py +experiment=math --model-shape qwen3-4b trainer.recompute=true
+    python tools/memory_plan.py --model-shape qwen3-32b +experiment=math trainer.backend=fsdp
 
 Takes launch.py's Hydra overrides (the same Config, checked the same way) and these flags; the shape comes from
-model.path's config.json, or ``--model-shape`` (then model.path and data.path may be left out). What each term
-counts and assumes: rolloutpipe/launch/memory_plan.py. Exit code 1 when an estimate does not fit, 2 on a bad config.
+model.path's config.json, or ``--model-shape`` (then model.path and data.path may be left out). Where more
+trainer ranks divide the state (FSDP, Megatron's distributed optimizer) it names the fewest trainer GPUs that fit.
+What each term counts and assumes: rolloutpipe/launch/memory_plan.py. Exit code 1 when an estimate does not fit,
+2 on a bad config.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ Trainer rank (all ranks alike: data-parallel replicas, or tensor-parallel shards
   weights, gradients, optimizer   per parameter of the rank's shard. Torch backend, bf16: bf16 weights and
                                   gradients, fp32 master weights, fp32 Adam m and v; at the optimizer step a float32
                                   copy of the gradients too. Megatron: bf16 weights, DDP's fp32 gradient buffer, fp32
-                                  master weights and Adam m, v (no distributed optimizer: each data-parallel rank
-                                  keeps the full state of its tensor-parallel shard). FSDP: ``fsdp_state_terms``.
+                                  master weights and Adam m, v, the last two / data-parallel size with the
+                                  distributed optimizer (trainer.megatron.distributed_optimizer; null counts as true:
+                                  a plan is for GPUs). FSDP: ``fsdp_state_terms``, ``fsdp_unsharded_terms``.
   activations                     what a decoder layer keeps for backward, per token (``layer_activation_bytes``: the
                                   tensors HF's Qwen3 layer saves; Megatron's local layer is counted alike), times
                                   layers and the micro-batch's padded size rows * (max prompt + max response).
@@ -37,8 +38,8 @@ Rollout engine (SGLang)
                                   --mem-fraction-static; the rest of the GPU is SGLang's reserve (activations,
                                   CUDA graphs).
 
-Validated against measured peak RSS of the CPU torch trainer (bench/memory_plan_validation.py, docs/trainer.md
-"Memory plan").
+Validated against measured peak RSS of the CPU torch and FSDP trainers (bench/memory_plan_validation.py,
+docs/trainer.md "Memory plan"). ``fewest_ranks``: the fewest trainer GPUs that fit, where ranks shard the state.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ import enum
 from dataclasses import dataclass, field
 
 from rolloutpipe.config import Config
-from rolloutpipe.model import TINY_CHARS, TINY_SPECIAL_TOKENS, DType
+from rolloutpipe.launch.model_shapes import QWEN3_SHAPES, ModelShape, layer_activation_bytes, model_shape  # noqa: F401
+from rolloutpipe.model import DType
 from rolloutpipe.trainer.config import OldLogprobSource, TrainerBackend
 
 GiB = 1 << 30
@@ -60,78 +62,6 @@ SGLANG_MEM_FRACTION_STATIC = 0.88
 --mem-fraction-static (its default on an 80 GB GPU at TP 1 in recent versions; it varies by version and GPU)."""
 MEGATRON_FUSED_SOFTMAX_MAX_LEN = 4096
 """Megatron's fused scale-mask-softmax kernel takes keys up to this length; longer ones run torch's float32 softmax."""
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class ModelShape:
-    """What memory depends on in a Qwen2/Qwen3-style decoder (HF config.json names in the docstrings)."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    """num_hidden_layers"""
-    num_heads: int
-    """num_attention_heads"""
-    num_kv_heads: int
-    """num_key_value_heads"""
-    head_dim: int
-    vocab_size: int
-    tied_embeddings: bool
-    """tie_word_embeddings: the output head is the input embedding."""
-    qk_norm: bool = True
-    """Qwen3's per-head RMSNorm of q and k (Qwen2 has none)."""
-    qkv_bias: bool = False
-    """Qwen2's q/k/v biases."""
-
-    @classmethod
-    def from_hf(cls, hf_config) -> ModelShape:
-        heads = hf_config.num_attention_heads
-        return cls(hidden_size=hf_config.hidden_size, intermediate_size=hf_config.intermediate_size,
-                   num_layers=hf_config.num_hidden_layers, num_heads=heads,
-                   num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
-                   head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
-                   vocab_size=hf_config.vocab_size, tied_embeddings=bool(hf_config.tie_word_embeddings),
-                   qk_norm=hf_config.model_type == "qwen3", qkv_bias=hf_config.model_type == "qwen2")
-
-    def num_params(self, *, tp: int = 1) -> int:
-        """Parameters of one tensor-parallel shard (tp=1: the HF model's parameter count, tied weights once).
-        Linear layers and the vocabulary (padded to a multiple of tp) are split; norms are replicated."""
-        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        linear = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size + (q + 2 * kv if self.qkv_bias else 0)
-        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
-        vocab = -(-self.vocab_size // tp) * h
-        heads = vocab if self.tied_embeddings else 2 * vocab
-        return heads + self.num_layers * (linear // tp + norms) + h
-
-
-QWEN3_SHAPES = {
-    "qwen3-0.6b": ModelShape(hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16, num_kv_heads=8,
-                             head_dim=128, vocab_size=151936, tied_embeddings=True),
-    "qwen3-1.7b": ModelShape(hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16, num_kv_heads=8,
-                             head_dim=128, vocab_size=151936, tied_embeddings=True),
-    "qwen3-4b": ModelShape(hidden_size=2560, intermediate_size=9728, num_layers=36, num_heads=32, num_kv_heads=8,
-                           head_dim=128, vocab_size=151936, tied_embeddings=True),
-    "qwen3-8b": ModelShape(hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8,
-                           head_dim=128, vocab_size=151936, tied_embeddings=False),
-    "qwen3-14b": ModelShape(hidden_size=5120, intermediate_size=17408, num_layers=40, num_heads=40, num_kv_heads=8,
-                            head_dim=128, vocab_size=151936, tied_embeddings=False),
-    "qwen3-32b": ModelShape(hidden_size=5120, intermediate_size=25600, num_layers=64, num_heads=64, num_kv_heads=8,
-                            head_dim=128, vocab_size=151936, tied_embeddings=False),
-}
-"""The Qwen3 family's HF config.json numbers, so a plan needs no model directory (``--model-shape``)."""
-
-
-def model_shape(cfg: Config) -> ModelShape:
-    """model.path's config.json (local files only), or the embedded tiny Qwen3's shape."""
-    if cfg.model.path is not None:
-        from transformers import AutoConfig
-
-        return ModelShape.from_hf(AutoConfig.from_pretrained(cfg.model.path, local_files_only=True))
-    tiny = cfg.model.tiny
-    return ModelShape(hidden_size=tiny.hidden_size, intermediate_size=tiny.intermediate_size,
-                      num_layers=tiny.num_layers, num_heads=tiny.num_attention_heads,
-                      num_kv_heads=tiny.num_key_value_heads, head_dim=tiny.hidden_size // tiny.num_attention_heads,
-                      vocab_size=len(TINY_SPECIAL_TOKENS) + len(TINY_CHARS), tied_embeddings=True)
 
 
 class AttentionKind(enum.Enum):
@@ -193,6 +123,11 @@ class MemoryPlan:
     """None when the engines do not run on GPUs (rollout.engine=embedded or embedded_http)."""
     fix: list[str] | None = None
     """Overrides with which the trainer fits (None: it fits as is, or nothing tried makes it fit)."""
+    fewest_ranks: tuple[int, list[str]] | None = None
+    """The fewest trainer GPUs with which each rank fits, and the overrides that say so (``fewest_ranks``); None
+    where the backend keeps the whole training state on every rank, or nothing up to 128 GPUs fits."""
+    sharded: bool = False
+    """More trainer ranks lower each rank's training state (``shards_by_ranks``)."""
 
     @property
     def estimates(self) -> list[Estimate]:
@@ -216,43 +151,13 @@ def micro_batch_rows(cfg: Config) -> int:
     return min(rows, max(1, cfg.global_batch_size // cfg.trainer.data_parallel_size))
 
 
-def layer_activation_bytes(shape: ModelShape, *, dtype_bytes: int, tp: int = 1,
-                           expanded_kv: bool = False) -> dict[str, float]:
-    """Bytes one decoder layer keeps for backward, per token, by tensor (tensor-parallel rank ``tp`` of them): what
-    autograd saves in HF's Qwen3 layer (tests/multiprocess/test_memory_plan.py counts it with saved-tensor hooks).
-
-    RMSNorm keeps its input in float32, the normalised input (in the model's dtype) and its product with the weight
-    (the next linears' input): 4h + 2dh. q and k: the projection's output in float32 for the q/k norm, the
-    normalised one, and the rotated tensor the attention keeps (4 + 2d per element; RoPE's products keep only cos and
-    sin; without q/k norm just the rotated tensor, d). v as projected. The attention's output, which o_proj reads
-    in place (flash kernels write it [tokens, heads, head_dim]), and a float32 log-sum-exp per head. The MLP: gate,
-    silu(gate), up and their product (4d per intermediate element). Residual adds keep nothing. ``expanded_kv``:
-    GQA's keys and values repeated to every query head (HF with a padding mask, where SDPA's enable_gqa is not used;
-    Megatron's DotProductAttention always).
-    """
-    d, h = dtype_bytes, shape.hidden_size
-    q = shape.num_heads * shape.head_dim / tp
-    kv = shape.num_kv_heads * shape.head_dim / tp
-    rotated = 4 + 2 * d if shape.qk_norm else d
-    norm = 4 * h + 2 * d * h
-    return {
-        "input norm": norm,
-        "q": rotated * q,
-        "k": rotated * kv + (d * (q - kv) if expanded_kv else 0),
-        "v": d * kv + (d * (q - kv) if expanded_kv else 0),
-        "attention output": d * q + 4 * shape.num_heads / tp,
-        "post-attention norm": norm,
-        "mlp": 4 * d * shape.intermediate_size / tp,
-    }
-
-
 def trainer_estimate(cfg: Config, shape: ModelShape, *, capacity_bytes: int,
                      attention: AttentionKind | None = None) -> Estimate:
     tr = cfg.trainer
     megatron = tr.backend is TrainerBackend.megatron
     tp = tr.megatron.tensor_parallel_size
     d = dtype_bytes(cfg.model.dtype)
-    master = 4 if d < 4 else d
+    master = max(d, 4)
     params = shape.num_params(tp=tp)
     attention = attention or AttentionKind.fused
     rows, length = micro_batch_rows(cfg), sequence_len(cfg)
@@ -276,12 +181,19 @@ def trainer_estimate(cfg: Config, shape: ModelShape, *, capacity_bytes: int,
     else:
         terms.append(Term(name="gradients", num_bytes=params * d, phase=Phase.always,
                           how=f"{d} B/param, from the first micro-batch to the optimizer step", knob=more_tp))
+    # Megatron's distributed optimizer (null: true on a GPU, which is what the plan is for) shards the float32
+    # master weights and Adam's moments over the data-parallel ranks; DDP's weights and gradient buffer stay whole
+    dp = tr.data_parallel_size if megatron and tr.megatron.distributed_optimizer is not False else 1
+    per_dp = f" / {dp} data-parallel ranks (distributed optimizer)" if dp > 1 else ""
+    state_knob = (f"more trainer.num_ranks (data parallel), {more_tp}" if dp > 1 else
+                  f"trainer.megatron.distributed_optimizer=true with more trainer.num_ranks, {more_tp}" if megatron
+                  else more_tp)
     if d < 4 and not fsdp:
-        terms.append(Term(name="master weights", num_bytes=params * 4, phase=Phase.always, how="fp32, 4 B/param",
-                          knob=more_tp))
+        terms.append(Term(name="master weights", num_bytes=params * 4 // dp, phase=Phase.always,
+                          how=f"fp32, 4 B/param{per_dp}", knob=state_knob))
     if not fsdp:
-        terms.append(Term(name="optimizer state", num_bytes=params * 2 * master, phase=Phase.always,
-                          how=f"Adam m, v: 2 x {master} B/param", knob=more_tp))
+        terms.append(Term(name="optimizer state", num_bytes=params * 2 * master // dp, phase=Phase.always,
+                          how=f"Adam m, v: 2 x {master} B/param{per_dp}", knob=state_knob))
     if not megatron and not fsdp and d < 4:
         terms.append(Term(name="fp32 gradients", num_bytes=params * 4, phase=Phase.optimizer_step,
                           how="the gradients in float32 for the master weights", knob=more_tp))
@@ -343,34 +255,47 @@ def trainer_estimate(cfg: Config, shape: ModelShape, *, capacity_bytes: int,
         how = f"{logit_tokens} tokens x {vocab} vocabulary x 20 B: the model's own forward over every logit"
         knob = "trainer.logprob_chunk_tokens=1024"
     terms.append(Term(name="log-prob chunk", num_bytes=lp_bytes, phase=Phase.forward_backward, how=how, knob=knob))
-    embedding_grads = 2 if shape.tied_embeddings else 1
-    terms.append(Term(name="embedding gradient", num_bytes=embedding_grads * head_grad, phase=Phase.end_of_backward,
-                      how=(f"{embedding_grads} x [{shape.vocab_size // tp}, {h}] x {d} B: "
-                           + ("the tied weight's gradient from the head and the embedding's, being added"
-                              if shape.tied_embeddings else "the embedding's part before it is added"))))
+    if fsdp:
+        terms += fsdp_unsharded_terms(shape, d=d, n=n, logprob_bytes=lp_bytes, layer_activations=tokens * per_layer)
+    else:
+        embedding_grads = 2 if shape.tied_embeddings else 1
+        terms.append(Term(name="embedding gradient", num_bytes=embedding_grads * head_grad,
+                          phase=Phase.end_of_backward,
+                          how=(f"{embedding_grads} x [{shape.vocab_size // tp}, {h}] x {d} B: "
+                               + ("the tied weight's gradient from the head and the embedding's, being added"
+                                  if shape.tied_embeddings else "the embedding's part before it is added"))))
     terms.append(Term(name="CUDA context", num_bytes=CUDA_CONTEXT_BYTES, phase=Phase.always,
                       how="assumed: context, workspaces, allocator slack"))
-    notes = [f"micro-batch: {rows} rows x {length} tokens (max prompt {cfg.data.max_prompt_len} + max response "
-             f"{cfg.rollout_max_response_len}), padded",
+    notes = [(f"micro-batch: {rows} rows x {length} tokens (max prompt {cfg.data.max_prompt_len} + max response "
+             f"{cfg.rollout_max_response_len}), padded"),
              f"attention assumed {attention.value}: "
              + ("Megatron's local layer spec (DotProductAttention: CPU, or no Transformer Engine)"
                 if attention is AttentionKind.materialised else
                 "Transformer Engine's fused attention (trainer/megatron/model.py uses its layer spec when "
                 "transformer_engine imports on the GPU nodes; --attention materialised: without it)" if megatron
                 else "SDPA's flash / memory-efficient kernels, purely causal")]
+    if megatron:
+        notes.append("distributed optimizer: " + (
+            "off (trainer.megatron.distributed_optimizer=false): each data-parallel rank keeps the whole state"
+            if tr.megatron.distributed_optimizer is False else
+            f"master weights and Adam state / {tr.data_parallel_size} data-parallel ranks"
+            + (" (distributed_optimizer=null counted as true: it is on a GPU launch; the CPU path runs without it)"
+               if tr.megatron.distributed_optimizer is None else "")))
     return Estimate(who=f"trainer rank ({tr.backend.value}, tp={tp})", count=tr.num_ranks, terms=terms,
                     capacity_bytes=capacity_bytes, notes=notes)
 
 
+def fsdp_root_and_layer(shape: ModelShape) -> tuple[int, int]:
+    """Parameters of FSDP's root (embedding, head, final norm: sharded as one) and of one decoder layer."""
+    root = shape.vocab_size * shape.hidden_size * (1 if shape.tied_embeddings else 2) + shape.hidden_size
+    return root, (shape.num_params() - root) // shape.num_layers
+
+
 def fsdp_state_terms(shape: ModelShape, *, d: int, n: int) -> list[Term]:
     """trainer.backend=fsdp on ``n`` ranks: the float32 master shards (a 16-bit model; else the model's dtype), their
-    gradients (reduced and accumulated in float32) and Adam's moments, each 1/n; and, during a micro-batch, what is
-    unsharded at once: the root (embedding, head, final norm) for the whole pass, the layer running and the next one
-    prefetched, in the compute dtype, and one layer's gradient before its reduce-scatter (plus its float32 copy)."""
+    gradients (reduced and accumulated in float32) and Adam's moments, each 1/n."""
     params, kept = shape.num_params(), max(d, 4)
     more_ranks = "more trainer.num_ranks (FSDP shards by them)"
-    root = shape.vocab_size * shape.hidden_size * (1 if shape.tied_embeddings else 2) + shape.hidden_size
-    layer = (params - root) // shape.num_layers
     return [
         Term(name="weights", num_bytes=params * kept // n, phase=Phase.always,
              how=f"{params / 1e9:.2f}B params x {kept} B / {n} ranks" + (" (float32 master shards)" if d < 4 else ""),
@@ -379,9 +304,37 @@ def fsdp_state_terms(shape: ModelShape, *, d: int, n: int) -> list[Term]:
              how=f"{kept} B/param / {n} ranks, reduce-scattered every micro-batch", knob=more_ranks),
         Term(name="optimizer state", num_bytes=params * 2 * kept // n, phase=Phase.always,
              how=f"Adam m, v: 2 x {kept} B/param / {n} ranks", knob=more_ranks),
-        Term(name="unsharded in flight", num_bytes=(root + 2 * layer) * d + layer * (d + (4 if d < 4 else 0)),
-             phase=Phase.forward_backward,
-             how=f"root {root / 1e6:.0f}M + 2 layers x {layer / 1e6:.0f}M params x {d} B, one layer's gradient"),
+    ]
+
+
+def fsdp_unsharded_terms(shape: ModelShape, *, d: int, n: int, logprob_bytes: int,
+                         layer_activations: float) -> list[Term]:
+    """What FSDP unshards during a micro-batch, beyond the replicated backends' tensors, at the larger of two moments
+    (the activations are alive at both). The root's parameters (compute dtype) at both: FSDP2 keeps the root unsharded
+    between forward and backward. (1) The log-prob chunk's backward, which comes first: the last layer's parameters
+    already all-gathered for its backward (prefetched; on one rank FSDP2 does not all-gather and nothing is there
+    yet). (2) The last layer's backward, the chunk freed: that layer and the next one prefetched (one on one rank);
+    the head's unsharded gradient, held until the root's reduce-scatter; and, once the layer's gradient is complete
+    with its float32 reduce-scatter input (FSDP2's copy-in), that layer's activations freed. The term is the root plus
+    what the larger moment adds over the log-prob chunk (bench/memory_plan_validation.py measures both regimes). At
+    the end of backward: the root's unsharded gradients (the head's, and the embedding's unless tied) and their
+    float32 reduce-scatter input, the root's parameters resharded just before."""
+    root, layer = fsdp_root_and_layer(shape)
+    reduce = max(d, 4)
+    head_grad = shape.vocab_size * shape.hidden_size * d
+    prefetched = layer * d if n > 1 else 0
+    layer_backward = layer * d + prefetched + head_grad + max(0, int(layer * (d + reduce) - layer_activations))
+    extra = max(prefetched, layer_backward - logprob_bytes)
+    root_grads = head_grad * (1 if shape.tied_embeddings else 2)
+    return [
+        Term(name="unsharded in flight", num_bytes=root * d + extra, phase=Phase.forward_backward,
+             how=(f"root {root / 1e6:.0f}M params x {d} B + the larger of the last layer prefetched beside the "
+                  f"log-prob chunk and its backward ({1 + (n > 1)} x {layer / 1e6:.0f}M params, the head's gradient, "
+                  f"its gradient + {reduce} B reduce-scatter copy less its activations) over the chunk"),
+             knob=""),
+        Term(name="root gradient", num_bytes=root_grads + root * reduce, phase=Phase.end_of_backward,
+             how=(f"{root_grads // head_grad} x [{shape.vocab_size}, {shape.hidden_size}] x {d} B unsharded + "
+                  f"{root / 1e6:.0f}M x {reduce} B reduce-scatter input")),
     ]
 
 
@@ -416,10 +369,45 @@ def engine_estimate(cfg: Config, shape: ModelShape, *, capacity_bytes: int) -> E
              how=f"(1 - mem_fraction_static {fraction}) x GPU: activations, CUDA graphs",
              knob="--mem-fraction-static in rollout.sglang_launch_args"),
     ]
-    notes = ["worst case: every running request at max prompt + max response; past it SGLang queues or retracts "
-             "requests rather than failing"]
+    notes = [("worst case: every running request at max prompt + max response; past it SGLang queues or retracts "
+             "requests rather than failing")]
     return Estimate(who=f"rollout engine (SGLang, tp={tp})", count=cfg.rollout.num_engines, terms=terms,
                     capacity_bytes=capacity_bytes, notes=notes)
+
+
+TRAINER_RANK_COUNTS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+"""The trainer GPU counts the plan tries: within one 8-GPU node, then whole nodes."""
+
+
+def shards_by_ranks(cfg: Config) -> bool:
+    """Whether more trainer ranks lower each rank's training state: FSDP, Megatron with its distributed optimizer."""
+    tr = cfg.trainer
+    return tr.backend is TrainerBackend.fsdp or (tr.backend is TrainerBackend.megatron
+                                                 and tr.megatron.distributed_optimizer is not False)
+
+
+def with_ranks(cfg: Config, num_ranks: int) -> Config:
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, num_ranks=num_ranks))
+
+
+def fewest_ranks(cfg: Config, shape: ModelShape, *, capacity_bytes: int,
+                 attention: AttentionKind | None = None) -> tuple[int, list[str]] | None:
+    """The smallest trainer.num_ranks (TRAINER_RANK_COUNTS, multiples of Megatron's tensor x pipeline parallel
+    size, kept) with which each rank fits, over the config as it is and the ladder's micro-batch and recompute rungs
+    (``fix_candidates``): the fewest GPUs first, then the fewest changes. None where ranks shard nothing."""
+    if not shards_by_ranks(cfg):
+        return None
+    model_parallel = cfg.trainer.megatron.tensor_parallel_size * cfg.trainer.megatron.pipeline_parallel_size
+    rungs = [([], cfg)] + [(o, c) for o, c in fix_candidates(cfg, shape)
+                           if not any(x.startswith(("trainer.num_ranks", "trainer.megatron.")) for x in o)]
+    best: tuple[int, list[str]] | None = None
+    for overrides, rung in rungs:
+        for n in TRAINER_RANK_COUNTS:
+            if n % model_parallel == 0 and (best is None or n < best[0]) and trainer_estimate(
+                    with_ranks(rung, n), shape, capacity_bytes=capacity_bytes, attention=attention).fits:
+                best = (n, [*overrides, f"trainer.num_ranks={n}"])
+                break
+    return best
 
 
 def fix_candidates(cfg: Config, shape: ModelShape) -> list[tuple[list[str], Config]]:
@@ -438,8 +426,7 @@ def fix_candidates(cfg: Config, shape: ModelShape) -> list[tuple[list[str], Conf
     if cfg.trainer.backend is TrainerBackend.fsdp:  # the fewest ranks that fit come first
         for num_ranks in (2, 4, 8, 16, 24, 32, 48, 64, 96, 128):
             if num_ranks > cfg.trainer.num_ranks:
-                ranks_cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, num_ranks=num_ranks))
-                out.append(([*overrides, f"trainer.num_ranks={num_ranks}"], ranks_cfg))
+                out.append(([*overrides, f"trainer.num_ranks={num_ranks}"], with_ranks(cfg, num_ranks)))
     if cfg.trainer.backend is TrainerBackend.megatron:
         for tp in (2, 4, 8):
             if (tp > cfg.trainer.megatron.tensor_parallel_size and shape.num_kv_heads % tp == 0
@@ -460,6 +447,8 @@ def plan(cfg: Config, shape: ModelShape, *, gpu_memory_gib: float = DEFAULT_GPU_
             if trainer_estimate(candidate, shape, capacity_bytes=capacity, attention=attention).fits:
                 result.fix = overrides
                 break
+    result.sharded = shards_by_ranks(cfg)
+    result.fewest_ranks = fewest_ranks(cfg, shape, capacity_bytes=capacity, attention=attention)
     return result
 
 
@@ -495,6 +484,12 @@ def format_plan(result: MemoryPlan) -> str:
         out.append("")
     if result.engine is None:
         out.append("rollout engines: not on GPUs (rollout.engine is embedded), not planned")
+    if result.fewest_ranks:
+        n, overrides = result.fewest_ranks
+        out.append(f"fewest trainer GPUs that fit: {n} ({' '.join(overrides)}); this config: "
+                   f"{result.trainer.count}")
+    elif result.sharded:
+        out.append(f"fewest trainer GPUs that fit: none up to {TRAINER_RANK_COUNTS[-1]}")
     lines = warnings(result)
     out += lines or ["every estimate fits"]
     return "\n".join(out)

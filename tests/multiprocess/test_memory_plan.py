@@ -23,8 +23,12 @@ QWEN3_1_7B = memory_plan.QWEN3_SHAPES["qwen3-1.7b"]
 GIB = memory_plan.GiB
 
 
+def preset(name: str, *overrides: str):
+    return compose_config([f"+experiment={name}", "model.path=null", "data.path=null", *overrides], REPO / "conf")
+
+
 def gpqa(*overrides: str):
-    return compose_config(["+experiment=gpqa", "model.path=null", "data.path=null", *overrides], REPO / "conf")
+    return preset("gpqa", *overrides)
 
 
 UNPLANNED = ["max_tokens_per_micro_batch=0", "micro_batch_size=4", "rollout.concurrency=64"]
@@ -75,6 +79,85 @@ def test_fsdp_keeps_a_1_over_n_share_of_the_training_state_and_names_the_fewest_
     fewer = [f for f in result.fix if not f.startswith("trainer.num_ranks")]
     assert not plan(gpqa("trainer.backend=fsdp", "trainer.num_ranks=8", *fewer), qwen3_32b).trainer.fits
     assert plan(gpqa("trainer.backend=fsdp", *result.fix), qwen3_32b).trainer.fits
+
+
+def test_the_plan_names_the_fewest_trainer_gpus_that_fit_and_fewer_do_not():
+    qwen3_32b = memory_plan.QWEN3_SHAPES["qwen3-32b"]
+    for given in (["trainer.backend=fsdp"], ["+experiment=math", "trainer.backend=fsdp"],
+                  ["+experiment=math", "trainer.megatron.tensor_parallel_size=4"]):  # distributed optimizer
+        given = [*given, "model.path=null", "data.path=null"]
+        cfg = compose_config(given, REPO / "conf")
+        n, overrides = plan(cfg, qwen3_32b).fewest_ranks
+        assert overrides[-1] == f"trainer.num_ranks={n}"
+        assert trainer_estimate(compose_config([*given, *overrides], REPO / "conf"), qwen3_32b,
+                                capacity_bytes=80 * GIB).fits
+        # fewer GPUs do not fit, even with every memory-saving rung of the ladder
+        saving = ([cfg] + fix_rungs(cfg, qwen3_32b))[-1]
+        counts = memory_plan.TRAINER_RANK_COUNTS
+        fewer = [c for c in counts[:counts.index(n)] if c % cfg.trainer.megatron.tensor_parallel_size == 0]
+        assert fewer and not any(trainer_estimate(memory_plan.with_ranks(saving, c), qwen3_32b,
+                                                  capacity_bytes=80 * GIB).fits for c in fewer)
+    # the torch backend keeps the whole state on every rank: more GPUs do not make a rank fit
+    assert plan(load_config({}), qwen3_32b).fewest_ranks is None
+    cmd = [sys.executable, str(REPO / "tools" / "memory_plan.py"), "--model-shape", "qwen3-32b", "trainer.backend=fsdp"]
+    out = subprocess.run(cmd, cwd=REPO, env=node_environ(), capture_output=True, text=True, timeout=120,
+                         check=False).stdout
+    assert re.search(r"fewest trainer GPUs that fit: 8 \(.*trainer\.recompute=true trainer\.num_ranks=8\)", out), out
+
+
+def fix_rungs(cfg, shape):
+    """The ladder's micro-batch and recompute rungs (the last saves the most), without its rank or tp rungs."""
+    return [c for o, c in memory_plan.fix_candidates(cfg, shape)
+            if not any(x.startswith(("trainer.num_ranks", "trainer.megatron.")) for x in o)]
+
+
+@pytest.mark.parametrize("distributed_optimizer", [None, True, False])
+def test_megatrons_distributed_optimizer_shards_master_weights_and_adam_state_over_data_parallel_ranks(
+        distributed_optimizer):
+    qwen3_8b = memory_plan.QWEN3_SHAPES["qwen3-8b"]
+    cfg = preset("math", "trainer.megatron.tensor_parallel_size=2", "trainer.megatron.distributed_optimizer="
+                 + {None: "null", True: "true", False: "false"}[distributed_optimizer])
+    estimate = trainer_estimate(cfg, qwen3_8b, capacity_bytes=80 * GIB)
+    shard = qwen3_8b.num_params(tp=2)
+    dp = 1 if distributed_optimizer is False else 4  # 8 ranks / tp 2; null is a GPU launch's default: true
+    assert (term(estimate, "master weights"), term(estimate, "optimizer state")) == (4 * shard // dp,
+                                                                                     8 * shard // dp)
+    # DDP's bf16 weights and float32 gradient buffer stay whole on every data-parallel rank
+    assert (term(estimate, "weights"), term(estimate, "gradients")) == (2 * shard, 4 * shard)
+    note = next(n for n in estimate.notes if n.startswith("distributed optimizer"))
+    assert ("counted as true" in note) == (distributed_optimizer is None)
+    assert (plan(cfg, qwen3_8b).fewest_ranks is None) == (distributed_optimizer is False)
+
+
+def test_every_gpu_preset_fits_its_model_on_80_gib_gpus():
+    for name, shape in (("gpqa", "qwen3-1.7b"), ("math", "qwen3-1.7b"), ("math_8b", "qwen3-8b")):
+        result = plan(preset(name), memory_plan.QWEN3_SHAPES[shape], gpu_memory_gib=80)
+        assert all(e.fits for e in result.estimates), memory_plan.format_plan(result)
+    math_8b = preset("math_8b")  # FSDP over one node's 8 GPUs
+    assert (math_8b.trainer.backend.value, math_8b.trainer.num_ranks) == ("fsdp", 8)
+
+
+def test_fsdp_counts_the_root_and_whichever_is_larger_the_chunks_backward_or_the_last_layers_backward():
+    """The log-prob chunk's backward comes first (the last layer prefetched beside it on N > 1 ranks) and is freed
+    before the last layer's backward unshards it and the next one, the head's gradient held until the root's
+    reduce-scatter (bench/memory_plan_validation.py measures both regimes, at 1, 2 and 4 ranks)."""
+    qwen3_8b = memory_plan.QWEN3_SHAPES["qwen3-8b"]
+    root, layer = memory_plan.fsdp_root_and_layer(qwen3_8b)
+    assert qwen3_8b.num_params() == root + 36 * layer
+    head_grad = 151936 * 4096 * 4  # float32, as the CPU validation
+    activations = 18432 * sum(memory_plan.layer_activation_bytes(qwen3_8b, dtype_bytes=4).values())
+    gradient = max(0, int(layer * 8 - activations))  # its gradient and reduce-scatter copy, its activations freed
+
+    def estimate(chunk, n):
+        return trainer_estimate(preset("math_8b", "model.dtype=float32", f"trainer.logprob_chunk_tokens={chunk}",
+                                       f"trainer.num_ranks={n}"), qwen3_8b, capacity_bytes=80 * GIB)
+
+    for n, layers in ((8, 2), (1, 1)):  # one rank: no all-gather, nothing prefetched
+        large, small = estimate(8192, n), estimate(64, n)
+        assert term(large, "unsharded in flight") == root * 4 + (layer * 4 if n > 1 else 0)
+        assert term(small, "unsharded in flight") == root * 4 + (layers * layer * 4 + head_grad + gradient
+                                                                 - term(small, "log-prob chunk"))
+    assert term(estimate(64, 1), "unsharded in flight") == term(estimate(64, 8), "unsharded in flight") - layer * 4
 
 
 def test_activations_grow_with_the_micro_batch_and_recompute_lowers_them():
