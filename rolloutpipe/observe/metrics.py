@@ -296,7 +296,7 @@ class TrainStats:
 
 
 def reduce_step(rollout: RolloutStats, train: TrainStats, *, mean_compute_s: float, mean_tail_compute_s: float,
-                lr: float) -> dict[str, float | int]:
+                lr: float) -> dict[str, float | int | str]:
     """The metrics.jsonl record of one step (``mean_*`` are means over trainer ranks)."""
     window = train.end_s - rollout.start_s
     rollout_s = rollout.last_group_s - rollout.start_s
