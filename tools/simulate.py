@@ -5,6 +5,7 @@
     python tools/simulate.py job.rollout_batch_size=512 job.n_samples_per_prompt=16 num_steps=1000
     python tools/simulate.py '+sweep.job.rollout.concurrency=[32,64,128]' modes=[sync,cgp+fgd]
     python tools/simulate.py timeline=sim.png csv=sim.csv
+    python tools/simulate.py 'modes=[sync,cgp+fgd,cgp+fgd+spec@0.99,cgp+fgd+spec@0.999]'   speculative next-step rollout
 
 ``job`` takes the keys launch.py takes (the same Config, checked the same way); ``sim`` the cost models
 (rolloutpipe/sim/models.py); see rolloutpipe/sim/sweep.py for the table.

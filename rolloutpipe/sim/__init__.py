@@ -17,6 +17,7 @@ What is real and what is modelled:
     metrics.reduce_step: the per-step metrics
 
 ``sim/run.py`` strings them together the way pipeline.py does; ``tools/simulate.py`` sweeps settings.
+``sim/speculative.py`` models speculative next-step rollout (drafts in idle engines, verified under the new policy).
 ``sim/compiled.py`` compiles the hot files (these modules and the simulator's own) with mypyc, unchanged.
 
 May import: rolloutpipe, types, model, config, control/, observe/, rollout/, trainer/. Not launch/ or

@@ -218,3 +218,13 @@ class SimConfig:
     """Size of the synthetic data set (its prompts get lengths and pass rates once)."""
     num_span_steps: int = 0
     """Record spans (for the timeline picture) of the first N steps."""
+    speculative: bool = False
+    """Speculative next-step rollout (sim/speculative.py): while step k trains, idle engines draft step k+1's
+    requests, verified when policy k+1 is served. With pipeline.mode sync or cgp."""
+    acceptance: float = 0.995
+    """Speculative: the probability that policy k+1 reproduces a drafted token, each token independently."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.acceptance <= 1.0:
+            raise ValueError(f"sim.acceptance={self.acceptance} must be in [0, 1]: the probability a drafted token "
+                             "is kept.")

@@ -26,6 +26,8 @@ engine whose only limit is a request count. ``SGLangSimEngine`` decides what run
                  ``(decoded + retract_decode_steps * B) / (sum max_new + 1)`` over the requests kept
     radix cache  a prompt prefilled on the engine stays cached: its group's other samples prefill only their own
                  tokens, and a prompt's KV is counted once while any of its samples runs
+    drafts       (sim.speculative) a request's first prefill also covers its draft's tokens; it keeps the verified
+                 prefix and samples the token after it (sim/speculative.py)
 
 Time moves the way SimEngine's does: between two changes (a finish, a retraction, an admission becoming possible)
 every running request gains a token per decode step, so a run of ``k`` plain decode steps is one closed form and one
@@ -44,10 +46,12 @@ from rolloutpipe.sim.models import EngineModel, SchedulerModel
 class _Run:
     """A request on the engine: its progress and the priority and time it was queued with."""
 
-    __slots__ = ("request", "generated", "priority", "queued")
+    __slots__ = ("generated", "priority", "queued", "request", "verify")
 
     def __init__(self, request: SimRequest, priority: int, queued: int) -> None:
         self.request, self.generated, self.priority, self.queued = request, 0, priority, queued
+        self.verify = request.drafted_tokens
+        """Draft tokens its first prefill verifies (sim/speculative.py), 0 once verified or without a draft."""
 
 
 class SGLangSimEngine:
@@ -223,7 +227,9 @@ class SGLangSimEngine:
             if run.generated == 0:
                 run.request.started_s = self._time_s
             self.cached.add(run.request.group)
-            run.generated += 1  # a prefill samples the first token
+            if run.verify:  # a verified draft: its kept prefix stands, the KV of the rest is dropped
+                run.generated, run.verify = run.request.kept_tokens, 0
+            run.generated = min(run.generated + 1, run.request.response_len)  # a prefill samples the next token
         self.running.extend(admitted)
         self._finish()
 
@@ -318,7 +324,7 @@ class SGLangSimEngine:
     def _extend(self, run: _Run) -> int:
         """Tokens its prefill computes: its prompt unless cached, and what it generated before a retraction."""
         prompt = 0 if self.radix_cache and run.request.group in self.cached else run.request.prompt_len
-        return prompt + run.generated
+        return prompt + run.generated + run.verify
 
     def _left(self, run: _Run) -> int:
         return min(self.max_new - run.generated, self.clip)

@@ -5,6 +5,10 @@ job's own Config (the keys launch.py takes), ``sim`` the cost models (conf/sim/h
 ``sweep`` a nested dict whose leaves are lists of values (``+sweep.job.n_samples_per_prompt=[8,16]``);
 every combination is one setting, and each setting runs every mode of ``modes`` on the same samples.
 Cells are medians over the simulated steps; reductions are ratios against ``sync`` of the same setting.
+``step_s`` is the steady-state step time (optimizer-step end to optimizer-step end, weight sync included);
+``bound@sync`` the on-policy bound on it from sync's own stages (its ideal rollout-to-train-end + weight sync).
+``cgp+fgd+spec`` is cgp+fgd with speculative next-step rollout (sim.speculative=true, sim/speculative.py);
+``cgp+fgd+spec@0.99`` also sets sim.acceptance for that row; ``drafted``/``kept`` are draft tokens per step.
 """
 
 from __future__ import annotations
@@ -30,11 +34,17 @@ MODES = {
     "cgp": {"pipeline": {"mode": "cgp"}, "rollout": {"admission": "fifo"}},
     "cgp+fgd": {"pipeline": {"mode": "cgp"}, "rollout": {"admission": "fgd"}},
     "async_one_step": {"pipeline": {"mode": "async_one_step"}, "rollout": {"admission": "fifo"}},
+    "cgp+fgd+spec": {"pipeline": {"mode": "cgp"}, "rollout": {"admission": "fgd"}},
 }
+"""Each mode's job overrides; a mode ending in ``+spec`` also turns on sim.speculative."""
+
+DEFAULT_MODES = ["sync", "cgp", "cgp+fgd", "async_one_step"]
 
 COLUMNS = [("perf/rollout_to_train_end_s", "r2t_s"), ("perf/trainer_wait_ratio", "wait"),
            ("perf/rollout_s", "rollout_s"), ("perf/train_compute_s", "compute_s"),
-           ("perf/ideal_rollout_to_train_end_s", "ideal_s"), ("sim/step_s", "step_s")]
+           ("perf/ideal_rollout_to_train_end_s", "ideal_s"), ("sim/step_s", "step_s"),
+           ("sim/on_policy_bound_s", "bound_s"), ("sim/num_drafted_tokens", "drafted"),
+           ("sim/num_kept_tokens", "kept")]
 
 
 def _job_schema() -> Config:
@@ -49,7 +59,8 @@ def _job_schema() -> Config:
 class SimulateConfig:
     job: Config = field(default_factory=_job_schema)
     sim: SimConfig = field(default_factory=SimConfig)
-    modes: list[str] = field(default_factory=lambda: list(MODES))
+    modes: list[str] = field(default_factory=lambda: list(DEFAULT_MODES))
+    """Names of MODES; ``cgp+fgd+spec@<a>`` runs the speculative mode at acceptance a."""
     num_steps: int = 20
     sweep: dict[str, Any] = field(default_factory=dict)
     """Nested like ``job``/``sim``; each leaf a list of values to try."""
@@ -58,9 +69,8 @@ class SimulateConfig:
     csv: str | None = None
 
     def __post_init__(self) -> None:
-        unknown = [m for m in self.modes if m not in MODES]
-        if unknown:
-            raise ValueError(f"modes: unknown {unknown}; choose from {list(MODES)}.")
+        for mode in self.modes:
+            mode_overrides(mode)
         if self.num_steps < 1:
             raise ValueError(f"num_steps={self.num_steps} must be >= 1.")
 
@@ -72,6 +82,20 @@ class Row:
     medians: dict[str, float]
     cpu_s: float
     result: SimResult = field(repr=False)
+
+
+def mode_overrides(mode: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A mode's job and sim overrides: ``cgp+fgd+spec@0.99`` is cgp+fgd, sim.speculative and sim.acceptance=0.99."""
+    name, at, acceptance = mode.partition("@")
+    if name not in MODES or (at and not name.endswith("+spec")):
+        raise ValueError(f"modes: unknown {mode!r}; choose from {list(MODES)} (a +spec mode may add @<acceptance>).")
+    sim: dict[str, Any] = {"speculative": True} if name.endswith("+spec") else {}
+    if at:
+        try:
+            sim["acceptance"] = float(acceptance)
+        except ValueError:
+            raise ValueError(f"modes: {mode!r}: the acceptance after @ must be a number in [0, 1].") from None
+    return MODES[name], sim
 
 
 def settings(sweep: dict[str, Any]) -> list[dict[str, Any]]:
@@ -91,11 +115,13 @@ def run_sweep(cfg: SimulateConfig, raw_job: Any, raw_sim: Any) -> list[Row]:
         bad = [k for k in setting if not k.startswith(("job.", "sim."))]
         if bad:
             raise ConfigError(f"sweep keys must start with job. or sim.: {bad}")
-        sim = _bind(SimConfig, "sim", raw_sim, _dotlist(sim_over))
-        if cfg.timeline and not rows:  # the picture draws steps 1 and 2 of the first setting
-            sim = replace(sim, num_span_steps=max(sim.num_span_steps, 3))
+        first = not rows
         for mode in cfg.modes:
-            job = _bind(Config, "job", raw_job, _dotlist(job_over), MODES[mode])
+            job_mode, sim_mode = mode_overrides(mode)
+            sim = _bind(SimConfig, "sim", raw_sim, _dotlist(sim_over), sim_mode)
+            if cfg.timeline and first:  # the picture draws steps 1 and 2 of the first setting
+                sim = replace(sim, num_span_steps=max(sim.num_span_steps, 3))
+            job = _bind(Config, "job", raw_job, _dotlist(job_over), job_mode)
             start = time.process_time()
             result = simulate(job, sim, cfg.num_steps)
             cpu_s = time.process_time() - start
@@ -107,7 +133,7 @@ def run_sweep(cfg: SimulateConfig, raw_job: Any, raw_sim: Any) -> list[Row]:
 
 def format_table(rows: list[Row]) -> str:
     head = ["setting", "mode", *(short for _, short in COLUMNS), "r2t vs sync", "wait vs sync", "step vs sync",
-            "sim_cpu_s"]
+            "step vs bound@sync", "sim_cpu_s"]
     lines = [head]
     sync = {r.setting: r.medians for r in rows if r.mode == "sync"}
     for r in rows:
@@ -115,6 +141,7 @@ def format_table(rows: list[Row]) -> str:
         lines.append([r.setting, r.mode, *(f"{r.medians[key]:.3f}" for key, _ in COLUMNS),
                       *(_vs(r.medians[key], base[key]) if base else "n/a" for key in
                         ("perf/rollout_to_train_end_s", "perf/trainer_wait_ratio", "sim/step_s")),
+                      _vs(r.medians["sim/step_s"], base["sim/on_policy_bound_s"]) if base else "n/a",
                       f"{r.cpu_s:.1f}"])
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import subprocess
@@ -183,7 +184,7 @@ def test_speed_bench_times_the_scale_preset_and_says_whether_the_target_is_met()
 def compared_runs() -> list:
     """Records and spans of small runs that take every path of the simulator: each mode, FGD, several ranks and
     reward workers, micro-batches by a token budget, dynamic filtering with over-sampling (its aborts), span
-    recording."""
+    recording, speculative drafts and their verification."""
     flat = SimConfig(lengths=SIM.lengths, engine=MODEL, trainer=SIM.trainer, num_span_steps=2,
                      rewards=RewardModel(pass_alpha=0.3, pass_beta=0.3))
     runs = [(job(**{"pipeline.mode": "sync"}), SIM),
@@ -191,7 +192,8 @@ def compared_runs() -> list:
                     "max_tokens_per_micro_batch": 160}), SIM),
             (job(**{"pipeline.mode": "async_one_step"}), SIM),
             (job(**{"rollout.admission": "fgd", "rollout.filter_zero_variance": True,
-                    "rollout.over_sampling_groups": 2}), flat)]
+                    "rollout.over_sampling_groups": 2}), flat),
+            (job(**{"rollout.admission": "fgd"}), dataclasses.replace(SIM, speculative=True, acceptance=0.9))]
     out = []
     for j, sim in runs:
         result = simulate(j, sim)
@@ -226,7 +228,7 @@ def test_the_compiled_simulator_gives_exactly_what_the_sources_give():
     assert result.returncode == 0, result.stderr[-3000:]
     compiled, compiled_leftover = json.loads(result.stdout.splitlines()[-1])
     expected = json.loads(json.dumps(compared_runs()))
-    assert len(compiled) == len(expected) == 4
+    assert len(compiled) == len(expected) == 5
     for got, want in zip(compiled, expected):
         assert got == want
     assert compiled_leftover == leftover_objects(), "the compiled run leaves garbage the sources do not: a cycle"
