@@ -51,6 +51,12 @@ class RolloutConfig:
     RolloutPipe starts always get a key of the run's own (derived from the run's secret)."""
     sglang_launch_args: list[str] = field(default_factory=list)
     """Extra arguments for every ``sglang.launch_server``, e.g. ``[--mem-fraction-static, "0.8"]``."""
+    batch_invariant: bool = False
+    """The embedded engine (embedded, embedded_http): a request's logits, tokens and log-probs are the same bits
+    whatever its batch-mates and row, in every dtype (attention per row, matmuls by blocks of rows:
+    engines/row_attention.py), so sync and cgp sample identically in float32 and bfloat16 too. It costs decode
+    throughput: 0.63-0.86 of the padded path's at concurrency 32-64 on a 2-core CPU (bench/batch_invariance.py).
+    False: one padded attention call per layer, equal up to float rounding (exact in float64)."""
     sglang_deterministic_inference: bool = True
     """Start SGLang servers with ``--enable-deterministic-inference``: only with it does SGLang honour each request's
     ``sampling_seed`` (its per-request seeded sampler), which makes samples reproducible: the same seed gives the same

@@ -1,4 +1,4 @@
-"""The embedded engine against its contract: batch-independent tokens, exact log-probs, scheduling, weights."""
+"""The embedded engine against its contract: batch-invariant samples, exact log-probs, scheduling, weights."""
 
 from __future__ import annotations
 
@@ -58,13 +58,13 @@ def request(i: int, *, prompt_len: int = 6, max_new_tokens: int = 16, temperatur
     return GenerationRequest(**(fields | kw))
 
 
-def run_all(model, requests, *, concurrency: int, on_result=None, policy_version: int = 0, ignore_eos: bool = False
-            ) -> dict[str, GenerationResult]:
+def run_all(model, requests, *, concurrency: int, on_result=None, policy_version: int = 0, ignore_eos: bool = False,
+            batch_invariant: bool = True) -> dict[str, GenerationResult]:
     """With ``ignore_eos`` every request runs to max_new_tokens (the tiny model samples its EOS id about 2% of the
     time, so a long request would otherwise end wherever its seed happens to pick it)."""
     results = Results(on_result)
     engine = EmbeddedEngine(name="test", model=model, concurrency=concurrency, on_result=results,
-                            policy_version=policy_version)
+                            policy_version=policy_version, batch_invariant=batch_invariant)
     try:
         for r in requests:
             engine.submit(r, ignore_eos=ignore_eos)
@@ -73,24 +73,43 @@ def run_all(model, requests, *, concurrency: int, on_result=None, policy_version
         engine.shutdown()
 
 
-def test_request_tokens_do_not_depend_on_batch_mates():
-    model = tiny_model()
-    target = request(7, prompt_len=9, max_new_tokens=40, top_p=0.9)
-    alone = run_all(model, [target], concurrency=1, ignore_eos=True)[target.request_id]
-
-    # 15 batch-mates with other seeds, prompt lengths and lengths; concurrency 4 makes the target wait for a slot
-    # and join a batch already decoding, with rows of other widths joining and leaving around it.
+def run_among_batch_mates(model, target, *, batch_invariant: bool = True) -> list[GenerationResult]:
+    """``target`` among 15 batch-mates with other seeds, prompt lengths and lengths, submitted 8th and then 1st:
+    concurrency 4 makes it wait for a slot (8th) and join a batch already decoding, with rows of other widths
+    joining and leaving around it, or start in row 0 of the first prefill (1st)."""
     mates = [
         request(i, prompt_len=2 + i % 11, max_new_tokens=5 + 3 * i, temperature=0.5 + 0.1 * i)
         for i in range(16)
         if i != 7
     ]
-    crowd = run_all(model, mates[:7] + [target] + mates[7:], concurrency=4, ignore_eos=True)
-    among = crowd[target.request_id]
+    eighth = run_all(model, mates[:7] + [target] + mates[7:], concurrency=4, ignore_eos=True,
+                     batch_invariant=batch_invariant)
+    assert eighth[target.request_id].started_s > min(r.started_s for r in eighth.values())
+    first = run_all(model, [target] + mates[::-1], concurrency=4, ignore_eos=True, batch_invariant=batch_invariant)
+    return [eighth[target.request_id], first[target.request_id]]
 
-    assert among.started_s > min(r.started_s for r in crowd.values())
-    assert among.output_ids == alone.output_ids
-    assert among.output_logprobs == pytest.approx(alone.output_logprobs, abs=1e-5)
+
+@pytest.mark.parametrize("dtype", [DType.float32, DType.bfloat16, DType.float64])
+def test_request_is_bit_identical_alone_and_among_any_batch_mates(dtype):
+    """Batch invariance: the target's tokens and every log-prob are the same bits alone (one row, no padding), among
+    batch-mates of other lengths and in another row, so sync and cgp sample the same in every dtype."""
+    model = tiny_model(dtype)
+    target = request(7, prompt_len=9, max_new_tokens=40, top_p=0.9)
+    alone = run_all(model, [target], concurrency=1, ignore_eos=True)[target.request_id]
+    for among in run_among_batch_mates(model, target):
+        assert among.output_ids == alone.output_ids
+        assert among.output_logprobs == alone.output_logprobs  # exact: not approx
+
+
+def test_without_batch_invariance_tokens_agree_up_to_rounding():
+    """``batch_invariant=False`` (one padded attention call per layer) differs from the invariant engine only at
+    rounding level."""
+    model = tiny_model()
+    target = request(7, prompt_len=9, max_new_tokens=40, top_p=0.9)
+    alone = run_all(model, [target], concurrency=1, ignore_eos=True)[target.request_id]
+    for among in run_among_batch_mates(model, target, batch_invariant=False):
+        assert among.output_ids == alone.output_ids
+        assert among.output_logprobs == pytest.approx(alone.output_logprobs, abs=1e-5)
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [(DType.float32, 1e-4), (DType.float64, 1e-9)])

@@ -9,8 +9,11 @@ What it does, plainly:
   ``num_cached_tokens`` columns of its row; the columns to their left are padding, hidden by the attention mask.
   Every request gets its own position ids (0, 1, 2, ... over its own tokens), so padding never shifts RoPE.
   Joiners are prefilled together (left padded) and their rows concatenated onto the batch; rows of finished
-  requests are dropped and leading all-padding columns trimmed. Padded keys get exactly zero attention weight,
-  so a request's logits do not depend on its batch-mates beyond float rounding.
+  requests are dropped and leading all-padding columns trimmed. Padded keys get exactly zero attention weight.
+- **Batch invariant** (``batch_invariant``, rollout.batch_invariant): a request's logits, hence its tokens and log-probs, are
+  bit-identical alone, among any batch-mates and in any row, in every dtype: attention runs per row over the
+  row's own keys, and every matmul has a multiple of ``ROW_BLOCK`` rows (row_attention.py says what was measured
+  to differ and what it costs). Off: one padded attention call per layer, equal up to float rounding only.
 - **SGLang's seeded sampler.** Every token is drawn by ``sampler.sample_tokens``: Gumbel-max with noise hashed
   from the request's ``sampling_seed``, the token's position and the token id, as SGLang's deterministic sampler
   does, so a request's tokens are the same whether it runs alone or among others, and the same as an SGLang
@@ -44,6 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rolloutpipe.rollout.engines import row_attention
 from rolloutpipe.rollout.engines.base import OnResult
 from rolloutpipe.rollout.engines.sampler import sample_tokens
 from rolloutpipe.types import FinishReason, GenerationRequest, GenerationResult
@@ -120,6 +124,7 @@ class EmbeddedEngine:
         concurrency: int,
         on_result: OnResult,
         policy_version: int = 0,
+        batch_invariant: bool = False,
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency={concurrency} for engine {name!r}: it must be at least 1.")
@@ -136,6 +141,9 @@ class EmbeddedEngine:
         self._cache_kwarg = _hf_cache_kwarg(model)
         self._on_result = on_result
         self._policy_version = policy_version
+        self._batch_invariant = batch_invariant
+        if batch_invariant:
+            row_attention.use_row_attention(model)
 
         # Shared between callers and the scheduler thread, guarded by _lock.
         self._lock = threading.Lock()
@@ -308,7 +316,9 @@ class EmbeddedEngine:
         """Runs the joiners' prompts (left padded), samples their first tokens, and appends their rows."""
         now = time.time()
         prompt_lens = [len(s.request.input_ids) for s in joiners]
-        width = max(prompt_lens)
+        # Batch invariant: a multiple of ROW_BLOCK columns and kept logits, so every matmul has a multiple of its rows.
+        block = row_attention.ROW_BLOCK if self._batch_invariant else 1
+        width = -(-max(prompt_lens) // block) * block
         # Padding columns hold id 0; any valid id would do, as the mask hides them from every real token.
         input_ids = torch.tensor(
             [[0] * (width - len(s.request.input_ids)) + s.request.input_ids for s in joiners], dtype=torch.long
@@ -316,7 +326,10 @@ class EmbeddedEngine:
         attention_mask = torch.tensor([[0] * (width - n) + [1] * n for n in prompt_lens], dtype=torch.long)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         cache = _hf_cache(self._model, None)
-        logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        if self._batch_invariant:
+            logits = self._forward(input_ids, None, position_ids, cache, block, row_key_lengths=prompt_lens)
+        else:
+            logits = self._forward(input_ids, attention_mask, position_ids, cache)
         for state, n in zip(joiners, prompt_lens):
             state.started_s = now
             state.num_cached_tokens = n
@@ -325,25 +338,38 @@ class EmbeddedEngine:
 
     def _decode_step(self) -> list[GenerationResult]:
         """Feeds every running request its last sampled token and samples the next one."""
-        num_columns = self._cache.get_seq_length()
         cached = torch.tensor([s.num_cached_tokens for s in self._running], dtype=torch.long)
-        attention_mask = (torch.arange(num_columns + 1) >= (num_columns - cached)[:, None]).long()
         input_ids = torch.tensor([[s.output_ids[-1]] for s in self._running], dtype=torch.long)
-        logits = self._forward(input_ids, attention_mask, cached[:, None], self._cache)
+        if self._batch_invariant:
+            logits = self._decode_rows(input_ids, cached)
+        else:
+            num_columns = self._cache.get_seq_length()
+            attention_mask = (torch.arange(num_columns + 1) >= (num_columns - cached)[:, None]).long()
+            logits = self._forward(input_ids, attention_mask, cached[:, None], self._cache)
         for state in self._running:
             state.num_cached_tokens += 1
         return self._sample_and_retire(logits, first_row=0)
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+    def _decode_rows(self, input_ids: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
+        """The batch-invariant decode step: per-row attention, dummy rows (no keys) up to a multiple of ROW_BLOCK."""
+        num_rows = len(cached)
+        num_dummies = -num_rows % row_attention.ROW_BLOCK
+        cache = self._cache
+        if num_dummies:
+            cache = _hf_cache(self._model, row_attention.pad_rows(_hf_cache_tensors(cache), num_dummies))
+            input_ids = torch.cat([input_ids, input_ids.new_zeros(num_dummies, 1)])
+        lengths = (cached + 1).tolist() + [0] * num_dummies
+        positions = torch.cat([cached, cached.new_zeros(num_dummies)])[:, None]
+        logits = self._forward(input_ids, None, positions, cache, row_key_lengths=lengths)
+        if num_dummies:
+            self._cache = _hf_cache(self._model, [(k[:num_rows], v[:num_rows]) for k, v in _hf_cache_tensors(cache)])
+        return logits[:num_rows]
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache, logits_to_keep: int = 1, **attention_kwargs
+                 ) -> torch.Tensor:
         """Logits of the last position [B, V]; appends the new keys/values to ``cache`` in place."""
-        out = self._model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=True,
-            logits_to_keep=1,
-            **{self._cache_kwarg: cache},
-        )
+        out = self._model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                          logits_to_keep=logits_to_keep, **{self._cache_kwarg: cache}, **attention_kwargs)
         return out.logits[:, -1]
 
     def _sample_and_retire(self, logits: torch.Tensor, first_row: int) -> list[GenerationResult]:

@@ -128,7 +128,8 @@ class EngineFactory:
         from rolloutpipe.rollout.engines.embedded import EmbeddedEngine
 
         return EmbeddedEngine(name=name, model=load_model(self.cfg.model, self.vocab_size),
-                              concurrency=self.cfg.rollout.concurrency, on_result=self.on_result)
+                              concurrency=self.cfg.rollout.concurrency, on_result=self.on_result,
+                              batch_invariant=self.cfg.rollout.batch_invariant)
 
     def _attached(self, names: list[str], urls: list[str]) -> list[Engine]:
         from rolloutpipe.rollout.engines import sglang_api

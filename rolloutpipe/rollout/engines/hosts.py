@@ -166,7 +166,8 @@ class NodeServers:
             num_threads = max(1, len(os.sched_getaffinity(0)) // rollout.engines_per_node)
             return server_process.embedded_server(name=name, model_config_yaml=model_yaml, host=self.bind_host,
                                                   concurrency=rollout.concurrency, log_dir=self.log_dir,
-                                                  num_threads=num_threads, api_key=self.api_key)
+                                                  num_threads=num_threads, api_key=self.api_key,
+                                                  batch_invariant=rollout.batch_invariant)
         if cfg.model.path is None:
             raise ValueError("rollout.engine=sglang needs model.path (an HF model directory): the embedded tiny "
                              "model exists only inside RolloutPipe. Save it with save_hf_checkpoint and pass its "

@@ -345,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=64, help="requests run at once (max_running_requests)")
     parser.add_argument("--weight-version", type=int, default=0, help="the policy_version of the initial weights")
     parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--batch-invariant", action="store_true", help="rollout.batch_invariant (embedded.py)")
     args = parser.parse_args(argv)
     server_process.die_with_the_rollout_node()
     api_key = os.environ.pop(sglang_api.API_KEY_ENV, None)
@@ -364,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     server = EmbeddedServer(
         engine_factory=lambda on_result: EmbeddedEngine(name=f"http:{args.port}", model=model,
                                                         concurrency=args.concurrency, on_result=on_result,
-                                                        policy_version=args.weight_version),
+                                                        policy_version=args.weight_version,
+                                                        batch_invariant=args.batch_invariant),
         model_path=model_cfg.path or "embedded-tiny", host=args.host, port=args.port, api_key=api_key,
         tokenizer=tokenizer,
     )

@@ -140,7 +140,8 @@ def die_with_the_rollout_node() -> None:
 
 
 def embedded_server(*, name: str, model_config_yaml: Path, concurrency: int, log_dir: Path, api_key: str | None,
-                    num_threads: int | None = None, host: str = "127.0.0.1") -> ServerProcess:
+                    num_threads: int | None = None, host: str = "127.0.0.1",
+                    batch_invariant: bool = False) -> ServerProcess:
     """The embedded engine's server (``python -m rolloutpipe.rollout.engines.http_server``) on a free port of
     ``host`` (this node's address: control/env.node_address)."""
     port_file = log_dir / f"{name}.port"
@@ -150,6 +151,8 @@ def embedded_server(*, name: str, model_config_yaml: Path, concurrency: int, log
                "--port-file", str(port_file), "--concurrency", str(concurrency)]
     if num_threads:
         command += ["--num-threads", str(num_threads)]
+    if batch_invariant:
+        command.append("--batch-invariant")
     return ServerProcess(name=name, command=command, log_path=log_dir / f"{name}.log", port_file=port_file,
                          api_key=api_key, host=host)
 
