@@ -60,11 +60,12 @@ from rolloutpipe.control.weights.buckets import Bucket, plan_buckets
 from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
 from rolloutpipe.trainer.grpo import LossSums
 from rolloutpipe.trainer.grpo_trainer import GRPOTrainer, TrainSample, pack
+from rolloutpipe.trainer.lead import LeadReads
 from rolloutpipe.trainer.logprobs import token_entropy, token_logprobs
 from rolloutpipe.trainer.torch_backend import _chunkable, _HiddenToLogprobs, clip_grad_norm
 
-_DONE, _GATHER = 0, 1
-"""Rank 0's requests to the other ranks inside ``writer_reads``."""
+_GATHER = 1
+"""Rank 0's request to the other ranks inside ``writer_reads`` (lead.py)."""
 
 
 class FSDPTrainer(GRPOTrainer):
@@ -115,7 +116,7 @@ class FSDPTrainer(GRPOTrainer):
         self.optimizer = _FullStateOptimizer(torch.optim.AdamW(
             self.root.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
             weight_decay=cfg.weight_decay), self)
-        self._leading = False
+        self._lead = LeadReads(backend="trainer.backend=fsdp", device=self.device)
         self._cpu_model: torch.nn.Module | None = None
 
     # -- the micro-batch ------------------------------------------------------------------------------
@@ -225,24 +226,15 @@ class FSDPTrainer(GRPOTrainer):
     # -- reads by trainer rank 0 ------------------------------------------------------------------------
     @contextlib.contextmanager
     def writer_reads(self) -> Iterator[None]:
-        """Every rank enters it around trainer rank 0's reads of the policy; the others answer rank 0's gathers
-        until rank 0 leaves (then their body runs, which reads nothing)."""
-        if self.data_parallel_size == 1:
+        """Every rank enters it around trainer rank 0's reads of the policy; the others join rank 0's gathers
+        (lead.py) until rank 0 leaves."""
+        with self._lead.session(self._serve):
             yield
-            return
-        if self.data_parallel_rank != 0:
-            while (request := self._request()) != _DONE:
-                if request == _GATHER:
-                    for _ in self._gathered_buckets():
-                        pass
-            yield
-            return
-        self._leading = True
-        try:
-            yield
-        finally:
-            self._leading = False
-            self._request(_DONE)
+
+    def _serve(self, request: int) -> None:
+        assert request == _GATHER, request
+        for _ in self._gathered_buckets():
+            pass
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """The whole policy under HF names on rank 0's host (gathered bucket by bucket)."""
@@ -298,22 +290,8 @@ class FSDPTrainer(GRPOTrainer):
         return plan_buckets(metas, self.bucket_bytes)
 
     def _lead_gather(self) -> Iterator[dict[str, torch.Tensor]]:
-        self._check_leading()
-        self._request(_GATHER)
+        self._lead.ask(_GATHER, reads="the sharded policy")
         return self._gathered_buckets()
-
-    def _check_leading(self) -> None:
-        if self.data_parallel_size > 1 and not self._leading:
-            raise RuntimeError("trainer.backend=fsdp: rank 0 read the sharded policy outside writer_reads(); the "
-                               "other ranks would never join its gathers")
-
-    def _request(self, request: int | None = None) -> int:
-        """Rank 0 sends ``request``; the others receive it."""
-        if self.data_parallel_size == 1:
-            return _DONE
-        message = torch.tensor([-1 if request is None else request], dtype=torch.int64, device=self.device)
-        dist.broadcast(message, src=0)
-        return int(message.item())
 
     def _gathered_buckets(self) -> Iterator[dict[str, torch.Tensor]]:
         """Every rank: the full tensors, one ``plan_buckets`` bucket at a time (a collective per tensor); rank 0

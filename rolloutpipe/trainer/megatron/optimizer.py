@@ -1,4 +1,5 @@
-"""Megatron's optimizer for the trainer: replicated, or its DistributedOptimizer (``trainer.megatron.distributed_optimizer``).
+"""Megatron's optimizer for the trainer: replicated, or its DistributedOptimizer
+(``trainer.megatron.distributed_optimizer``).
 
 Replicated (the CPU path, and ``distributed_optimizer=false``): every data-parallel rank keeps the whole optimizer
 state; DDP all-reduces the gradients. Distributed: Megatron's DistributedOptimizer keeps each rank's 1/N of the
@@ -25,7 +26,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 from rolloutpipe.trainer.config import TrainerConfig
 
@@ -163,9 +163,3 @@ def _plain(value):
         return value.item()
     return value
 
-
-def request(message: int | None, *, device: torch.device | None) -> int:
-    """Trainer rank 0 sends ``message`` to every trainer rank; the others receive it (``writer_reads``)."""
-    tensor = torch.tensor([-1 if message is None else message], dtype=torch.int64, device=device)
-    dist.broadcast(tensor, src=0)
-    return int(tensor.item())

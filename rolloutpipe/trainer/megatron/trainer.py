@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
 from rolloutpipe.trainer.grpo_trainer import GRPOTrainer
+from rolloutpipe.trainer.lead import LeadReads
 from rolloutpipe.trainer.logprobs import VocabShard, chunked_logprobs
 from rolloutpipe.trainer.megatron import cpu
 from rolloutpipe.trainer.megatron.convert import (
@@ -62,12 +63,11 @@ from rolloutpipe.trainer.megatron.optimizer import (
     DistributedParameterState,
     ReplicatedState,
     megatron_optimizer_configs,
-    request,
     resolve_distributed_optimizer,
 )
 
-_DONE, _OPTIMIZER_STATE = 0, 1
-"""Trainer rank 0's requests to the other ranks inside ``writer_reads`` (the distributed optimizer's gather)."""
+_OPTIMIZER_STATE = 1
+"""Trainer rank 0's request to the other ranks inside ``writer_reads`` (lead.py: the distributed optimizer's gather)."""
 
 
 class MegatronTrainer(GRPOTrainer):
@@ -116,7 +116,7 @@ class MegatronTrainer(GRPOTrainer):
                                                     tensor_parallel_size=tp, announce=self._announce_gather)
                           if self.distributed_optimizer else ReplicatedState(self.megatron_optimizer))
         """What checkpoints read and load (optimizer.py); ``megatron_optimizer`` steps."""
-        self._leading = False
+        self._lead = LeadReads(backend="trainer.backend=megatron", device=self.device)
         self._head = _HiddenToLogprobs(self.gpt, self.layout, tp_rank=self.tp_rank, tp_group=self.tp_group,
                                        chunk_tokens=cfg.logprob_chunk_tokens, temperature=temperature)
         self._tp_shards: list[dict[str, torch.Tensor]] | None = None
@@ -139,30 +139,16 @@ class MegatronTrainer(GRPOTrainer):
     @contextlib.contextmanager
     def writer_reads(self) -> Iterator[None]:
         """Every rank, around trainer rank 0's reads: with the distributed optimizer the others join the gathers of
-        its state that rank 0 asks for (``optimizer.state_dict``), until rank 0 leaves; the weights need no gather
-        (every optimizer step leaves them whole on each tensor-parallel group's first rank)."""
-        if not self.distributed_optimizer or dist.get_world_size() == 1:
+        its state that rank 0 asks for (``optimizer.state_dict``; lead.py), until rank 0 leaves; the weights need no
+        gather (every optimizer step leaves them whole on each tensor-parallel group's first rank)."""
+        if not self.distributed_optimizer:
             yield
             return
-        if dist.get_rank() != 0:
-            while request(None, device=self.device) != _DONE:
-                self.optimizer.gather()
+        with self._lead.session(lambda _: self.optimizer.gather()):
             yield
-            return
-        self._leading = True
-        try:
-            yield
-        finally:
-            self._leading = False
-            request(_DONE, device=self.device)
 
     def _announce_gather(self) -> None:
-        if dist.get_world_size() == 1:
-            return
-        if not self._leading:
-            raise RuntimeError("trainer.backend=megatron: rank 0 read the distributed optimizer's state outside "
-                               "writer_reads(); the other ranks would never join its gather")
-        request(_OPTIMIZER_STATE, device=self.device)
+        self._lead.ask(_OPTIMIZER_STATE, reads="the distributed optimizer's state")
 
     # -- GRPOTrainer's hooks ---------------------------------------------------------------------
     def _policy(self) -> torch.nn.Module:
