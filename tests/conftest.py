@@ -242,3 +242,19 @@ def job_dir(tmp_path: Path):
         return tmp_path / name
 
     return make
+
+
+def sim_job(**overrides):
+    """The simulator tests' small job (8 prompts x 4 samples, 2 engines of 6 slots), with ``overrides`` by dotted
+    key (``sim_job(**{"rollout.admission": "fgd"})``)."""
+    from rolloutpipe.config import load_config
+
+    base = {"rollout_batch_size": 8, "n_samples_per_prompt": 4, "global_batch_size": 16, "micro_batch_size": 4,
+            "rollout_max_response_len": 64, "rollout": {"num_engines": 2, "concurrency": 6}, "num_rollout": 4}
+    for key, value in overrides.items():
+        node = base
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return load_config(base)

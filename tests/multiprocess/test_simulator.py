@@ -11,13 +11,13 @@ import sys
 import numpy as np
 import pytest
 
-from rolloutpipe.config import load_config
 from rolloutpipe.rollout import slots
 from rolloutpipe.sim.calibrate import _fit, geometric_mean_tokens
 from rolloutpipe.sim.engine import EventLoop, SimEngine, SimRequest
 from rolloutpipe.sim.models import EngineModel, LengthModel, RewardModel, SimConfig, TrainerModel
 from rolloutpipe.sim.run import simulate
 from tests.conftest import REPO
+from tests.conftest import sim_job as job
 
 MODEL = EngineModel(decode_base_s=1e-3, decode_per_request_s=1e-4, decode_per_context_token_s=1e-5,
                     prefill_base_s=2e-3, prefill_per_token_s=1e-4)
@@ -67,18 +67,6 @@ def test_iterations_within_inverts_decode_time():
         t = MODEL.decode_s(k, b, c)
         assert MODEL.iterations_within(t, b, c) == k
         assert MODEL.iterations_within(t * (1 - 1e-9), b, c) == k - 1
-
-
-def job(**overrides):
-    base = {"rollout_batch_size": 8, "n_samples_per_prompt": 4, "global_batch_size": 16, "micro_batch_size": 4,
-            "rollout_max_response_len": 64, "rollout": {"num_engines": 2, "concurrency": 6}, "num_rollout": 4}
-    for key, value in overrides.items():
-        node = base
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return load_config(base)
 
 
 SIM = SimConfig(lengths=LengthModel(median_tokens=20, sigma=1.0, prompt_tokens=8), engine=MODEL,

@@ -8,11 +8,11 @@ import dataclasses
 
 import pytest
 
-from rolloutpipe.config import load_config
 from rolloutpipe.sim.engine import SimRequest
 from rolloutpipe.sim.models import EngineModel, LengthModel, SchedulerKind, SchedulerModel, SimConfig, TrainerModel
 from rolloutpipe.sim.run import simulate
 from rolloutpipe.sim.speculative import draft
+from tests.conftest import sim_job
 
 MODEL = EngineModel(decode_base_s=1e-3, decode_per_request_s=1e-4, decode_per_context_token_s=1e-5,
                     prefill_base_s=2e-3, prefill_per_token_s=1e-4)
@@ -24,16 +24,8 @@ SLOW_TRAINER = TrainerModel(micro_batch_base_s=1e-3, per_token_s=2e-2, optimizer
 
 
 def job(**overrides):
-    base = {"rollout_batch_size": 8, "n_samples_per_prompt": 4, "global_batch_size": 16, "micro_batch_size": 4,
-            "rollout_max_response_len": 64, "rollout": {"num_engines": 2, "concurrency": 6, "admission": "fgd"},
-            "num_rollout": 6}
-    for key, value in overrides.items():
-        node = base
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return load_config(base)
+    """FGD admission, 6 steps."""
+    return sim_job(**{"rollout.admission": "fgd", "num_rollout": 6, **overrides})
 
 
 def speculative(sim: SimConfig, acceptance: float) -> SimConfig:
