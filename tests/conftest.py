@@ -116,7 +116,11 @@ def descendants(pid: int) -> list[int]:
     while todo:
         current = todo.pop()
         found.append(current)
-        for children in Path(f"/proc/{current}/task").glob("*/children"):
+        try:  # a process may end between being listed and being read: it has no children left to find
+            threads = list(Path(f"/proc/{current}/task").glob("*/children"))
+        except OSError:
+            continue
+        for children in threads:
             try:
                 todo += [int(c) for c in children.read_text().split()]
             except OSError:
