@@ -11,7 +11,10 @@ storage of each local shard, shared storage counted once). The peak RSS over the
 (the kernel's high-water mark, reset before: the unsharded layers in flight, activations, the log-prob chunk, the
 gradients and AdamW state the step allocates, and the allocator's slack), is printed beside it; so is the peak of a
 second batch's second micro-batch over the RSS before that batch (AdamW's state held, the gradient shards
-allocated: a micro-batch as most of a run's are; bench/memory_plan_validation.py sets it against the memory plan).
+allocated: a micro-batch as most of a run's are), and the same peak over the RSS just before that micro-batch
+(``micro_batch_transient``: what the micro-batch itself adds; bench/memory_plan_validation.py sets it against the
+memory plan). The two differ by the gradient shards and by what glibc's heap kept of the first micro-batch's freed
+sub-MiB blocks (a few MiB that no tensor holds; bench/memory_plan_validation.py says more).
 The table gives rank 0's figures and the largest of any rank.
 """
 
@@ -99,13 +102,15 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
     # gradient shards allocated by the first (the optimizer step set them to None)
     second = rss_bytes()
     trainer.forward_backward(samples, first_batch_of_step=False)
+    steady = rss_bytes()  # the gradient shards allocated, and glibc's heap grown to a micro-batch's working size
     reset_peak()
     trainer.forward_backward(samples, first_batch_of_step=False)
     micro_batch_peak = rss_bytes("VmHWM")
     trainer.finish_batch()
     results[rank] = {"params": params, "grads": grads, "optimizer": adamw, "num_params": num_params,
                      "step_peak_over_start": max(peak - before, 0),
-                     "micro_batch_peak_over_start": max(micro_batch_peak - second, 0)}
+                     "micro_batch_peak_over_start": max(micro_batch_peak - second, 0),
+                     "micro_batch_transient": max(micro_batch_peak - steady, 0)}
     dist.barrier()
     dist.destroy_process_group()
 

@@ -18,12 +18,21 @@ as a ratio growing with T.
 The FSDP table (``trainer.backend=fsdp``, bench/fsdp_memory.py's real gloo processes at 1, 2 and 4 ranks, float32,
 two samples per micro-batch): each rank's parameter, gradient and AdamW shards (bytes of the local tensors) against
 the plan's weights, gradients and optimizer state terms (1/N each), and the peak of a steady micro-batch (the second
-of a batch, after an optimizer step: AdamW's state held, the gradient shards allocated by the first; peak RSS over
-the RSS before the batch) against the plan's gradients plus its forward/backward peak: the unsharded parameters in
-flight (the root for the whole pass, the layer running, the next one prefetched, one layer's unsharded gradient),
-the activations and the log-prob chunk. "in flight" is what FSDP adds to the micro-batch's transient: its peak less
-its gradient shards, less the same for the replicated torch backend on the same model and batch (one process, its
-gradients whole), against the plan's unsharded-in-flight term.
+of a batch, after an optimizer step: AdamW's state held, the gradient shards allocated by the first; its transient,
+peak RSS over the RSS just before it, plus the gradient shards) against the plan's gradients plus its
+forward/backward peak: the unsharded parameters in flight (the root for the whole pass, the layer running, the next
+one prefetched, one layer's unsharded gradient), the activations and the log-prob chunk. "in flight" is what FSDP
+adds to the micro-batch's transient: its transient less the replicated torch backend's on the same model and batch
+(one process, its gradients whole), against the plan's unsharded-in-flight term.
+
+The transient is taken over the RSS just before the measured micro-batch, not before the batch: the first
+micro-batch grows glibc's heap with sub-MiB blocks (under the 1 MiB mmap threshold) that are freed but not returned,
+more for FSDP (mallinfo2, hidden 512, 1 rank: the heap 6.7 MiB larger after it, no more of it in use; likely
+the unsharded copies and gradients of sub-MiB parameters, e.g. the 0.5 MiB key/value projections). Counted
+from before the batch they added 3-10 MiB to FSDP's "in flight" (1.04-1.13 at hidden 512 over repeated runs) that
+is no tensor: the torch profiler's live tensors at the peak differ between the backends by exactly the plan's term
+(hidden 512: 64.0 MiB at 1 rank, 76.0 at 2). A GPU's caching allocator keeps such blocks as reserve, which the plan
+counts in its "CUDA context" term (allocator slack), not here.
 """
 
 from __future__ import annotations
@@ -105,15 +114,15 @@ def fsdp_table() -> None:
     for hidden, layers, vocab, tokens, chunk in FSDP_CASES:
         args = types.SimpleNamespace(hidden=hidden, layers=layers, vocab=vocab, tokens=tokens, chunk=chunk,
                                      recompute=False, backend="torch")
-        replicated = fsdp_memory.measure(1, args)[0]
-        baseline = (replicated["micro_batch_peak_over_start"] - replicated["grads"]) / MiB
+        baseline = fsdp_memory.measure(1, args)[0]["micro_batch_transient"] / MiB
         args.backend = "fsdp"
         for n in FSDP_RANKS:
             p = predict_fsdp(hidden, layers, vocab, tokens, chunk, n)
             results = fsdp_memory.measure(n, args)
             m = {key: max(r[key] for r in results.values()) / MiB for key in ("params", "grads", "optimizer")}
-            peak = results[0]["micro_batch_peak_over_start"] / MiB
-            in_flight = peak - results[0]["grads"] / MiB - baseline
+            transient = results[0]["micro_batch_transient"] / MiB  # its gradient shards already allocated
+            peak = transient + results[0]["grads"] / MiB
+            in_flight = transient - baseline
 
             def cell(predicted: float, measured: float) -> str:
                 return f"{predicted:.0f} -> {measured:.0f} ({measured / predicted:.2f})"

@@ -3,7 +3,8 @@
 ``check_model`` reads model.path's config.json and tokenizer (no weights), so a model the trainer backend cannot map
 faithfully, or a tokenizer that cannot serve the model, stops ``python launch.py`` with exit code 2 and the key to
 change, instead of after the queue wait and the model load on every rank. So does an explicit
-``trainer.megatron.distributed_optimizer=true`` that cannot run (``check_distributed_optimizer``).
+``trainer.megatron.distributed_optimizer=true`` that cannot run where the trainer ranks will run
+(``check_distributed_optimizer``; ``trainer_cuda``: the launcher's word on it, else judged by ``launcher.kind``).
 
 ``warn_memory`` (GPU launchers only: launch.py's Slurm kinds, TorchX with GPUs) logs the memory plan's warnings
 (launch/memory_plan.py) when an estimate exceeds a GPU's memory: a warning, never a refusal, since an estimate is
@@ -22,8 +23,10 @@ from rolloutpipe.trainer.config import TrainerBackend
 log = logging.getLogger(__name__)
 
 
-def check_model(cfg: Config) -> None:
-    check_distributed_optimizer(cfg)
+def check_model(cfg: Config, *, trainer_cuda: bool | None = None) -> None:
+    """``trainer_cuda``: whether the trainer ranks will have CUDA, where the launcher knows it (TorchX: trainer
+    GPUs were asked for); None: ``check_distributed_optimizer`` judges by the launcher kind."""
+    check_distributed_optimizer(cfg, trainer_cuda=trainer_cuda)
     if cfg.model.path is None:
         return  # the embedded tiny model and its tokenizer are made for each other
     from transformers import AutoConfig
@@ -43,18 +46,23 @@ def check_model(cfg: Config) -> None:
             raise ConfigError(str(err)) from None
 
 
-def check_distributed_optimizer(cfg: Config) -> None:
-    """An explicit ``trainer.megatron.distributed_optimizer=true`` that cannot run: with float64 anywhere, and with
-    the local launcher (the trainer ranks run on this machine) where this machine has no CUDA."""
+def check_distributed_optimizer(cfg: Config, *, trainer_cuda: bool | None = None) -> None:
+    """An explicit ``trainer.megatron.distributed_optimizer=true`` that cannot run: with float64 anywhere, and where
+    the trainer ranks will have no CUDA. That is judged where they run, not where this check runs (a CPU login node
+    submits to GPU nodes): ``trainer_cuda`` when the launcher says it (the TorchX component: ``trainer_gpus > 0``);
+    otherwise the Slurm launchers' trainer nodes count as GPU nodes (as launch.py's ``gpu_launcher``), and the local
+    launcher's ranks run on this machine, so its CUDA decides."""
     if cfg.trainer.backend is not TrainerBackend.megatron or not cfg.trainer.megatron.distributed_optimizer:
         return
     from rolloutpipe.trainer.megatron.optimizer import resolve_distributed_optimizer
 
-    cuda = True
-    if cfg.launcher.kind is LauncherKind.local:
+    cuda = trainer_cuda
+    if cuda is None and cfg.launcher.kind is LauncherKind.local:
         import torch  # only here: the launcher itself does not need torch
 
         cuda = torch.cuda.is_available()
+    elif cuda is None:
+        cuda = True
     try:
         resolve_distributed_optimizer(True, cuda=cuda, dtype=cfg.model.dtype.value)
     except ValueError as err:

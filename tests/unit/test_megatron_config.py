@@ -55,6 +55,30 @@ def test_an_explicit_true_stops_a_cpu_launch_at_preflight(monkeypatch):
         check_model(megatron_run(launcher={"kind": "slurm"}, model={"dtype": "float64"}))
 
 
+@needs_extra("slurm", "torchx")
+def test_the_torchx_component_judges_cuda_by_the_trainer_gpus_it_asks_for_not_this_machine(monkeypatch, tmp_path):
+    """A CPU login node submitting GPU trainer replicas (trainer_gpus > 0) keeps an explicit true; without trainer
+    GPUs it is refused before anything is queued, and float64 is refused either way."""
+    import importlib.util
+
+    from tests.conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("torchx_components", REPO / "launchers" / "components.py")
+    components = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(components)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this machine: no CUDA
+    monkeypatch.setenv("RP_RUN_SECRET", "")  # grpo() sets it in this process; monkeypatch puts it back
+    explicit = ["trainer.backend=megatron", "trainer.megatron.distributed_optimizer=true"]
+    app = components.grpo(*explicit, f"run.dir={tmp_path / 'gpu'}", trainer_gpus=1)
+    assert [role.resource.gpu for role in app.roles] == [0, 1]
+    assert (tmp_path / "gpu" / "config.yaml").exists()
+    with pytest.raises(ConfigError, match="distributed_optimizer=true needs a GPU"):
+        components.grpo(*explicit, f"run.dir={tmp_path / 'cpu'}", trainer_gpus=0)
+    with pytest.raises(ConfigError, match="float64"):
+        components.grpo(*explicit, "model.dtype=float64", f"run.dir={tmp_path / 'f64'}", trainer_gpus=1)
+    assert not (tmp_path / "cpu" / "config.yaml").exists() and not (tmp_path / "f64" / "config.yaml").exists()
+
+
 @needs_extra("megatron", "megatron.core")
 def test_an_explicit_true_stops_the_trainer_before_it_builds_anything(monkeypatch):
     from rolloutpipe.trainer.backend import trainer_class
