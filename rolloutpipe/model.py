@@ -142,7 +142,11 @@ def load_model(cfg: ModelConfig, vocab_size: int) -> torch.nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.init_seed)
         model = Qwen3ForCausalLM(hf_config)
-    return model.to(cfg.dtype.torch).eval()
+    # The parameters in the dtype; the buffers that are computed, not saved (RoPE's inverse frequencies), stay
+    # float32, as from_pretrained leaves them: the same model as the checkpoints of the run reload, in every dtype.
+    for parameter in model.parameters():
+        parameter.data = parameter.data.to(cfg.dtype.torch)
+    return model.eval()
 
 
 def save_hf_checkpoint(model: torch.nn.Module, tokenizer, directory: Path,

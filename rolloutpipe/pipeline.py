@@ -171,7 +171,8 @@ def train_step(node: TrainerNode, step: int) -> TrainStats:
     consumer = BatchConsumer(num_batches=cfg.num_steps_per_rollout, groups_per_batch=cfg.groups_per_batch,
                              micro_batch_size=cfg.micro_batch_size, length=sequence_len,
                              max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
-                             rank=None if lockstep else rank, world_size=world)
+                             per_group=cfg.trainer.exact_accumulation, rank=None if lockstep else rank,
+                             world_size=world)
     num_micro_batches = [0] * world
     batch_compute_s, last_micro_batch_s, num_clipped = 0.0, 0.0, 0
     trainer.begin_step()

@@ -8,7 +8,8 @@ Pure arithmetic over the model's shape and the typed Config; nothing here touche
 Trainer rank (all ranks alike: data-parallel replicas, or tensor-parallel shards of equal size)
   weights, gradients, optimizer   per parameter of the rank's shard. Torch backend, bf16: bf16 weights and
                                   gradients, fp32 master weights, fp32 Adam m and v; at the optimizer step a float32
-                                  copy of the gradients too. Megatron: bf16 weights, DDP's fp32 gradient buffer, fp32
+                                  copy of the gradients too; trainer.exact_accumulation: an int64 sum, 8 B.
+                                  Megatron: bf16 weights, DDP's fp32 gradient buffer, fp32
                                   master weights and Adam m, v, the last two / data-parallel size with the
                                   distributed optimizer (trainer.megatron.distributed_optimizer; null counts as true:
                                   a plan is for GPUs). FSDP: ``fsdp_state_terms``, ``fsdp_unsharded_terms``.
@@ -145,9 +146,12 @@ def sequence_len(cfg: Config) -> int:
 
 def micro_batch_rows(cfg: Config) -> int:
     """Samples in the largest micro-batch a rank trains: micro_batch_size, or as many budget-length samples as
-    max_tokens_per_micro_batch holds (rows * longest length; at least one); never more than a rank's share."""
+    max_tokens_per_micro_batch holds (rows * longest length; at least one); never more than a rank's share, nor
+    than a group with trainer.exact_accumulation (its micro-batches never span two groups)."""
     rows = (max(1, cfg.max_tokens_per_micro_batch // sequence_len(cfg)) if cfg.max_tokens_per_micro_batch
             else cfg.micro_batch_size)
+    if cfg.trainer.exact_accumulation:
+        rows = min(rows, cfg.n_samples_per_prompt)
     return min(rows, max(1, cfg.global_batch_size // cfg.trainer.data_parallel_size))
 
 
@@ -197,6 +201,9 @@ def trainer_estimate(cfg: Config, shape: ModelShape, *, capacity_bytes: int,
     if not megatron and not fsdp and d < 4:
         terms.append(Term(name="fp32 gradients", num_bytes=params * 4, phase=Phase.optimizer_step,
                           how="the gradients in float32 for the master weights", knob=more_tp))
+    if tr.exact_accumulation:  # (the gradient above then holds one micro-batch's, freed after it is summed)
+        terms.append(Term(name="exact gradient sum", num_bytes=params * 8, phase=Phase.always,
+                          how="int64, 8 B/param (trainer/exact_sum.py)", knob="trainer.exact_accumulation=false"))
     if cfg.num_steps_per_rollout > 1 and tr.old_logprobs is OldLogprobSource.trainer:
         terms.append(Term(name="policy snapshot", num_bytes=params * master // n if fsdp else params * d,
                           phase=Phase.always,

@@ -41,6 +41,10 @@ class PolicyBackend(Protocol):
                  pad_id: int, multi_step: bool, process_group_active: bool,
                  old_logprobs: OldLogprobSource) -> None: ...
 
+    def sum_exactly(self, num_samples_per_batch: int) -> None:
+        """trainer.exact_accumulation: sum each batch's micro-batch gradients exactly (exact_sum.py); a backend that
+        cannot refuses here, at start."""
+
     def begin_step(self) -> None:
         """At the start of each RL step, before its first micro-batch."""
 

@@ -9,7 +9,8 @@ when the batch's last group is in, then every rank takes the optimizer step. Whi
 group, and how its samples were packed, changes only the order of floating-point additions: the loss
 normaliser is the batch's total (torch_backend.py).
 
-Packing. With ``max_tokens_per_micro_batch`` = 0 a micro-batch is ``micro_batch_size`` samples in
+Packing (``per_group``: within each group only, so that micro-batches do not depend on arrival). With
+``max_tokens_per_micro_batch`` = 0 a micro-batch is ``micro_batch_size`` samples in
 arrival order. With a budget B, the rank packs first fit by tokens (Slime's dynamic batch size):
 grpo_trainer.pack right-pads every row to the micro-batch's longest sequence (prompt + response), so
 memory scales with rows x longest, and that *padded* size is what B bounds. A sample goes into the
@@ -90,6 +91,9 @@ class BatchConsumer:
     """A sample's prompt + response tokens: its row's length before padding."""
     max_tokens_per_micro_batch: int = 0
     """0: ``micro_batch_size`` samples per micro-batch; else a budget of padded tokens (module docstring)."""
+    per_group: bool = False
+    """Micro-batches never span two groups (a group's open ones close with its last sample): each is then defined
+    by the batch's content, not by arrival (trainer.exact_accumulation, exact_sum.py)."""
     rank: int | None = 0
     world_size: int = 1
     current: int = 0
@@ -120,6 +124,9 @@ class BatchConsumer:
                     closed = self._place(self._open[owner], sample)
                     if closed is not None:
                         work.append(closed.close(current, owner))
+                if self.per_group:
+                    work.extend(m.close(current, owner) for m in self._open[owner])
+                    self._open[owner] = []
             taken += 1
             if taken == self.groups_per_batch:  # the training batch is complete: what is open, then the step
                 for rank, open_ in enumerate(self._open):

@@ -58,6 +58,11 @@ class TrainerConfig:
     recompute: bool = False
     """Activation recomputation: keep only each decoder layer's input and recompute the layer in backward (about a
     third more compute; the activations of all but one layer are not kept)."""
+    exact_accumulation: bool = False
+    """Sum each training batch's gradient exactly (int64 fixed point, exact_sum.py), with micro-batches made of one
+    group each: the update is then the same bits in any arrival order and on any number of ranks (sync, cgp, cgp+FGD;
+    with rollout.batch_invariant the runs are bit-identical). Costs an int64 per parameter and smaller micro-batches.
+    Torch backend only."""
 
     def __post_init__(self) -> None:
         if self.num_ranks < 1:
@@ -66,6 +71,11 @@ class TrainerConfig:
             raise ValueError(f"trainer.lr={self.lr} must be > 0.")
         if self.logprob_chunk_tokens < 0:
             raise ValueError(f"trainer.logprob_chunk_tokens={self.logprob_chunk_tokens} must be >= 0 (0: no chunks).")
+        if self.exact_accumulation and self.backend is not TrainerBackend.torch:
+            raise ValueError(
+                f"trainer.exact_accumulation=true needs trainer.backend=torch (not {self.backend.value}): FSDP "
+                "reduce-scatters and Megatron reduces gradients in floating point; set trainer.backend=torch or "
+                "trainer.exact_accumulation=false.")
         tp, pp = self.megatron.tensor_parallel_size, self.megatron.pipeline_parallel_size
         if self.backend is not TrainerBackend.megatron and (tp, pp) != (1, 1):
             raise ValueError("trainer.megatron.* parallel sizes need trainer.backend=megatron.")

@@ -62,7 +62,7 @@ from rolloutpipe.trainer.grpo import LossSums
 from rolloutpipe.trainer.grpo_trainer import GRPOTrainer, TrainSample, pack
 from rolloutpipe.trainer.lead import LeadReads
 from rolloutpipe.trainer.logprobs import token_entropy, token_logprobs
-from rolloutpipe.trainer.torch_backend import _chunkable, _HiddenToLogprobs, clip_grad_norm
+from rolloutpipe.trainer.torch_backend import MASTER, _chunkable, _HiddenToLogprobs, clip_grad_norm
 
 _GATHER = 1
 """Rank 0's request to the other ranks inside ``writer_reads`` (lead.py)."""
@@ -333,9 +333,17 @@ class _FullStateOptimizer:
 
         names = [n for n, _ in self.trainer.root.named_parameters()]
         groups = [{**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]]
+        # a 16-bit torch-backend run keeps its float32 master weights in the optimizer state: they are the shards
+        masters = {names[int(i)]: moments.pop(MASTER) for i, moments in state["state"].items() if MASTER in moments}
         full = {"state": {names[int(i)]: moments for i, moments in state["state"].items()}, "param_groups": groups}
         set_optimizer_state_dict(self.trainer.root, self.optimizer, full,
                                  options=StateDictOptions(full_state_dict=True))
+        params = dict(self.trainer.root.named_parameters())
+        with torch.no_grad():
+            for name, master in masters.items():
+                offset, _ = self.trainer._rows(params[name])
+                local = _local(params[name])
+                local.copy_(master[offset : offset + local.shape[0]])
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -7,7 +7,7 @@ Gradient accumulation works on loss *sums* (see ``grpo``): each micro-batch back
 losses (``forward_backward``); when a training batch is complete, ``finish_batch`` sums the token and sample counts
 over the data-parallel ranks, and the backend sums the gradients over them, divides them by the batch normaliser,
 clips and steps. Which rank trained which group, and in what order, changes only the order of floating-point
-additions.
+additions, and with trainer.exact_accumulation not even that (exact_sum.py: the sum is taken in integers).
 
 Old log-probs. With one optimizer step per rollout the weights at training time are the rollout's policy_version
 k, so the old log-probs are the current ones, detached (ratio = 1, exact). With ``num_steps_per_rollout > 1`` the
@@ -42,6 +42,7 @@ from safetensors.torch import save_file
 
 from rolloutpipe.control.weights.buckets import Bucket, plan_buckets
 from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
+from rolloutpipe.trainer.exact_sum import ExactGradientSum
 from rolloutpipe.trainer.grpo import BatchTotals, LossSums, normaliser, policy_loss_sums
 from rolloutpipe.types import CompleteGroup
 
@@ -113,6 +114,14 @@ class GRPOTrainer(abc.ABC):
         self._reference: dict[str, torch.Tensor] | None = None
         """The frozen reference's parameters under the policy's names (``load_reference``), for grpo.kl_loss_coef."""
         self._totals = BatchTotals()
+        self._exact: ExactGradientSum | None = None
+        """With trainer.exact_accumulation: each micro-batch's gradient, summed as integers (``sum_exactly``)."""
+
+    def sum_exactly(self, num_samples_per_batch: int) -> None:
+        """trainer.exact_accumulation: from now on each micro-batch's gradient goes into an exact integer sum
+        (exact_sum.py), which the backend's ``_optimizer_step`` takes; a backend that cannot refuses here."""
+        raise ValueError(f"trainer.exact_accumulation=true is not supported by {type(self).__name__}; use "
+                         "trainer.backend=torch.")
 
     def begin_step(self) -> None:
         """Remember policy_version k's parameters when later batches must clip against them."""
@@ -139,6 +148,8 @@ class GRPOTrainer(abc.ABC):
             sums.entropy_sum = float((entropy.detach() * mask).sum())
             # into the backend's gradients (Megatron: DDP's buffers); nothing is communicated until finish_batch
             sums.loss.backward()
+            if self._exact is not None:  # this micro-batch's gradient, rounded once, into the integer sum
+                self._exact.add()
         self._totals.add(sums)
         return sums
 

@@ -7,8 +7,8 @@ batch normaliser, clips them (``clip_grad_norm``: the norm summed in float64) an
 
 Precision. A bfloat16 (or float16) model runs forward and backward in its dtype while AdamW steps float32 master
 copies of its parameters, which are copied back rounded after each step: AdamW on bfloat16 weights would round most
-updates of a small learning rate away. (A resumed run rebuilds the master copies from the checkpoint's bfloat16
-weights, so in bfloat16 a resumed run is close to, not bit-equal with, an uninterrupted one.)
+updates of a small learning rate away. The master copies are optimizer state (``MASTER``), so checkpoints keep them
+and a resumed bfloat16 run steps from the same float32 weights as an uninterrupted one: the same bits after.
 
 Device. On a machine with CUDA the model, its master copies and the optimizer state live on the rank's GPU
 (control/env.py binds each rank to its node-local GPU; gradients all-reduce over NCCL); ``hf_state`` hands out CPU
@@ -21,8 +21,14 @@ import torch
 import torch.distributed as dist
 
 from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
+from rolloutpipe.trainer.exact_sum import ExactGradientSum
 from rolloutpipe.trainer.grpo_trainer import GRPOTrainer
 from rolloutpipe.trainer.logprobs import chunked_logprobs, token_entropy, token_logprobs
+
+
+MASTER = "master"
+"""A 16-bit model's float32 master copy of a parameter, under this key of the optimizer's state for it: checkpoints
+(``optimizer.state_dict``) keep it beside the moments, and the first step after a resume adopts it."""
 
 
 class PolicyTrainer(GRPOTrainer):
@@ -48,6 +54,10 @@ class PolicyTrainer(GRPOTrainer):
             weight_decay=cfg.weight_decay,
         )
 
+    def sum_exactly(self, num_samples_per_batch: int) -> None:
+        self._exact = ExactGradientSum([p for p in self.model.parameters() if p.requires_grad],
+                                       num_samples_per_batch=num_samples_per_batch)
+
     def hf_state(self) -> dict[str, torch.Tensor]:
         """The policy under HF names on the CPU (tied lm_head left out, as save_pretrained does)."""
         state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
@@ -70,6 +80,36 @@ class PolicyTrainer(GRPOTrainer):
         model_params = list(self.model.parameters())
         stepped = self._master or model_params
         params = [(p, s) for p, s in zip(model_params, stepped) if p.requires_grad]
+        if self._exact is not None:  # reduced as integers, scaled in float64, then one rounding to the copies' dtype
+            self._exact.reduce(self.all_reduce)
+            for (_, s), grad in zip(params, self._exact.take(stepped[0].dtype, scale=scale), strict=True):
+                s.grad = grad
+        else:
+            self._reduce_float_grads(params)
+            for _, s in params:
+                s.grad.mul_(scale)
+        grad_norm = clip_grad_norm([s.grad for _, s in params], self.cfg.max_grad_norm)
+        if self._master is None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            return grad_norm
+        with torch.no_grad():
+            for s in self._master:  # after a resume: the checkpoint's float32 copy, not the rounded model's
+                kept = self.optimizer.state.get(s, {}).get(MASTER)
+                if kept is not None and kept is not s:
+                    s.copy_(kept)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            for p, s in zip(model_params, self._master):
+                if p.requires_grad:  # (after the step: AdamW initialises a state it finds empty)
+                    self.optimizer.state[s][MASTER] = s
+                p.copy_(s)
+                p.grad = None
+        return grad_norm
+
+    def _reduce_float_grads(self, params: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Each (model parameter, stepped copy): the accumulated gradient onto the copy, all-reduced as one flat
+        tensor (float32 for a 16-bit model)."""
         for p, s in params:
             grad = torch.zeros_like(p) if p.grad is None else p.grad
             s.grad = grad.float() if s is not p else grad
@@ -80,17 +120,6 @@ class PolicyTrainer(GRPOTrainer):
             for _, s in params:
                 s.grad.copy_(flat[offset : offset + s.numel()].view_as(s))
                 offset += s.numel()
-        for _, s in params:
-            s.grad.mul_(scale)
-        grad_norm = clip_grad_norm([s.grad for _, s in params], self.cfg.max_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self._master is not None:
-            with torch.no_grad():
-                for p, s in zip(model_params, self._master):
-                    p.copy_(s)
-                    p.grad = None
-        return grad_norm
 
     def _logprobs(self, input_ids, targets, mask, params=None) -> tuple[torch.Tensor, torch.Tensor]:
         """log p of ``targets`` and the entropy [B, L-1] under the model (or under ``params``, policy_version k's

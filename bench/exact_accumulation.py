@@ -1,0 +1,269 @@
+"""What trainer.exact_accumulation costs on the torch backend (CPU): time per training batch and memory.
+
+    python bench/exact_accumulation.py                                    # the embedded tiny Qwen3, float32
+    python bench/exact_accumulation.py --hidden 256 --layers 4 --dtype bfloat16 --repeats 5 --threads 1
+
+Workload: one training batch of --groups GRPO groups of --samples samples (random token ids, fixed seed; each
+group one --prompt-tokens prompt, responses of 32 to 64 tokens, random advantages), on a Qwen3 built as
+model.load_model builds the embedded one (ModelConfig.tiny: --hidden, --layers, MLP 2 x hidden, hidden / 64 heads
+but at least 4, half as many key/value heads; the tiny tokenizer's vocabulary), through PolicyTrainer as
+tests/unit/test_exact_sum.py builds it. Three variants, each with its own trainer:
+
+    float 32/mb     the float path with micro-batches of --micro-batch-size samples across groups (the default)
+    float group/mb  the float path with micro-batches of one group each: the micro-batch-size effect alone
+    exact group/mb  trainer.exact_accumulation (sum_exactly): one group per micro-batch, gradients summed in int64
+
+Time table: seconds per training batch (every micro-batch's forward/backward, then finish_batch: the normaliser,
+clipping and the AdamW step), after one warm-up batch per variant. The variants alternate within each repeat, in
+a rotating order, so machine noise hits all alike; cells are medians of --repeats and the ratio is to the float
+32/mb median. "add+take" is the time spent in ExactGradientSum.add (each micro-batch's rounding into int64) and
+take (back to floating point), timed by a subclass patched in here only, as a share of the exact variant's batch.
+That share scales with parameters x micro-batches while the forward/backward scales with parameters x tokens: it
+shrinks as groups get longer. On a shared machine pass --threads 1: with other jobs on the cores, torch's default
+threads oversubscribe them and a batch's time varies several-fold between repeats.
+
+Memory table: bytes computed from the model's trainable parameters (the int64 accumulator is numel x 8 against
+parameters, gradients, float32 master copies of a 16-bit model, and AdamW's two float32 moments), then the
+measured peak RSS growth of each variant in a fresh process: VmRSS after the trainer is built, the peak reset
+(/proc/self/clear_refs 5), sum_exactly for the exact variant, --rss-batches training batches, then VmHWM, with
+glibc's mmap threshold fixed (MALLOC_ENV). The growth holds gradients, AdamW state (allocated by the first step),
+activations and the accumulator. The exact path keeps no .grad between micro-batches (add frees it), so its peak
+excess over float group/mb is expected near the accumulator minus one gradient, (8 - itemsize) bytes per parameter,
+not the accumulator's 8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch
+from pipeline_bench import aligned_table  # bench/ is on sys.path when this script runs
+
+from rolloutpipe.model import DType, ModelConfig, TinyModelConfig, build_tiny_tokenizer, load_model
+from rolloutpipe.trainer import torch_backend
+from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
+from rolloutpipe.trainer.exact_sum import ExactGradientSum
+from rolloutpipe.trainer.grpo_trainer import TrainSample
+from rolloutpipe.trainer.torch_backend import PolicyTrainer
+
+VOCAB_SIZE = len(build_tiny_tokenizer())
+VARIANTS = ("float 32/mb", "float group/mb", "exact group/mb")
+MIB = 1 << 20
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+"""For the peak-RSS processes: glibc serves every allocation over 64 KiB by mmap and unmaps it when freed, so RSS
+follows the live tensors; with its default (a threshold that rises after the first large free) freed activations
+stay resident and hid the accumulator (measured: the exact variant 6.6 MiB *below* float group/mb at hidden 256)."""
+
+
+class TimedExactGradientSum(ExactGradientSum):
+    """ExactGradientSum with the seconds spent in add and take (the bench's own; the trainer's is untimed)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.seconds = 0.0
+
+    def add(self) -> None:
+        start = time.perf_counter()
+        super().add()
+        self.seconds += time.perf_counter() - start
+
+    def take(self, dtype: torch.dtype, *, scale: float) -> list[torch.Tensor]:
+        start = time.perf_counter()
+        grads = super().take(dtype, scale=scale)
+        self.seconds += time.perf_counter() - start
+        return grads
+
+
+def model_config(args) -> ModelConfig:
+    heads = max(args.hidden // 64, 4)
+    return ModelConfig(dtype=DType(args.dtype), tiny=TinyModelConfig(
+        num_layers=args.layers, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+        num_attention_heads=heads, num_key_value_heads=heads // 2,
+        max_position_embeddings=args.prompt_tokens + 128))
+
+
+def build_trainer(args) -> PolicyTrainer:
+    """A fresh policy (same seed, so the same initial weights for every variant) and its trainer."""
+    return PolicyTrainer(model=load_model(model_config(args), VOCAB_SIZE), cfg=TrainerConfig(), grpo=GRPOConfig(),
+                         temperature=1.0, pad_id=0, multi_step=False, process_group_active=False,
+                         old_logprobs=OldLogprobSource.trainer)
+
+
+def sum_exactly(policy: PolicyTrainer, num_samples: int) -> TimedExactGradientSum:
+    """policy.sum_exactly, with the timed accumulator in place of the trainer's."""
+    with mock.patch.object(torch_backend, "ExactGradientSum", TimedExactGradientSum):
+        policy.sum_exactly(num_samples)
+    return policy._exact
+
+
+def training_batch(args) -> list[list[TrainSample]]:
+    g = torch.Generator().manual_seed(0)
+    batch = []
+    for _ in range(args.groups):
+        prompt = torch.randint(5, VOCAB_SIZE, (args.prompt_tokens,), generator=g).tolist()
+        batch.append([TrainSample(prompt_ids=prompt,
+                                  response_ids=torch.randint(5, VOCAB_SIZE, (int(torch.randint(32, 65, (1,),
+                                                                                               generator=g)),),
+                                                             generator=g).tolist(),
+                                  engine_logprobs=[], advantage=float(torch.randn((), generator=g)))
+                      for _ in range(args.samples)])
+    return batch
+
+
+def micro_batches(variant: str, batch: list[list[TrainSample]], micro_batch_size: int) -> list[list[TrainSample]]:
+    """One group each, or micro_batch_size samples in arrival (group) order across groups."""
+    if variant != VARIANTS[0]:
+        return batch
+    flat = [s for group in batch for s in group]
+    return [flat[i : i + micro_batch_size] for i in range(0, len(flat), micro_batch_size)]
+
+
+def train(policy: PolicyTrainer, micro: list[list[TrainSample]]) -> float:
+    """Seconds for one training batch: every micro-batch's forward/backward, then the optimizer step."""
+    start = time.perf_counter()
+    for samples in micro:
+        policy.forward_backward(samples, first_batch_of_step=True)
+    policy.finish_batch()
+    return time.perf_counter() - start
+
+
+def time_rows(args) -> tuple[list[list[str]], int]:
+    batch = training_batch(args)
+    num_samples = args.groups * args.samples
+    policies = {v: build_trainer(args) for v in VARIANTS}
+    exact = sum_exactly(policies[VARIANTS[2]], num_samples)
+    micro = {v: micro_batches(v, batch, args.micro_batch_size) for v in VARIANTS}
+    seconds = {v: [] for v in VARIANTS}
+    exact_seconds = []
+    for v in VARIANTS:  # warm-up
+        train(policies[v], micro[v])
+    for r in range(args.repeats):
+        for v in VARIANTS[r % 3:] + VARIANTS[: r % 3]:
+            exact.seconds = 0.0
+            seconds[v].append(train(policies[v], micro[v]))
+            if v == VARIANTS[2]:
+                exact_seconds.append(exact.seconds)
+        print(f"  repeat {r + 1}/{args.repeats}: " + ", ".join(f"{v} {seconds[v][-1]:.3f} s" for v in VARIANTS),
+              file=sys.stderr, flush=True)
+    base = statistics.median(seconds[VARIANTS[0]])
+    num_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for group in batch for s in group)
+    rows = [["variant", "micro-batches", "s/batch (median)", "min", "max", "ratio to float 32/mb", "tokens/s",
+             "add+take s", "add+take share"]]
+    for v in VARIANTS:
+        median = statistics.median(seconds[v])
+        share = ["-", "-"]
+        if v == VARIANTS[2]:
+            overhead = statistics.median(exact_seconds)
+            share = [f"{overhead:.4f}", f"{statistics.median(e / s for e, s in zip(exact_seconds, seconds[v])):.1%}"]
+        rows.append([v, str(len(micro[v])), f"{median:.3f}", f"{min(seconds[v]):.3f}", f"{max(seconds[v]):.3f}",
+                     f"{median / base:.3f}", f"{num_tokens / median:.0f}", *share])
+    numel = sum(p.numel() for p in policies[VARIANTS[0]].model.parameters() if p.requires_grad)
+    return rows, numel
+
+
+def computed_rows(args, numel: int) -> list[list[str]]:
+    """Bytes by kind for ``numel`` trainable parameters (torch_backend.PolicyTrainer's layout)."""
+    size = DType(args.dtype).torch.itemsize
+    sixteen_bit = size < 4
+    items = [
+        ("parameters", size, f"{args.dtype}"),
+        ("gradients (.grad)", size, "float path: accumulate here; exact: one micro-batch's, then freed"),
+    ]
+    if sixteen_bit:
+        items += [("float32 master copies", 4, "mixed precision: what AdamW steps"),
+                  ("float32 gradients at the step", 4, "on the master copies, both paths")]
+    items += [("AdamW exp_avg + exp_avg_sq", 8, "float32"),
+              ("int64 accumulator (exact only)", 8, "numel x 8")]
+    float_total = sum(b for name, b, _ in items if "int64" not in name)
+    rows = [["memory (computed)", "MiB", "bytes/param", "note"]]
+    rows += [[name, f"{numel * b / MIB:.1f}", str(b), note] for name, b, note in items]
+    rows.append(["float path total", f"{numel * float_total / MIB:.1f}", str(float_total), "excluding activations"])
+    rows.append(["exact - float, between micro-batches", f"{numel * (8 - size) / MIB:.1f}", str(8 - size),
+                 "accumulator minus the .grad the float path keeps"])
+    rows.append(["exact path total", f"{numel * (float_total + 8) / MIB:.1f}", str(float_total + 8),
+                 f"accumulator = +{8 / float_total:.0%}"])
+    return rows
+
+
+def rss_of(variant: str, args) -> dict:
+    """In this (fresh) process: the peak RSS growth of --rss-batches training batches of ``variant``, in KiB."""
+    policy = build_trainer(args)
+    batch = training_batch(args)
+    micro = micro_batches(variant, batch, args.micro_batch_size)
+    resident = status_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:  # the peak (VmHWM) restarts from what is resident now
+        f.write("5")
+    if variant == VARIANTS[2]:
+        policy.sum_exactly(args.groups * args.samples)
+    for _ in range(args.rss_batches):
+        train(policy, micro)
+    return {"resident_kib": resident, "growth_kib": status_kib("VmHWM") - resident}
+
+
+def status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+
+
+def measured_rows(args, numel: int) -> list[list[str]]:
+    growth = {}
+    for v in VARIANTS:
+        out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--rss-of", v], check=False,
+                             cwd=REPO, capture_output=True, text=True, env={**os.environ, **MALLOC_ENV})
+        if out.returncode != 0:
+            print(f"peak RSS of {v} not measured:\n{out.stderr[-1500:]}", file=sys.stderr)
+            return [["peak RSS growth", "not measured (see stderr); the table above is computed"]]
+        growth[v] = json.loads(out.stdout.strip().splitlines()[-1])["growth_kib"] * 1024
+    rows = [["peak RSS growth (measured)", "MiB", "bytes/param", "minus float group/mb MiB", "minus, bytes/param"]]
+    for v in VARIANTS:
+        excess = growth[v] - growth[VARIANTS[1]]
+        rows.append([v, f"{growth[v] / MIB:.1f}", f"{growth[v] / numel:.1f}", f"{excess / MIB:+.1f}",
+                     f"{excess / numel:+.1f}"])
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--hidden", type=int, default=TinyModelConfig().hidden_size)
+    parser.add_argument("--layers", type=int, default=TinyModelConfig().num_layers)
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=8, help="samples per group")
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--micro-batch-size", type=int, default=32, help="samples per micro-batch, float 32/mb")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rss-batches", type=int, default=2, help="training batches per peak-RSS process")
+    parser.add_argument("--no-rss", action="store_true", help="skip the measured peak RSS (three more processes)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--rss-of", choices=VARIANTS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.rss_of:
+        print(json.dumps(rss_of(args.rss_of, args)))
+        return 0
+    rows, numel = time_rows(args)
+    print(f"one training batch: {args.groups} groups x {args.samples} samples, prompt {args.prompt_tokens} + "
+          f"response 32-64 tokens; Qwen3 hidden {args.hidden}, {args.layers} layers, {numel:,} trainable "
+          f"parameters, {args.dtype} on CPU, {torch.get_num_threads()} threads; median of {args.repeats}")
+    print("\n".join(aligned_table(rows)) + "\n")
+    print("\n".join(aligned_table(computed_rows(args, numel))) + "\n")
+    if not args.no_rss:
+        print(f"fresh process per variant, {args.rss_batches} training batches")
+        print("\n".join(aligned_table(measured_rows(args, numel))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
