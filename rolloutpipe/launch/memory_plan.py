@@ -9,9 +9,8 @@ Trainer rank (all ranks alike: data-parallel replicas, or tensor-parallel shards
   weights, gradients, optimizer   per parameter of the rank's shard. Torch backend, bf16: bf16 weights and
                                   gradients, fp32 master weights, fp32 Adam m and v; at the optimizer step a float32
                                   copy of the gradients too; trainer.exact_accumulation: an int64 sum, 8 B.
-                                  Megatron: bf16 weights, DDP's fp32 gradient buffer, fp32
-                                  master weights and Adam m, v, the last two / data-parallel size with the
-                                  distributed optimizer (trainer.megatron.distributed_optimizer; null counts as true:
+                                  Megatron: bf16 weights, DDP's fp32 gradients, fp32 master weights, Adam m and v (the
+                                  last two / data-parallel size with trainer.megatron.distributed_optimizer, null: on,
                                   a plan is for GPUs). FSDP: ``fsdp_state_terms``, ``fsdp_unsharded_terms``.
   activations                     what a decoder layer keeps for backward, per token (``layer_activation_bytes``: the
                                   tensors HF's Qwen3 layer saves; Megatron's local layer is counted alike), times
@@ -150,9 +149,8 @@ def micro_batch_rows(cfg: Config) -> int:
     than a group with trainer.exact_accumulation (its micro-batches never span two groups)."""
     rows = (max(1, cfg.max_tokens_per_micro_batch // sequence_len(cfg)) if cfg.max_tokens_per_micro_batch
             else cfg.micro_batch_size)
-    if cfg.trainer.exact_accumulation:
-        rows = min(rows, cfg.n_samples_per_prompt)
-    return min(rows, max(1, cfg.global_batch_size // cfg.trainer.data_parallel_size))
+    group = cfg.n_samples_per_prompt if cfg.trainer.exact_accumulation else rows
+    return min(rows, group, max(1, cfg.global_batch_size // cfg.trainer.data_parallel_size))
 
 
 def trainer_estimate(cfg: Config, shape: ModelShape, *, capacity_bytes: int,
@@ -202,8 +200,8 @@ def trainer_estimate(cfg: Config, shape: ModelShape, *, capacity_bytes: int,
         terms.append(Term(name="fp32 gradients", num_bytes=params * 4, phase=Phase.optimizer_step,
                           how="the gradients in float32 for the master weights", knob=more_tp))
     if tr.exact_accumulation:  # (the gradient above then holds one micro-batch's, freed after it is summed)
-        terms.append(Term(name="exact gradient sum", num_bytes=params * 8, phase=Phase.always,
-                          how="int64, 8 B/param (trainer/exact_sum.py)", knob="trainer.exact_accumulation=false"))
+        terms.append(Term(name="exact gradient sum", num_bytes=params * 8, phase=Phase.always, how="int64, 8 B/param",
+                          knob="trainer.exact_accumulation=false"))
     if cfg.num_steps_per_rollout > 1 and tr.old_logprobs is OldLogprobSource.trainer:
         terms.append(Term(name="policy snapshot", num_bytes=params * master // n if fsdp else params * d,
                           phase=Phase.always,

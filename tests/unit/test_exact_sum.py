@@ -123,3 +123,19 @@ def test_a_bfloat16_torch_policy_resumes_from_its_float32_master_weights_to_the_
     assert next(iter(again.values())).dtype == torch.bfloat16
     assert all(torch.equal(again[k], v) for k, v in expected.items())
     assert json.loads((checkpoint.directory / "state.json").read_text())["step"] == 0
+
+
+def test_the_memory_plan_counts_the_int64_sum_and_micro_batches_of_one_group():
+    from rolloutpipe.config import load_config
+    from rolloutpipe.launch.memory_plan import ModelShape, micro_batch_rows, trainer_estimate
+
+    shape = ModelShape(hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8, num_kv_heads=4,
+                       head_dim=64, vocab_size=32768, tied_embeddings=True)
+    plans = {}
+    for exact in (False, True):
+        cfg = load_config({"micro_batch_size": 32, "n_samples_per_prompt": 8, "trainer": {"exact_accumulation": exact}})
+        terms = trainer_estimate(cfg, shape, capacity_bytes=0).terms
+        plans[exact] = (micro_batch_rows(cfg), {t.name: t.num_bytes for t in terms})
+    assert (plans[False][0], plans[True][0]) == (32, 8)
+    assert "exact gradient sum" not in plans[False][1]
+    assert plans[True][1]["exact gradient sum"] == 8 * shape.num_params()
