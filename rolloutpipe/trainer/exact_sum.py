@@ -68,14 +68,7 @@ class ExactGradientSum:
 
     def reduce(self, all_reduce: Callable[[torch.Tensor], object] | None) -> None:
         """Sum over the data-parallel ranks, as integers, in one flat tensor."""
-        if all_reduce is None:
-            return
-        flat = torch.cat([s.reshape(-1) for s in self._sums])
-        all_reduce(flat)
-        offset = 0
-        for s in self._sums:
-            s.copy_(flat[offset : offset + s.numel()].view_as(s))
-            offset += s.numel()
+        all_reduce_flat(self._sums, all_reduce)
 
     def take(self, dtype: torch.dtype, *, scale: float) -> list[torch.Tensor]:
         """The summed gradients times ``scale`` (1 / the batch's normaliser) in ``dtype``: computed in float64 and
@@ -84,3 +77,16 @@ class ExactGradientSum:
         for s in self._sums:
             s.zero_()
         return grads
+
+
+def all_reduce_flat(tensors: list[torch.Tensor], all_reduce: Callable[[torch.Tensor], object] | None) -> None:
+    """Sum ``tensors`` (one dtype) over the data-parallel ranks in place, as one flat tensor: one collective, not one
+    per tensor. ``all_reduce`` None: alone, nothing to do."""
+    if all_reduce is None:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    all_reduce(flat)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()

@@ -21,14 +21,14 @@ import torch
 import torch.distributed as dist
 
 from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
-from rolloutpipe.trainer.exact_sum import ExactGradientSum
+from rolloutpipe.trainer.exact_sum import ExactGradientSum, all_reduce_flat
 from rolloutpipe.trainer.grpo_trainer import GRPOTrainer
 from rolloutpipe.trainer.logprobs import chunked_logprobs, token_entropy, token_logprobs
 
 
 MASTER = "master"
 """A 16-bit model's float32 master copy of a parameter, under this key of the optimizer's state for it: checkpoints
-(``optimizer.state_dict``) keep it beside the moments, and the first step after a resume adopts it."""
+(``optimizer.state_dict``) keep it beside the moments, and loading them back adopts it (``_adopt_masters``)."""
 
 
 class PolicyTrainer(GRPOTrainer):
@@ -53,6 +53,8 @@ class PolicyTrainer(GRPOTrainer):
             self._master or model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
             weight_decay=cfg.weight_decay,
         )
+        if self._master is not None:  # a checkpoint's float32 masters, as its state is loaded (resume)
+            self.optimizer.register_load_state_dict_post_hook(_adopt_masters)
 
     def sum_exactly(self, num_samples_per_batch: int) -> None:
         self._exact = ExactGradientSum([p for p in self.model.parameters() if p.requires_grad],
@@ -94,10 +96,6 @@ class PolicyTrainer(GRPOTrainer):
             self.optimizer.zero_grad(set_to_none=True)
             return grad_norm
         with torch.no_grad():
-            for s in self._master:  # after a resume: the checkpoint's float32 copy, not the rounded model's
-                kept = self.optimizer.state.get(s, {}).get(MASTER)
-                if kept is not None and kept is not s:
-                    s.copy_(kept)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             for p, s in zip(model_params, self._master):
@@ -113,13 +111,7 @@ class PolicyTrainer(GRPOTrainer):
         for p, s in params:
             grad = torch.zeros_like(p) if p.grad is None else p.grad
             s.grad = grad.float() if s is not p else grad
-        if self.all_reduce is not None:
-            flat = torch.cat([s.grad.reshape(-1) for _, s in params])
-            self.all_reduce(flat)
-            offset = 0
-            for _, s in params:
-                s.grad.copy_(flat[offset : offset + s.numel()].view_as(s))
-                offset += s.numel()
+        all_reduce_flat([s.grad for _, s in params], self.all_reduce)
 
     def _logprobs(self, input_ids, targets, mask, params=None) -> tuple[torch.Tensor, torch.Tensor]:
         """log p of ``targets`` and the entropy [B, L-1] under the model (or under ``params``, policy_version k's
@@ -143,6 +135,17 @@ class PolicyTrainer(GRPOTrainer):
         """The reference's parameters as they are: the same HF architecture as the policy, so the same names."""
         return {k: v.detach() if self.device is None else v.detach().to(self.device)
                 for k, v in model.named_parameters()}
+
+
+def _adopt_masters(optimizer: torch.optim.Optimizer) -> None:
+    """After ``load_state_dict``: each parameter's checkpointed float32 master (``MASTER``) replaces the copy rebuilt
+    from the rounded 16-bit model, and stays its state's ``MASTER`` from then on."""
+    with torch.no_grad():
+        for param, state in optimizer.state.items():
+            kept = state.get(MASTER)
+            if kept is not None and kept is not param:
+                param.copy_(kept)
+                state[MASTER] = param
 
 
 def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, *, all_reduce: bool = False) -> float:
