@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -182,6 +183,14 @@ def read_samples(run_dir: Path) -> list[dict]:
     for path in sorted((run_dir / "rollouts").glob("step=*.jsonl")):
         rows.extend(json.loads(line) for line in path.read_text().splitlines())
     return rows
+
+
+def final_weights(run_dir: Path) -> dict:
+    return load_file(str(run_dir / "checkpoints" / "final" / "model.safetensors"))
+
+
+def samples(run_dir: Path) -> dict[str, list[int]]:
+    return {s["id"]: s["response_ids"] for s in read_samples(run_dir)}
 
 
 def start_nodes(run_dir: Path, *overrides: str, commands: dict[str, list[str]] | None = None,

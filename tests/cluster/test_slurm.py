@@ -9,83 +9,19 @@ ends with a message that says so.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
 from tests.conftest import REPO, SMALL, node_environ, read_metrics, wait_for
+from tests.helpers.slurm import SLURM, job_id_of, launch, stop_if_running, task_process
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
-
-HOW = ("start the one-machine cluster with `slurm/local_cluster.sh start` (root or sudo; installs Debian's Slurm), "
-       "install the launchers with `pip install -e .[slurm]`, then run `python -m pytest -m slurm`")
-SLURM = ["launcher=slurm", "launcher.poll_s=1"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_cluster():
-    # CI sets RP_REQUIRE_SLURM=1 (.ci/run): there a missing cluster fails the run instead of skipping it.
-    not_here = pytest.fail if os.environ.get("RP_REQUIRE_SLURM") == "1" else pytest.skip
-    missing = [m for m in ("submitit", "torchx", "hydra_plugins.hydra_submitit_launcher") if not _installed(m)]
-    if missing or shutil.which("sbatch") is None:
-        not_here(f"no {', '.join(missing) or 'sbatch'} here: {HOW}")
-    check = subprocess.run([str(REPO / "slurm" / "local_cluster.sh"), "check"], capture_output=True, text=True)
-    if check.returncode != 0:
-        not_here(f"the local Slurm cluster is not up ({check.stderr.strip()}): {HOW}")
-
-
-def _installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:  # its parent package is missing
-        return False
-
-
-def launch(run_dir: Path, *overrides: str, wait: bool = True, timeout_s: float = 240,
-           environ: dict[str, str] | None = None, stdout: bool = False):
-    args = [sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", *SLURM, *overrides]
-    env = {**node_environ(), **(environ or {})}
-    if wait:
-        return subprocess.run(args, cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=timeout_s)
-    # stdout (the trainer's step lines) is dropped unless asked for: then the caller must read it (communicate),
-    # or a full pipe blocks the launcher
-    return subprocess.Popen(args, cwd=run_dir.parent, env=env, stdout=subprocess.PIPE if stdout else subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def stop_if_running(launcher: subprocess.Popen, run_dir: Path) -> None:
-    """A test's cleanup: the launcher killed and its job cancelled, if the test left them running."""
-    if launcher.poll() is None:
-        launcher.kill()
-        launcher.communicate()
-        subprocess.run(["scancel", str(job_id_of(run_dir))])
-
-
-def sacct_components(job_id: int) -> list[tuple[str, str, str]]:
-    """(component, state, nodes) rows of a het job, once accounting has recorded its end."""
-    deadline = time.monotonic() + 30
-    while True:
-        out = subprocess.run(["sacct", "-n", "-P", "-X", "-j", str(job_id), "-o", "JobID,State,NodeList"],
-                             capture_output=True, text=True, check=True).stdout
-        rows = [tuple(line.split("|")) for line in out.splitlines()]
-        if rows and all(state.split()[0] not in ("RUNNING", "COMPLETING", "PENDING") for _, state, _ in rows):
-            return rows
-        assert time.monotonic() < deadline, rows
-        time.sleep(1)
-
-
-def job_id_of(run_dir: Path, timeout_s: float = 60) -> int:
-    submissions = lambda: list((run_dir / "slurm").glob("*_submission.sh"))  # noqa: E731
-    wait_for(submissions, "submission of the job by the launcher", timeout_s=timeout_s)
-    return int(submissions()[0].name.split("_")[0])
 
 
 def wait_for_first_step(run_dir: Path, launcher: subprocess.Popen, timeout_s: float = 120) -> None:
@@ -157,18 +93,3 @@ def test_trainer_death_makes_the_rollout_exit_with_a_clear_error(job_dir):
         assert not [p for p in run_dir.rglob("*") if p.is_file() and secret in p.read_bytes()]
     finally:
         stop_if_running(launcher, run_dir)
-
-
-def task_process(*, run_id: str, proc_id: int) -> tuple[int, dict[str, str]]:
-    """Pid and environment of one task of the job step (Slurm runs it on this machine, in a virtual node)."""
-    for proc in Path("/proc").iterdir():
-        try:
-            pairs = (proc / "environ").read_text(errors="replace").split("\0")
-            environ = dict(v.split("=", 1) for v in pairs if "=" in v)
-            cmdline = (proc / "cmdline").read_bytes()
-        except (OSError, ValueError):
-            continue
-        task = (environ.get("RP_RUN_ID"), environ.get("SLURM_PROCID"))
-        if task == (run_id, str(proc_id)) and b"rolloutpipe.launch.slurm" in cmdline:
-            return int(proc.name), environ
-    raise AssertionError(f"no task {proc_id} of run {run_id} is running")

@@ -16,15 +16,8 @@ import pytest
 from safetensors.torch import load_file
 
 from rolloutpipe.control.env import expand_hostlist
-from tests.cluster.test_slurm import (
-    job_id_of,
-    launch,
-    local_cluster,  # noqa: F401 - the cluster fixture
-    sacct_components,
-    stop_if_running,
-    task_process,
-)
 from tests.conftest import REPO, four_engine_workload, node_environ, read_metrics, read_samples, wait_for
+from tests.helpers.slurm import job_id_of, launch, sacct_components, stop_if_running, task_process
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
 

@@ -14,15 +14,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tests.cluster.test_slurm import (
-    job_id_of,
-    launch,
-    local_cluster,  # noqa: F401 - the cluster fixture
-    sacct_components,
-    stop_if_running,
-    task_process,
-)
 from tests.conftest import SMALL, read_metrics, read_samples, run_job, wait_for
+from tests.helpers.slurm import job_id_of, launch, sacct_components, stop_if_running, task_process
 
 
 def run_processes(run_id: str) -> list[tuple[int, str]]:

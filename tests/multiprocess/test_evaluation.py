@@ -17,7 +17,7 @@ from rolloutpipe.rollout.rewards import RewardConfig
 from rolloutpipe.rollout.tasks import ReversalTaskConfig, heldout_rows, reversal_rows
 from rolloutpipe.types import FinishReason, GenerationResult
 from tests.conftest import REPO, SMALL, read_metrics, run_job
-from tests.fakes import FakeEngine
+from tests.fakes import FakeEngine, Rollout
 
 
 # ---- config ---------------------------------------------------------------------------------------------------
@@ -187,8 +187,6 @@ def test_the_report_tells_settings_apart_by_their_eval_sets():
 
 
 def test_an_engine_hung_on_eval_requests_alone_is_restarted():
-    from tests.unit.test_engine_failure import Rollout
-
     rollout = Rollout(num_engines=1, request_timeout_s=0.05)
     rollout.supervisor.also_held = lambda engine: 2  # eval requests only: Admission holds nothing there
     rollout.supervisor.check()

@@ -12,9 +12,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
 
-from tests.conftest import REPO, four_engine_workload, node_environ, read_metrics, read_samples, run_job, wait_for
+from tests.conftest import (
+    REPO,
+    final_weights,
+    four_engine_workload,
+    node_environ,
+    read_metrics,
+    run_job,
+    samples,
+    wait_for,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -24,14 +32,6 @@ TWO_NODES = ["launcher.rollout.nodes=2", "rollout.engines_per_node=2"]
 
 def workload(data: Path) -> list[str]:
     return [*four_engine_workload(data), "pipeline.peer_timeout_s=4"]
-
-
-def final_weights(run_dir: Path) -> dict:
-    return load_file(str(run_dir / "checkpoints" / "final" / "model.safetensors"))
-
-
-def samples(run_dir: Path) -> dict[str, list[int]]:
-    return {s["id"]: s["response_ids"] for s in read_samples(run_dir)}
 
 
 def request_spans(run_dir: Path) -> list[dict]:

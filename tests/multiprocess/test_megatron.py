@@ -24,7 +24,7 @@ from rolloutpipe.trainer.megatron.convert import Layout, hf_to_megatron, megatro
 from rolloutpipe.trainer.megatron.model import build_gpt_model, destroy_parallel_state, init_parallel_state
 from rolloutpipe.trainer.torch_backend import PolicyTrainer
 from tests.conftest import DENSE_REWARD, SMALL, assert_import_pulls_none_of, needs_extra, read_samples, run_job
-from tests.unit.test_trainer import TEMPERATURE, full_batch_update, use_float64_hf_norm
+from tests.helpers.trainer import TEMPERATURE, full_batch_update, use_float64_hf_norm
 
 pytestmark = needs_extra("megatron", "megatron.core")  # rolloutpipe.trainer.megatron imports it when called
 
@@ -131,8 +131,8 @@ def test_megatron_optimizer_step_equals_torch_optimizer_step(float64_hf_norm, re
 
 
 def test_megatron_micro_batches_make_the_full_batch_update(float64_hf_norm):
-    """Against the batch's update written out plainly (test_trainer.full_batch_update), not only the torch backend:
-    a fault in the body both backends share fails here."""
+    """Against the batch's update written out plainly (tests/helpers/trainer.py, full_batch_update), not only the
+    torch backend: a fault in the body both backends share fails here."""
     model = tiny_hf(tied=False)
     samples, grpo = samples_with_a_padding_token(), GRPOConfig()
     cfg = TrainerConfig(lr=1e-2, max_grad_norm=0.5, backend=TrainerBackend.megatron, logprob_chunk_tokens=5)

@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rolloutpipe.control.weights.digest import file_weights_digest, short
 from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
 from rolloutpipe.observe.metrics import read_spans
 from rolloutpipe.trainer.config import TrainerConfig
 from tests.conftest import DENSE_REWARD, SMALL, read_metrics, read_samples, run_job
+from tests.helpers.parity import EXACT, assert_digests_tell_identical_from_different, weights_digests
 
 pytestmark = pytest.mark.multiprocess
 
@@ -80,26 +80,6 @@ def low_precision_bounds(dtype: str, *, longest_row: int, lr: float) -> dict[str
 
 def final_weights(run_dir):
     return load_file(str(run_dir / "checkpoints" / "final" / "model.safetensors"))
-
-
-def weights_digests(run_dir) -> list[str]:
-    """Each step's train/weights_digest: a new one every step, the last one the final checkpoint's (its file is written
-    by save_pretrained, apart from weight sync, in another header order)."""
-    digests = [m["train/weights_digest"] for m in read_metrics(run_dir)]
-    assert digests[-1] == short(file_weights_digest(run_dir / "checkpoints" / "final" / "model.safetensors"))
-    assert len(set(digests)) == len(digests), digests
-    return digests
-
-
-def assert_digests_tell_identical_from_different(runs: dict, final: dict) -> None:
-    """Two runs' digests agree at the last step exactly when their final weights are bit-identical, and then at every
-    step (a digest names the bits, whatever made them: mode, rank split, weight-sync way)."""
-    (a, b), (wa, wb) = runs.values(), final.values()
-    identical = wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    da, db = weights_digests(a), weights_digests(b)
-    assert (da[-1] == db[-1]) == identical, (identical, da, db)
-    if identical:
-        assert da == db
 
 
 def publish_order(run_dir) -> list[tuple[int, int]]:
@@ -229,11 +209,6 @@ def test_pipelined_update_equals_synchronous_update(job_dir, dtype, num_ranks, e
         assert not any(k.startswith("eval/") for m in sync_m for k in m)
         assert [m["eval/reversal_heldout/policy_version"] for m in cgp_m] == [0, 1]
         assert all(m["eval/reversal_heldout/num_samples"] > 0 for m in cgp_m)
-
-
-EXACT = ["trainer.exact_accumulation=true", "rollout.batch_invariant=true"]
-"""The same bits in any order: the trainer sums gradients as integers (trainer/exact_sum.py) and the engine's rows do
-not depend on their batch-mates (rollout/engines/row_attention.py)."""
 
 
 @pytest.mark.parametrize("dtype,extra", [

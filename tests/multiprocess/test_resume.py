@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from rolloutpipe.control.checkpoint import latest_checkpoint
 from tests.conftest import DENSE_REWARD, SMALL, read_metrics, read_samples, run_job
-from tests.multiprocess.test_pipeline import EXACT, weights_digests
+from tests.helpers.parity import EXACT, weights_digests
 
 pytestmark = pytest.mark.multiprocess
 

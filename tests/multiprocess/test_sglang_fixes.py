@@ -22,7 +22,7 @@ from rolloutpipe.rollout.engines.embedded import EmbeddedEngine, model_eos_token
 from rolloutpipe.rollout.engines.http_client import RequestRefused, SGLangEngine
 from rolloutpipe.rollout.engines.http_server import V1_MODELS, EmbeddedServer
 from rolloutpipe.types import FinishReason, GenerationRequest
-from tests.unit.test_embedded_engine import Results, request, tiny_model
+from tests.helpers.embedded import Results, request, tiny_model
 
 CONCURRENCY = 2
 LONG = 160

@@ -24,8 +24,8 @@ from rolloutpipe.rollout.engines import server_process, sglang_api
 from rolloutpipe.rollout.engines.http_client import SGLangEngine
 from rolloutpipe.rollout.engines.supervisor import EngineSupervisor
 from tests.conftest import DENSE_REWARD, SMALL, read_samples, run_job
-from tests.multiprocess.test_pipeline import assert_digests_tell_identical_from_different
-from tests.multiprocess.test_sglang_client import API_KEY, MODEL, VOCAB_SIZE, Results, in_process, request
+from tests.helpers.http_engine import API_KEY, MODEL, VOCAB_SIZE, Results, in_process, request
+from tests.helpers.parity import assert_digests_tell_identical_from_different
 
 NUM_SERVERS = 2
 
@@ -144,7 +144,7 @@ def test_distributed_weight_sync_trains_the_same_policy_as_disk_sync(job_dir):
 
 def test_with_distributed_sync_a_failed_engine_stops_the_run_instead_of_a_restart_that_could_not_join():
     from rolloutpipe.rollout.engines.supervisor import EngineFailed
-    from tests.unit.test_engine_failure import Rollout
+    from tests.fakes import Rollout
 
     rollout = Rollout(num_engines=2, max_failures=3)
     rollout.supervisor.weight_group = WeightGroup(master_address="127.0.0.1", master_port=1, world_size=3)

@@ -32,9 +32,8 @@ from rolloutpipe.rollout.engines.http_client import SGLangEngine
 from rolloutpipe.trainer.logprobs import token_logprobs
 from rolloutpipe.types import FinishReason, GenerationRequest
 from tests import sglang_cpu
-from tests.conftest import REPO, SMALL, node_environ, read_metrics, read_samples, wait_for
-from tests.multiprocess.test_hosts import final_weights, samples
-from tests.multiprocess.test_sglang_client import Results
+from tests.conftest import REPO, SMALL, final_weights, node_environ, read_metrics, read_samples, samples, wait_for
+from tests.helpers.http_engine import Results
 
 pytestmark = [pytest.mark.sglang_real, pytest.mark.multiprocess]
 

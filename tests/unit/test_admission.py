@@ -209,7 +209,7 @@ def test_incremental_placement_matches_the_rule_after_every_completion(seed):
 def test_a_sample_of_another_policy_version_stops_the_step_and_the_lag_is_measured():
     from rolloutpipe.observe.metrics import RolloutStats
     from rolloutpipe.rollout.samples import check_on_policy
-    from tests.unit.test_transport import make_group
+    from tests.fakes import make_group
 
     group = make_group(step=3)
     check_on_policy(3, 3, group)
@@ -233,7 +233,7 @@ def timeout_schedule(*, drop_timed_out: bool, max_groups: int = 40) -> RolloutSc
 
 
 def completed(group: int, *, timed_out: bool = False):
-    from tests.unit.test_transport import make_group
+    from tests.fakes import make_group
 
     done = make_group(group=group)
     done.samples[1].reward_timed_out = timed_out

@@ -1,54 +1,13 @@
 """Engine failure (supervisor.py with Admission): pure logic with fake engines, no processes."""
 
 import time
-from types import SimpleNamespace
 
 import pytest
 
-from rolloutpipe.rollout.admission import Admission, AdmissionPolicy
+from rolloutpipe.rollout.admission import AdmissionPolicy
 from rolloutpipe.rollout.config import RolloutConfig
-from rolloutpipe.rollout.engines.supervisor import EngineFailed, EngineSupervisor
-from rolloutpipe.types import GenerationResult
-from tests.fakes import FakeEngine
-
-
-class FakeSpans:
-    def __init__(self) -> None:
-        self.spans = []
-
-    def add(self, name, **attrs) -> None:
-        self.spans.append((name, attrs))
-
-
-class Rollout:
-    """A rollout node in miniature: engines, Admission, the supervisor, and the results that counted."""
-
-    def __init__(self, *, num_engines: int, policy: AdmissionPolicy = AdmissionPolicy.fifo, concurrency: int = 8,
-                 max_failures: int = 3, request_timeout_s: float | None = None) -> None:
-        self.counted: list[GenerationResult] = []
-        self.engines = [FakeEngine(f"engine{i}", self.on_result) for i in range(num_engines)]
-        self.restarted: list[FakeEngine] = []
-        self.spans = FakeSpans()
-        self.admission = Admission(policy=policy, engines=self.engines, concurrency=concurrency)
-        self.supervisor = EngineSupervisor(
-            engines=self.engines, restart=self.restart, where_to_look=lambda e: f"/logs/{e.name}.log",
-            max_failures=max_failures, request_timeout_s=request_timeout_s, spans=self.spans)
-        self.supervisor.begin_step(0, self.admission)
-
-    def restart(self, slot: int, name: str, failed) -> FakeEngine:
-        engine = FakeEngine(name, self.on_result)
-        self.restarted.append(engine)
-        return engine
-
-    def on_result(self, result: GenerationResult) -> None:  # what RolloutNode.on_result does
-        if self.admission.finished(result.request_id, result.engine):
-            self.supervisor.on_result(result)
-            self.counted.append(result)
-
-
-def group_requests(group: int, n: int = 4):
-    return [SimpleNamespace(request_id=f"step=0/group={group}/sample={s}", sampling_seed=100 * group + s)
-            for s in range(n)]
+from rolloutpipe.rollout.engines.supervisor import EngineFailed
+from tests.fakes import Rollout, group_requests
 
 
 def test_requests_of_a_dead_engine_are_resubmitted_with_their_seeds_and_its_late_results_ignored():

@@ -6,7 +6,7 @@ import pytest
 from rolloutpipe.rollout.admission import Admission, AdmissionPolicy
 from rolloutpipe.rollout.engines.hosts import HostLost
 from rolloutpipe.rollout.engines.supervisor import EngineFailed, EngineSupervisor
-from tests.unit.test_engine_failure import FakeEngine, FakeSpans, group_requests
+from tests.fakes import FakeEngine, FakeSpans, group_requests
 
 WEIGHTS = ("/run/weights/policy_v2.safetensors", 2)
 

@@ -282,7 +282,7 @@ def test_the_trainer_gives_the_same_update_from_any_micro_batches_with_every_ter
     import copy
 
     from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
-    from tests.unit.test_trainer import generated_samples
+    from tests.helpers.trainer import generated_samples
 
     model = load_model(ModelConfig(dtype=DType.float64), len(build_tiny_tokenizer()))
     reference = copy.deepcopy(model)

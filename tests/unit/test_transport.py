@@ -9,19 +9,7 @@ import pytest
 
 from rolloutpipe.control.liveness import Liveness
 from rolloutpipe.control.transport import HandleRejected, PeerLost, StoreAddress, Transport
-from rolloutpipe.types import CompleteGroup, FinishReason, Sample
-
-
-def make_group(step=0, group=3, num_samples=4, response_len=5) -> CompleteGroup:
-    samples = [
-        Sample(group=group, index=i, response_ids=list(range(i, i + response_len)),
-               logprobs=[-0.5 * (i + 1)] * response_len, response_text=f"text {i}",
-               finish_reason=FinishReason.STOP if i % 2 else FinishReason.LENGTH, reward=float(i % 2),
-               policy_version=step, reward_error=None if i else "ValueError: boom")
-        for i in range(num_samples)
-    ]
-    return CompleteGroup(step=step, group=group, policy_version=step, prompt_index=42, prompt_ids=[7, 8, 9],
-                         samples=samples, advantages=[0.5, -0.5, 0.5, -0.5][:num_samples], completed_s=123.5)
+from tests.fakes import make_group
 
 
 @pytest.fixture
