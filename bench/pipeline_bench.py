@@ -1,15 +1,24 @@
-"""Side-by-side benchmark: the same workload, same seed, in sync, cgp, cgp+fgd and async_one_step.
+"""Side-by-side benchmark: the same workload, same seed, in sync, cgp, cgp+fgd, cgp+fgd+spec and async_one_step.
 
     python bench/pipeline_bench.py                       # both workloads, 3 repeats
     python bench/pipeline_bench.py --workload long_tail --repeats 5 --steps 8
     python bench/pipeline_bench.py --response-len 256    # the response-length knob, for either regime
     python bench/pipeline_bench.py --rollout-nodes 2     # + sync and cgp+fgd on two rollout hosts
+    python bench/pipeline_bench.py --modes sync,cgp+fgd,cgp+fgd+spec --lr 1e-4   # speculative, a moving policy
 
 Every mode runs as a real job (``launch.py``: two node groups, the store, weight sync). Repeats are
 interleaved (sync, cgp, fgd, async, sync, ...) so machine noise hits every mode alike; step 0 of each
 run is dropped (warm-up). Each cell is the median over the remaining steps of all repeats, and the
 reductions are ratios of medians from this one invocation: quote those, never a lone absolute time.
 ``r2t range`` is the spread: the lowest and highest per-repeat median.
+
+Step time and the on-policy bound. ``step_s`` is optimizer-step end to optimizer-step end (weight sync, weight
+load, rollout and training: ``perf/train_end_s`` differences). ``bound@sync`` is the least step time any on-policy
+schedule can have on the sync run's own stages: ideal@sync plus sync's weight sync and load. Only a speculative
+rollout (``cgp+fgd+spec``, rollout.speculative: the engines draft step k+1 under policy k while step k trains,
+and keep what policy k+1 reproduces) can go below it, because its rollout itself gets shorter. ``drafted`` is the
+tokens drafted per step, ``kept`` the share verification kept; both depend on how far one update moves the policy,
+so ``--lr`` matters (the default 1e-7 barely moves it).
 
 Efficiency, two ways. ``eff`` is the run's own ``perf/pipeline_efficiency``: it compares the run with a
 sync estimate and an ideal bound made from the run's *own* stage times, which overlap slows down, so it
@@ -38,6 +47,7 @@ longest sample. The learning rate is tiny so the policy, hence the length distri
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -53,11 +63,14 @@ MODES = {
     "sync": ["pipeline.mode=sync"],
     "cgp": ["pipeline.mode=cgp", "rollout.admission=fifo"],
     "cgp+fgd": ["pipeline.mode=cgp", "rollout.admission=fgd"],
+    "cgp+fgd+spec": ["pipeline.mode=cgp", "rollout.admission=fgd", "rollout.speculative=true"],
     "async_one_step": ["pipeline.mode=async_one_step"],
 }
 
-COMMON = ["rollout_batch_size=16", "n_samples_per_prompt=8", "global_batch_size=128", "trainer.lr=1e-7",
-          "rollout.num_engines=2", "rollout.concurrency=32"]
+COMMON = ["rollout_batch_size=16", "n_samples_per_prompt=8", "global_batch_size=128", "rollout.num_engines=2",
+          "rollout.concurrency=32"]
+LR = "trainer.lr=1e-7"
+"""The default learning rate: the policy barely moves, so the length distribution stays put (``--lr``)."""
 
 WORKLOADS = {
     "long_tail": [*COMMON, "micro_batch_size=16"],
@@ -74,7 +87,9 @@ COLUMNS = [
     ("perf/first_group_s", "first_grp_s"),
     ("perf/tokens_per_s", "tok/s"),
 ]
-R2T, IDEAL = "perf/rollout_to_train_end_s", "perf/ideal_rollout_to_train_end_s"
+R2T, IDEAL, STEP = "perf/rollout_to_train_end_s", "perf/ideal_rollout_to_train_end_s", "step_s"
+SYNC_S = ("perf/weight_sync_s", "perf/weight_load_s")
+DRAFTS = ("rollout/num_draft_tokens", "rollout/draft_kept_ratio")
 
 
 def layouts(num_nodes: int, engines: int) -> dict[str, list[str]]:
@@ -136,14 +151,18 @@ def run_one(run_dir: Path, overrides: list[str], environ: dict[str, str] | None 
     if job.returncode != 0:
         raise SystemExit(f"run {run_dir} failed:\n{''.join(stderr)[-3000:]}")
     foreign = max(0.0, (machine_busy_s() - busy) - sum(ours.values())) / (time.monotonic() - start)
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()], foreign
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for before, record in itertools.pairwise(records):
+        record[STEP] = record["perf/train_end_s"] - before["perf/train_end_s"]
+    return records, foreign
 
 
 def medians(repeats: list[list[dict]], foreign: list[float]) -> dict[str, float]:
     """Medians over every measured step of every repeat, the per-repeat r2t medians' range, and the most
     cores other jobs used during one of the runs."""
     records = [r for rep in repeats for r in rep]
-    out = {key: statistics.median(r[key] for r in records) for key, _ in COLUMNS}
+    out = {key: statistics.median(r[key] for r in records) for key in [k for k, _ in COLUMNS] + [STEP, *SYNC_S]}
+    out.update({key: statistics.median(r.get(key, 0) for r in records) for key in DRAFTS})
     per_repeat = [statistics.median(r[R2T] for r in rep) for rep in repeats]
     out["r2t_min"], out["r2t_max"] = min(per_repeat), max(per_repeat)
     out["foreign"] = max(foreign)
@@ -154,7 +173,8 @@ def table(workload: str, results: dict[str, dict[str, float]]) -> str:
     """One row per mode and layout; every ratio against the sync row of the same layout."""
     head = ["mode", *(short for _, short in COLUMNS[:5]), "ideal@sync", "eff", "eff@sync",
             *(short for _, short in COLUMNS[6:]), "r2t range", "r2t vs sync", "wait vs sync",
-            "rollout vs sync", "compute vs sync", "noise"]
+            "rollout vs sync", "compute vs sync", "step_s", "bound@sync", "step vs sync", "step vs bound", "drafted",
+            "kept", "noise"]
     rows = [head]
 
     def vs(m: dict, base: dict, key: str) -> str:
@@ -164,12 +184,14 @@ def table(workload: str, results: dict[str, dict[str, float]]) -> str:
         base = results["sync" + label[label.index(" "):] if " " in label else "sync"]
         ideal, t_sync = base[IDEAL], base[R2T]
         honest = (t_sync - m[R2T]) / (t_sync - ideal) if t_sync > ideal else 0.0
+        bound = ideal + sum(base[k] for k in SYNC_S)
         cells = {short: f"{m[key]:.0f}" if short == "tok/s" else f"{m[key]:.3f}" for key, short in COLUMNS}
         rows.append([
             label, *(cells[short] for _, short in COLUMNS[:5]), f"{ideal:.3f}", cells["eff"], f"{honest:.3f}",
             *(cells[short] for _, short in COLUMNS[6:]), f"{m['r2t_min']:.2f}-{m['r2t_max']:.2f}",
             vs(m, base, R2T), vs(m, base, "perf/trainer_wait_ratio"), vs(m, base, "perf/rollout_s"),
-            vs(m, base, "perf/train_compute_s"), f"{m['foreign']:.2f}",
+            vs(m, base, "perf/train_compute_s"), f"{m[STEP]:.3f}", f"{bound:.3f}", vs(m, base, STEP),
+            f"{100 * (m[STEP] / bound - 1):+.1f}%", f"{m[DRAFTS[0]]:.0f}", f"{m[DRAFTS[1]]:.3f}", f"{m['foreign']:.2f}",
         ])
     return "\n".join([f"workload: {workload}", *aligned_table(rows)])
 
@@ -192,6 +214,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="RL steps per run (step 0 is dropped)")
     parser.add_argument("--response-len", type=int, default=192, help="rollout_max_response_len")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--lr", type=float, default=float(LR.split("=")[1]), help="trainer.lr (the default: the "
+                        "policy barely moves)")
     parser.add_argument("--rollout-nodes", type=int, default=1,
                         help="N > 1: also run --host-modes with embedded_http engines on 1 and on N rollout hosts")
     parser.add_argument("--host-modes", default="sync,cgp+fgd")
@@ -220,7 +244,7 @@ def main() -> None:
         for rep in range(args.repeats):
             for label, extra in rows.items():
                 run_dir = args.out / workload / f"{label.replace(' ', '_')}-{rep}"
-                overrides = [*WORKLOADS[workload], f"num_rollout={args.steps}",
+                overrides = [*WORKLOADS[workload], f"trainer.lr={args.lr}", f"num_rollout={args.steps}",
                              f"rollout_max_response_len={args.response_len}", *extra]
                 for attempt in range(1 + args.max_reruns):  # a run the neighbours disturbed is run again
                     wait_quiet(args.quiet_below, args.quiet_wait_s)

@@ -135,6 +135,18 @@ class Config:
                     "rank 0's broadcast would wait for the rollout's step boundary, removing the overlap that mode "
                     "exists for. Use pipeline.weight_sync=disk (or pipeline.mode=sync or cgp)."
                 )
+        if self.rollout.speculative and self.rollout.engine is not EngineKind.embedded:
+            raise ValueError(
+                f"rollout.speculative=true needs rollout.engine=embedded (not {self.rollout.engine.value}): only the "
+                "in-process embedded engine verifies drafts; SGLang's API cannot verify one exactly against its "
+                "seeded sampler (docs/sglang.md says what it lacks). Set rollout.speculative=false."
+            )
+        if self.rollout.speculative and self.pipeline.mode is PipelineMode.async_one_step:
+            raise ValueError(
+                "rollout.speculative=true with pipeline.mode=async_one_step: that mode already generates step k+1 "
+                "under policy k, so there is no tail to draft in. Use pipeline.mode=cgp (or sync), or drop "
+                "rollout.speculative."
+            )
         initial = self.rollout_batch_size + self.rollout.over_sampling_groups
         if self.rollout.max_groups_per_step is not None and self.rollout.max_groups_per_step < initial:
             raise ValueError(

@@ -59,6 +59,10 @@ class GenerationRequest:
     stop_token_ids: list[int]
     priority: int = 0
     """Lower runs first where the engine schedules by priority (SGLang's convention)."""
+    draft_ids: list[int] = field(default_factory=list)
+    """Tokens drafted for this request under the previous policy (rollout.speculative, rollout/drafts.py). The
+    embedded engine keeps the longest prefix its own sampler reproduces and decodes on from there, so the result is
+    the one it would make without the draft; they are never output unverified. Empty: no draft."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -77,6 +81,8 @@ class GenerationResult:
     finished_s: float
     engine: str = ""
     """Name of the engine that produced it (a retried request has results from two engines)."""
+    num_draft_kept: int = 0
+    """Leading output tokens that came from the request's draft, verified (GenerationRequest.draft_ids)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.pipeline_bench import MODES, WORKLOADS, run_one  # noqa: E402
+from bench.pipeline_bench import LR, MODES, WORKLOADS, run_one  # noqa: E402
 from rolloutpipe.config import load_config  # noqa: E402
 from rolloutpipe.model import build_tiny_tokenizer  # noqa: E402
 from rolloutpipe.sim.calibrate import (  # noqa: E402
@@ -49,7 +49,7 @@ from rolloutpipe.sim.models import (  # noqa: E402
 
 MAX_RESPONSE_LEN = 192  # the benchmark's default response budget
 CALIBRATION_RUNS = {
-    mode: [*WORKLOADS["long_tail"], *MODES[mode], "num_rollout=8", "seed=99", "run.save_samples=true",
+    mode: [*WORKLOADS["long_tail"], LR, *MODES[mode], "num_rollout=8", "seed=99", "run.save_samples=true",
            f"rollout_max_response_len={MAX_RESPONSE_LEN}", "rollout.num_engines=1", "rollout.concurrency=64"]
     for mode in ("sync", "cgp")
 }

@@ -222,6 +222,10 @@ class RolloutStats:
     num_engines: int = 0
     """Engines in service at the step's end (a lost engine host's are not), and the hosts they run on."""
     num_engine_hosts: int = 0
+    num_draft_tokens: int = 0
+    """rollout.speculative: tokens drafted for this step's requests in the previous step's tail, and how many of
+    them verification kept (every kept one is a token the step's policy samples there: rollout/drafts.py)."""
+    num_draft_tokens_kept: int = 0
 
     @classmethod
     def of(cls, *, step: int, policy_version: int, start_s: float, last_group_s: float, weight_load_s: float,
@@ -318,6 +322,8 @@ def reduce_step(rollout: RolloutStats, train: TrainStats, *, mean_compute_s: flo
         "rollout/policy_lag": rollout.policy_lag,
         "rollout/num_engines": rollout.num_engines,
         "rollout/num_engine_hosts": rollout.num_engine_hosts,
+        "rollout/num_draft_tokens": rollout.num_draft_tokens,
+        "rollout/draft_kept_ratio": rollout.num_draft_tokens_kept / max(rollout.num_draft_tokens, 1),
         "train/loss": sum(train.losses) / max(len(train.losses), 1),
         "train/grad_norm": sum(train.grad_norms) / max(len(train.grad_norms), 1),
         "train/clip_fraction": train.clip_fraction,
@@ -328,6 +334,7 @@ def reduce_step(rollout: RolloutStats, train: TrainStats, *, mean_compute_s: flo
         "perf/first_group_s": rollout.first_group_s - rollout.start_s,
         "perf/train_compute_s": mean_compute_s,
         "perf/trainer_wait_ratio": max(window - mean_compute_s, 0.0) / window if window > 0 else 0.0,
+        "perf/train_end_s": train.end_s,  # wall time of the step's last optimizer step: step times are differences
         "perf/rollout_to_train_end_s": window,
         "perf/ideal_rollout_to_train_end_s": ideal,
         "perf/pipeline_efficiency": ((sync_estimate - window) / (sync_estimate - ideal) if sync_estimate > ideal

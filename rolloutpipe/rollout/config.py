@@ -57,6 +57,12 @@ class RolloutConfig:
     engines/row_attention.py), so sync and cgp sample identically in float32 and bfloat16 too. It costs decode
     throughput: 0.63-0.86 of the padded path's at concurrency 32-64 on a 2-core CPU (bench/batch_invariance.py).
     False: one padded attention call per layer, equal up to float rounding (exact in float64)."""
+    speculative: bool = False
+    """Speculative next-step rollout (rollout/drafts.py): once a step's rollout is done, the engines draft the next
+    step's first requests under the current policy while the trainer trains; the next step's engine keeps of each
+    draft only the prefix its own seeded sampler reproduces under the new policy, so every sample is exactly the
+    one it makes without drafts. Embedded engine only (SGLang lacks per-position seeded verification:
+    docs/sglang.md)."""
     sglang_deterministic_inference: bool = True
     """Start SGLang servers with ``--enable-deterministic-inference``: only with it does SGLang honour each request's
     ``sampling_seed`` (its per-request seeded sampler), which makes samples reproducible: the same seed gives the same

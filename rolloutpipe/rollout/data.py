@@ -269,6 +269,15 @@ class PromptSource:
             self._cursor += take
         return [self._by_index[i] for i in indices]
 
+    def peek(self, n: int) -> list[Prompt]:
+        """The prompts ``next_batch(n)`` would hand out now, without handing them out (rollout.speculative drafts
+        the next step's groups)."""
+        saved = (self.epoch, self._cursor, list(self._returned), self._order)
+        try:
+            return self.next_batch(n)
+        finally:
+            self.epoch, self._cursor, self._returned, self._order = saved
+
     def give_back(self, prompts: list[Prompt]) -> None:
         self._returned += [p.index for p in prompts]
 

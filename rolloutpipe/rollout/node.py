@@ -41,6 +41,7 @@ from rolloutpipe.observe.progress import Progress
 from rolloutpipe.rollout.admission import Admission, AdmissionPolicy
 from rolloutpipe.rollout.data import PromptSource, load_prompts, prepare_data_path
 from rolloutpipe.rollout.dispatcher import Dispatcher
+from rolloutpipe.rollout.drafts import Drafts
 from rolloutpipe.rollout.engines.factory import EngineFactory
 from rolloutpipe.rollout.engines.supervisor import EngineSupervisor
 from rolloutpipe.rollout.evaluation import Evaluation
@@ -100,6 +101,8 @@ class RolloutNode:
             concurrency=cfg.rollout.concurrency, run_seed=cfg.seed, max_response_len=cfg.rollout_max_response_len,
             run_dir=env.run_dir)
         self.supervisor.also_held = self.evaluation.num_held  # an engine hung on eval requests is failed too
+        self.drafts = Drafts(self.engines) if cfg.rollout.speculative else None
+        """rollout.speculative: the next step's drafts, made in this step's tail (rollout/drafts.py)."""
         self.weights = receiver(cfg.weight_sync(), transport=transport, run_dir=env.run_dir, engines=self.supervisor,
                                 check=self.check_health)
         """Policy k+1 onto every engine between steps, the way pipeline.weight_sync names (control/weights/)."""
@@ -119,6 +122,8 @@ class RolloutNode:
         """Wait for policy ``version`` from the trainer and make every engine serve it."""
         record = self.transport.wait_record(weights_record_key(self.transport, version),
                                             what=f"weights of policy_version {version}")
+        if self.drafts is not None:  # the engines load weights with nothing in flight
+            self.drafts.stop(self.check_health)
         start = time.time()
         self.weights.load(record, version)
         self.transport.put_record(self.transport.key("serving", f"policy_version={version}"),
@@ -136,20 +141,39 @@ class RolloutNode:
         return self.admission
 
     def requests_for(self, step: int, group: int, prompt: Prompt) -> list[GenerationRequest]:
-        """Group ``group``'s requests, seeded by their ids; under FGD the group index is their priority."""
+        """Group ``group``'s requests, seeded by their ids, with their drafts (rollout.speculative); under FGD the
+        group index is their priority."""
+        requests = self._make_requests(step, group, prompt)
+        if self.drafts is not None:
+            requests = [self.drafts.attach(r) for r in requests]
+        for sample, r in enumerate(requests):
+            self.in_flight[r.request_id] = InFlight(prompt=prompt, group=group, sample=sample)
+        return requests
+
+    def draft_next(self, step: int) -> None:
+        """rollout.speculative: draft step ``step + 1``'s first groups (the prompt source is peeked) on the engines
+        under the current policy, until its weights load."""
         cfg = self.cfg
-        requests = make_requests(
+        if self.drafts is None or step + 1 >= cfg.num_rollout:
+            return
+        num_groups = cfg.rollout_batch_size + (cfg.rollout.over_sampling_groups if cfg.rollout.filter_zero_variance
+                                               else 0)
+        self.drafts.start([r for group, prompt in enumerate(self.source.peek(num_groups))
+                           for r in self._make_requests(step + 1, group, prompt)])
+
+    def _make_requests(self, step: int, group: int, prompt: Prompt) -> list[GenerationRequest]:
+        cfg = self.cfg
+        return make_requests(
             step=step, group=group, prompt=prompt, n_samples=cfg.n_samples_per_prompt, run_seed=cfg.seed,
             max_new_tokens=cfg.rollout_max_response_len, temperature=cfg.rollout_temperature,
             top_p=cfg.rollout_top_p, stop_token_ids=[self.tokenizer.eos_token_id],
             priority=group if cfg.rollout.admission is AdmissionPolicy.fgd else 0,
         )
-        for sample, r in enumerate(requests):
-            self.in_flight[r.request_id] = InFlight(prompt=prompt, group=group, sample=sample)
-        return requests
 
     def on_result(self, result) -> None:
         """Engine completion callback (engine thread): reward it, and wake the loop for a free slot."""
+        if self.drafts is not None and self.drafts.on_result(result):  # a draft: kept for the next step only
+            return
         if self.evaluation.on_result(result):  # an eval request's: scored apart, never trained
             self.supervisor.on_result(result)
             self.events.put(None)
@@ -157,6 +181,8 @@ class RolloutNode:
         if not self.admission.finished(result.request_id, result.engine):
             return  # a late result of a failed engine: the request was resubmitted elsewhere
         self.supervisor.on_result(result)
+        if self.drafts is not None:
+            self.drafts.kept(result)
         self.rewards.on_result(result)
         self.events.put(None)
 
@@ -187,6 +213,8 @@ class RolloutNode:
 
     def end_step(self, step: int, stats: RolloutStats) -> None:
         stats.num_engines = len(self.engines)  # in service; a lost engine host's are not
+        if self.drafts is not None:
+            stats.num_draft_tokens, stats.num_draft_tokens_kept = self.drafts.take_counts()
         stats.num_engine_hosts = len({self.factory.host_of(e.name) for e in self.engines})
         self.spans.flush()  # before the stats: trainer rank 0 merges the spans once it has the last stats
         self.transport.put_record(self.transport.key(f"step={step}", "source_state"), self.source.state_dict())

@@ -1,7 +1,5 @@
 """The embedded CPU engine: a small continuous-batching scheduler over an unmodified HF causal LM.
 
-What it does, plainly:
-
 - **Request-level continuous batching.** At most ``concurrency`` requests are in the running batch. Waiting
   requests are admitted by (``priority`` ascending, submission order) whenever a slot is free, at any decode step;
   a finished request leaves at once. No request ever waits for a batch-mate to finish.
@@ -14,12 +12,11 @@ What it does, plainly:
   bit-identical alone, among any batch-mates and in any row, in every dtype: attention runs per row over the
   row's own keys, and every matmul has a multiple of ``ROW_BLOCK`` rows (row_attention.py says what was measured
   to differ and what it costs). Off: one padded attention call per layer, equal up to float rounding only.
-- **SGLang's seeded sampler.** Every token is drawn by ``sampler.sample_tokens``: Gumbel-max with noise hashed
-  from the request's ``sampling_seed``, the token's position and the token id, as SGLang's deterministic sampler
-  does, so a request's tokens are the same whether it runs alone or among others, and the same as an SGLang
-  server's from the same logits (sampler.py says where they differ). Temperature 0 is greedy.
-  ``output_logprobs`` are log softmax(logits / temperature) of the sampled token, over the full vocabulary
-  (temperature 1 when greedy), before any top-p filtering.
+- **SGLang's seeded sampler** (sampler.py): Gumbel-max with noise hashed from the request's ``sampling_seed``, the
+  token's position and the token id, so a request's tokens do not depend on its batch-mates and equal an SGLang
+  server's from the same logits. ``output_logprobs``: log softmax(logits / temperature) of the sampled token.
+- **Drafts** (rollout.speculative): a request's ``draft_ids`` are prefilled with its prompt and kept as far as
+  this engine's own samples reproduce them (verify.py), so a draft saves decode steps and changes no token.
 - **Stops like SGLang.** A request ends on its ``stop_token_ids`` or on one of the model's own EOS ids (its
   config's and its generation config's ``eos_token_id``, as SGLang's ``ModelConfig.hf_eos_token_id``), unless it
   asks ``ignore_eos``; ``submit`` refuses a prompt plus ``max_new_tokens`` beyond the model's context
@@ -27,10 +24,8 @@ What it does, plainly:
 - **Fixed weights per step.** ``update_weights_from_disk`` is refused while any request is in flight, so every
   token of a result comes from the ``policy_version`` it reports.
 - **Failure is loud.** If the scheduler thread raises (including from ``on_result``), the exception is kept in
-  ``engine.error`` (None while healthy) and logged; no further results are delivered, and ``submit``,
-  ``num_in_flight`` and ``update_weights_from_disk`` raise ``RuntimeError("engine <name> crashed: ...")``. The
-  rollout node checks ``engine.error`` while it waits for results, retries the engine's requests elsewhere and
-  replaces it with a fresh engine (rolloutpipe/rollout/engines/supervisor.py).
+  ``engine.error`` and logged; no further results are delivered and the public calls raise ``RuntimeError("engine
+  <name> crashed: ...")``. The rollout node then retries its requests elsewhere and replaces it (supervisor.py).
 
 Everything that depends on the transformers version (cache class, forward keyword, where a cache keeps its
 tensors) lives in the three ``_hf_*`` functions below.
@@ -49,7 +44,7 @@ import torch
 
 from rolloutpipe.rollout.engines import row_attention
 from rolloutpipe.rollout.engines.base import OnResult
-from rolloutpipe.rollout.engines.sampler import sample_tokens
+from rolloutpipe.rollout.engines.verify import drop_last_columns, pad_left, sample_draft_positions
 from rolloutpipe.types import FinishReason, GenerationRequest, GenerationResult
 
 log = logging.getLogger(__name__)
@@ -97,6 +92,7 @@ class _RequestState:
     """The request's ``stop_token_ids`` and the model's EOS ids (none with ``ignore_eos``)."""
     num_cached_tokens: int = 0
     """Tokens of this request whose keys/values are in the cache; also the position id of the next token fed."""
+    num_draft_kept: int = 0
 
     def __lt__(self, other: _RequestState) -> bool:
         return (self.request.priority, self.seq) < (other.request.priority, other.seq)
@@ -313,28 +309,30 @@ class EmbeddedEngine:
         return results
 
     def _prefill(self, joiners: list[_RequestState]) -> list[GenerationResult]:
-        """Runs the joiners' prompts (left padded), samples their first tokens, and appends their rows."""
+        """Runs the joiners' prompts and drafts (left padded), samples their first tokens (and verifies their drafts:
+        verify.py), and appends their rows."""
         now = time.time()
-        prompt_lens = [len(s.request.input_ids) for s in joiners]
+        fed = [s.request.input_ids + s.request.draft_ids for s in joiners]
+        lengths = [len(f) for f in fed]
         # Batch invariant: a multiple of ROW_BLOCK columns and kept logits, so every matmul has a multiple of its rows.
         block = row_attention.ROW_BLOCK if self._batch_invariant else 1
-        width = -(-max(prompt_lens) // block) * block
+        width = -(-max(lengths) // block) * block
+        keep = -(-(max(len(s.request.draft_ids) for s in joiners) + 1) // block) * block
         # Padding columns hold id 0; any valid id would do, as the mask hides them from every real token.
-        input_ids = torch.tensor(
-            [[0] * (width - len(s.request.input_ids)) + s.request.input_ids for s in joiners], dtype=torch.long
-        )
-        attention_mask = torch.tensor([[0] * (width - n) + [1] * n for n in prompt_lens], dtype=torch.long)
+        input_ids = torch.tensor([[0] * (width - len(f)) + f for f in fed], dtype=torch.long)
+        attention_mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], dtype=torch.long)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         cache = _hf_cache(self._model, None)
         if self._batch_invariant:
-            logits = self._forward(input_ids, None, position_ids, cache, block, row_key_lengths=prompt_lens)
+            logits = self._forward(input_ids, None, position_ids, cache, keep, row_key_lengths=lengths)
         else:
-            logits = self._forward(input_ids, attention_mask, position_ids, cache)
-        for state, n in zip(joiners, prompt_lens):
+            logits = self._forward(input_ids, attention_mask, position_ids, cache, keep)
+        for state, n in zip(joiners, lengths):
             state.started_s = now
             state.num_cached_tokens = n
         self._merge_rows(joiners, _hf_cache_tensors(cache))
-        return self._sample_and_retire(logits, first_row=len(self._running) - len(joiners))
+        return self._sample_and_retire(logits, first_row=len(self._running) - len(joiners),
+                                       drafts=[s.request.draft_ids for s in joiners])
 
     def _decode_step(self) -> list[GenerationResult]:
         """Feeds every running request its last sampled token and samples the next one."""
@@ -367,30 +365,37 @@ class EmbeddedEngine:
 
     def _forward(self, input_ids, attention_mask, position_ids, cache, logits_to_keep: int = 1, **attention_kwargs
                  ) -> torch.Tensor:
-        """Logits of the last position [B, V]; appends the new keys/values to ``cache`` in place."""
+        """Logits of the last ``logits_to_keep`` positions [B, K, V]; appends the new keys/values to ``cache``."""
         out = self._model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
                           logits_to_keep=logits_to_keep, **{self._cache_kwarg: cache}, **attention_kwargs)
-        return out.logits[:, -1]
+        return out.logits
 
-    def _sample_and_retire(self, logits: torch.Tensor, first_row: int) -> list[GenerationResult]:
-        """Samples one token for rows first_row.. of the batch (logits row i is batch row first_row + i)."""
+    def _sample_and_retire(self, logits: torch.Tensor, first_row: int, drafts: list[list[int]] | None = None
+                           ) -> list[GenerationResult]:
+        """Samples rows first_row.. of the batch (logits row i is batch row first_row + i): one token each, or as
+        many of its draft as its own samples reproduce and the one after them (verify.py)."""
         states = self._running[first_row:]
-        requests = [s.request for s in states]
-        temperatures = torch.tensor([r.temperature for r in requests], dtype=torch.float64)
-        top_ps = torch.tensor([r.top_p for r in requests], dtype=torch.float64)
-        seeds = torch.tensor([r.sampling_seed for r in requests], dtype=torch.int64)
+        drafts = drafts or [[]] * len(states)
         # SGLang's position of a sampled token: that of the last token fed (the prompt's last, then each output's).
-        positions = torch.tensor([len(r.input_ids) + len(s.output_ids) - 1 for r, s in zip(requests, states)])
-        tokens, logprobs = sample_tokens(logits, temperatures, top_ps, seeds, positions)
-        results, keep = [], list(range(first_row))
-        for row, (state, token, logprob) in enumerate(zip(states, tokens.tolist(), logprobs.tolist()), first_row):
-            state.output_ids.append(token)
-            state.output_logprobs.append(logprob)
-            reason = state.finish_reason_after_last_token()
+        samples = sample_draft_positions(logits, [s.request for s in states], drafts,
+                                         [len(s.output_ids) for s in states])
+        results, keep, cuts = [], list(range(first_row)), [0] * len(self._running)
+        for row, (state, draft, sampled) in enumerate(zip(states, drafts, samples), first_row):
+            for kept, (token, logprob) in enumerate(sampled):
+                state.output_ids.append(token)
+                state.output_logprobs.append(logprob)
+                reason = state.finish_reason_after_last_token()
+                if reason is not None or kept == len(draft) or token != draft[kept]:
+                    break
+            state.num_draft_kept += kept + (reason is not None and kept < len(draft) and token == draft[kept])
             if reason is None:
                 keep.append(row)
+                cuts[row] = len(draft) - kept  # fed, but not what the policy sampled
+                state.num_cached_tokens -= cuts[row]
             else:
                 results.append(self._result(state, reason))
+        if any(cuts):
+            self._cache = _hf_cache(self._model, drop_last_columns(_hf_cache_tensors(self._cache), cuts))
         if len(keep) < len(self._running):
             self._keep_rows(keep)
         return results
@@ -405,7 +410,7 @@ class EmbeddedEngine:
             running_kv = _hf_cache_tensors(self._cache)
             width = max(running_kv[0][0].shape[2], joiner_kv[0][0].shape[2])
             kv = [
-                tuple(torch.cat([_pad_left(a, width), _pad_left(b, width)]) for a, b in zip(layer, joiner_layer))
+                tuple(torch.cat([pad_left(a, width), pad_left(b, width)]) for a, b in zip(layer, joiner_layer))
                 for layer, joiner_layer in zip(running_kv, joiner_kv)
             ]
         self._running = self._running + joiners
@@ -438,6 +443,7 @@ class EmbeddedEngine:
             started_s=state.started_s,
             finished_s=time.time(),
             engine=self.name,
+            num_draft_kept=state.num_draft_kept,
         )
 
     def _hand_back(self, results: list[GenerationResult]) -> None:
@@ -448,14 +454,6 @@ class EmbeddedEngine:
                 self._in_flight_ids.discard(result.request_id)
                 self._abort_ids.discard(result.request_id)
             self._on_result(result)
-
-
-def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
-    """[B, H, n, D] -> [B, H, width, D] with zero columns in front (masked out, so only finiteness matters)."""
-    missing = width - t.shape[2]
-    if missing == 0:
-        return t
-    return torch.cat([t.new_zeros(t.shape[0], t.shape[1], missing, t.shape[3]), t], dim=2)
 
 
 def _add_tied_copies(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -490,6 +488,8 @@ def _check_request(request: GenerationRequest, context_len: int) -> None:
         problems.append("input_ids is empty")
     if request.max_new_tokens < 1:
         problems.append(f"max_new_tokens={request.max_new_tokens} (must be >= 1)")
+    if len(request.draft_ids) > request.max_new_tokens:
+        problems.append(f"{len(request.draft_ids)} draft_ids, more than max_new_tokens={request.max_new_tokens}")
     if request.temperature < 0:
         problems.append(f"temperature={request.temperature} (must be >= 0; 0 means greedy)")
     if not 0 < request.top_p <= 1:

@@ -1,0 +1,75 @@
+"""Draft verification in the embedded engine (rollout.speculative): a draft changes how many tokens a forward pass
+yields, never which. Every result with a draft must equal the result without one."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+
+from rolloutpipe.model import DType
+from rolloutpipe.rollout.engines.embedded import EmbeddedEngine
+from tests.helpers.embedded import Results, request, run_all, tiny_model
+
+
+def perturbed(model: torch.nn.Module, scale: float, seed: int = 7) -> torch.nn.Module:
+    """Another policy near ``model``: every parameter moved by scale x its own std of noise."""
+    other = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * scale * p.std())
+    return other
+
+
+def requests(n: int = 12):
+    """Requests of several prompt lengths and budgets; ignore_eos is not used, so drafts end on stop tokens too."""
+    return [request(i, prompt_len=3 + i % 5, max_new_tokens=8 + 3 * (i % 4), stop_token_ids=[1]) for i in range(n)]
+
+
+@pytest.mark.parametrize("batch_invariant", [True, False], ids=["batch-invariant", "padded"])
+@pytest.mark.parametrize("drafter", ["near", "unrelated", "own-output-edited"])
+def test_a_draft_from_another_policy_yields_exactly_the_result_made_without_it(batch_invariant, drafter):
+    model = tiny_model(DType.float64)
+    plain = run_all(model, requests(), concurrency=4, batch_invariant=batch_invariant)
+    if drafter == "own-output-edited":  # the policy's own outputs, each with one token changed: kept up to it
+        drafts = {rid: r.output_ids[: len(r.output_ids) // 2] + [(r.output_ids[len(r.output_ids) // 2] + 1) % 50]
+                  + r.output_ids[len(r.output_ids) // 2 + 1:] for rid, r in plain.items()}
+    else:  # a policy one small update away, or another initialisation
+        other = perturbed(model, 0.02) if drafter == "near" else tiny_model(DType.float64, init_seed=1)
+        drafted = run_all(other, requests(), concurrency=4, batch_invariant=batch_invariant)
+        drafts = {rid: r.output_ids for rid, r in drafted.items()}
+    # some requests without a draft, some with a partial one (an aborted draft), among each other
+    offered = [replace(r, draft_ids=drafts[r.request_id][: (len(drafts[r.request_id]) if i % 3 else i % 5)])
+               for i, r in enumerate(requests())]
+    verified = run_all(model, offered, concurrency=4, batch_invariant=batch_invariant)
+    kept = 0
+    for r in offered:
+        got, want = verified[r.request_id], plain[r.request_id]
+        assert got.output_ids == want.output_ids, r.request_id
+        assert got.finish_reason is want.finish_reason
+        if batch_invariant:  # the same computation row by row: the same bits
+            assert got.output_logprobs == want.output_logprobs
+        else:
+            assert got.output_logprobs == pytest.approx(want.output_logprobs, abs=1e-12, rel=0)
+        agree = next((j for j, (a, b) in enumerate(zip(r.draft_ids, want.output_ids)) if a != b),
+                     min(len(r.draft_ids), len(want.output_ids)))
+        assert got.num_draft_kept == agree
+        kept += agree
+    drafted_tokens = sum(len(r.draft_ids) for r in offered)
+    if drafter == "near":  # mostly kept (the noise is keyed by token id: sampler.py)
+        assert kept > 0.5 * drafted_tokens
+    else:  # some kept, some rejected: both paths ran
+        assert 0 < kept < drafted_tokens
+
+
+def test_a_draft_longer_than_the_budget_is_refused_before_it_runs():
+    results = Results()
+    engine = EmbeddedEngine(name="t", model=tiny_model(DType.float64), concurrency=2, on_result=results)
+    try:
+        with pytest.raises(ValueError, match="3 draft_ids, more than max_new_tokens=2"):
+            engine.submit(request(0, max_new_tokens=2, draft_ids=[5, 6, 7]))
+    finally:
+        engine.shutdown()
