@@ -318,3 +318,17 @@ def test_prompt_source_refuses_a_checkpoint_of_another_data_set():
     state = PromptSource(make_prompts(7), shuffle=True, seed=5).state_dict()
     with pytest.raises(ValueError, match="had 7 prompts, the data set has 8"):
         PromptSource(make_prompts(8), shuffle=True, seed=5).load_state_dict(state)
+
+
+def test_peek_shows_the_next_batch_without_handing_it_out():
+    """rollout.speculative drafts the next step's prompts: across an epoch's end and with prompts given back, a peek
+    is exactly what the next draw hands out, and the draw after a peek is unchanged."""
+    peeked, plain = PromptSource(make_prompts(7), shuffle=True, seed=5), PromptSource(make_prompts(7), shuffle=True,
+                                                                                          seed=5)
+    for source in (peeked, plain):
+        source.give_back(source.next_batch(5)[3:])
+    for n in (3, 6, 4):  # the second crosses into the next epoch
+        ahead = peeked.peek(n)
+        assert peeked.peek(n) == ahead
+        assert peeked.next_batch(n) == ahead == plain.next_batch(n)
+    assert peeked.state_dict() == plain.state_dict()

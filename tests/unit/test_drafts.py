@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from rolloutpipe.model import DType
+from rolloutpipe.rollout.drafts import Drafts
 from rolloutpipe.rollout.engines.embedded import EmbeddedEngine
+from tests.fakes import FakeEngine
 from tests.helpers.embedded import Results, request, run_all, tiny_model
 
 
@@ -73,3 +75,27 @@ def test_a_draft_longer_than_the_budget_is_refused_before_it_runs():
             engine.submit(request(0, max_new_tokens=2, draft_ids=[5, 6, 7]))
     finally:
         engine.shutdown()
+
+
+def test_a_draft_rides_only_with_the_request_it_was_made_for_and_stops_before_new_weights():
+    engines = [FakeEngine("e0", running_ids=True), FakeEngine("e1", running_ids=True)]
+    drafts = Drafts(engines)
+    for engine in engines:
+        engine.on_result = drafts.on_result
+    wanted = [request(i, sampling_seed=10 + i) for i in range(4)]
+    drafts.start(wanted)
+    assert [r.request_id for e in engines for r in e.submitted] == [
+        "draft/" + wanted[i].request_id for i in (0, 2, 1, 3)]  # round robin, behind every other request
+    assert all(r.priority > 1000 and r.sampling_seed == w.sampling_seed for r, w in zip(engines[0].submitted,
+                                                                                        wanted[::2]))
+    for i in (0, 1, 2):
+        engines[i % 2].finish("draft/" + wanted[i].request_id)  # its output: the seed (fakes.FakeEngine)
+    engines[1].error = RuntimeError("gone")  # draft 3 never comes back: stop does not wait for it
+    drafts.stop(lambda what: None)
+    assert engines[0].aborted == [] and engines[1].aborted == ["draft/" + wanted[3].request_id]
+    assert drafts.attach(wanted[0]).draft_ids == [10]
+    assert drafts.attach(wanted[0]).draft_ids == []  # used once
+    assert drafts.attach(replace(wanted[1], input_ids=[9, 9])).draft_ids == []  # another prompt: not its draft
+    assert drafts.attach(replace(wanted[2], max_new_tokens=1)).draft_ids == [12]
+    assert drafts.attach(wanted[3]).draft_ids == []
+    assert drafts.take_counts() == (2, 0)
