@@ -139,7 +139,7 @@ class Config:
             raise ValueError(
                 f"rollout.speculative=true needs rollout.engine=embedded (not {self.rollout.engine.value}): only the "
                 "in-process embedded engine verifies drafts; SGLang's API cannot verify one exactly against its "
-                "seeded sampler (docs/sglang.md says what it lacks). Set rollout.speculative=false."
+                "seeded sampler (docs/speculative.md says what it lacks). Set rollout.speculative=false."
             )
         if self.rollout.speculative and self.pipeline.mode is PipelineMode.async_one_step:
             raise ValueError(

@@ -62,7 +62,7 @@ class RolloutConfig:
     step's first requests under the current policy while the trainer trains; the next step's engine keeps of each
     draft only the prefix its own seeded sampler reproduces under the new policy, so every sample is exactly the
     one it makes without drafts. Embedded engine only (SGLang lacks per-position seeded verification:
-    docs/sglang.md)."""
+    docs/speculative.md)."""
     sglang_deterministic_inference: bool = True
     """Start SGLang servers with ``--enable-deterministic-inference``: only with it does SGLang honour each request's
     ``sampling_seed`` (its per-request seeded sampler), which makes samples reproducible: the same seed gives the same

@@ -99,3 +99,13 @@ def test_a_draft_rides_only_with_the_request_it_was_made_for_and_stops_before_ne
     assert drafts.attach(replace(wanted[2], max_new_tokens=1)).draft_ids == [12]
     assert drafts.attach(wanted[3]).draft_ids == []
     assert drafts.take_counts() == (2, 0)
+
+
+def test_speculation_is_refused_at_start_where_it_cannot_run():
+    from rolloutpipe.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"needs rollout.engine=embedded \(not sglang\).*docs/speculative.md"):
+        load_config({"rollout": {"speculative": True, "engine": "sglang"}})
+    with pytest.raises(ConfigError, match="no tail to draft in"):
+        load_config({"rollout": {"speculative": True}, "pipeline": {"mode": "async_one_step"}})
+    assert load_config({"rollout": {"speculative": True}}).rollout.speculative
