@@ -135,7 +135,8 @@ def rollout_step(node: RolloutNode, step: int, version: int, weight_load_s: floa
     if evaluating and cfg.eval.mode is EvalMode.tail:  # what did not ride finishes on policy k, before k+1 loads
         node.evaluate(step, version, rollout_end_s=last_group_s)
 
-    node.draft_next(step)  # rollout.speculative: the engines draft step + 1 while the trainer trains (rollout/drafts.py)
+    # rollout.speculative: the engines draft step + 1's first groups while the trainer trains (rollout/drafts.py)
+    node.draft_next(step, schedule.num_initial_groups)
     selected = schedule.selected()
     if cfg.run.save_samples:
         write_samples(node.env.run_dir / "rollouts" / f"step={step}.jsonl", step, schedule.prompts, selected)

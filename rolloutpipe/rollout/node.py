@@ -150,14 +150,11 @@ class RolloutNode:
             self.in_flight[r.request_id] = InFlight(prompt=prompt, group=group, sample=sample)
         return requests
 
-    def draft_next(self, step: int) -> None:
-        """rollout.speculative: draft step ``step + 1``'s first groups (the prompt source is peeked) on the engines
-        under the current policy, until its weights load."""
-        cfg = self.cfg
-        if self.drafts is None or step + 1 >= cfg.num_rollout:
+    def draft_next(self, step: int, num_groups: int) -> None:
+        """rollout.speculative: draft step ``step + 1``'s first ``num_groups`` groups (the prompt source is peeked)
+        on the engines under the current policy, until its weights load."""
+        if self.drafts is None or step + 1 >= self.cfg.num_rollout:
             return
-        num_groups = cfg.rollout_batch_size + (cfg.rollout.over_sampling_groups if cfg.rollout.filter_zero_variance
-                                               else 0)
         self.drafts.start([r for group, prompt in enumerate(self.source.peek(num_groups))
                            for r in self._make_requests(step + 1, group, prompt)])
 

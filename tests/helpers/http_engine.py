@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import threading
-
 from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
 from rolloutpipe.types import GenerationRequest, GenerationResult
+from tests.helpers import embedded
 from tests.helpers.embedded import run_all
 
 VOCAB_SIZE = len(build_tiny_tokenizer())
@@ -14,24 +13,11 @@ CONCURRENCY = 4
 API_KEY = "k" * 64
 
 
-class Results:
-    def __init__(self) -> None:
-        self.by_id: dict[str, GenerationResult] = {}
-        self.order: list[str] = []
-        """Request ids in the order their results came."""
-        self._changed = threading.Condition()
-
-    def __call__(self, result: GenerationResult) -> None:
-        with self._changed:
-            assert result.request_id not in self.by_id, f"{result.request_id} reported twice"
-            self.by_id[result.request_id] = result
-            self.order.append(result.request_id)
-            self._changed.notify_all()
+class Results(embedded.Results):
+    """The in-process collector, waiting 30 s by default: a served engine's results come within it or it is broken."""
 
     def wait_for(self, n: int, timeout_s: float = 30.0) -> dict[str, GenerationResult]:
-        with self._changed:
-            assert self._changed.wait_for(lambda: len(self.by_id) >= n, timeout_s), f"{len(self.by_id)}/{n} results"
-        return self.by_id
+        return super().wait_for(n, timeout_s)
 
 
 def request(i: int, *, max_new_tokens: int = 12, stop_token_ids=(), **kw) -> GenerationRequest:

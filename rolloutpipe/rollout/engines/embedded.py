@@ -372,8 +372,7 @@ class EmbeddedEngine:
 
     def _sample_and_retire(self, logits: torch.Tensor, first_row: int, drafts: list[list[int]] | None = None
                            ) -> list[GenerationResult]:
-        """Samples rows first_row.. of the batch (logits row i is batch row first_row + i): one token each, or as
-        many of its draft as its own samples reproduce and the one after them (verify.py)."""
+        """Samples rows first_row.. (logits row i is batch row first_row + i): one token, or a draft's (verify.py)."""
         states = self._running[first_row:]
         drafts = drafts or [[]] * len(states)
         # SGLang's position of a sampled token: that of the last token fed (the prompt's last, then each output's).
@@ -381,13 +380,16 @@ class EmbeddedEngine:
                                          [len(s.output_ids) for s in states])
         results, keep, cuts = [], list(range(first_row)), [0] * len(self._running)
         for row, (state, draft, sampled) in enumerate(zip(states, drafts, samples), first_row):
-            for kept, (token, logprob) in enumerate(sampled):
+            kept = 0  # leading draft tokens this row's own samples reproduce
+            for j, (token, logprob) in enumerate(sampled):
                 state.output_ids.append(token)
                 state.output_logprobs.append(logprob)
                 reason = state.finish_reason_after_last_token()
-                if reason is not None or kept == len(draft) or token != draft[kept]:
+                agreed = j < len(draft) and token == draft[j]
+                kept += agreed
+                if reason is not None or not agreed:
                     break
-            state.num_draft_kept += kept + (reason is not None and kept < len(draft) and token == draft[kept])
+            state.num_draft_kept += kept
             if reason is None:
                 keep.append(row)
                 cuts[row] = len(draft) - kept  # fed, but not what the policy sampled

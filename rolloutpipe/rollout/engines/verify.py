@@ -9,9 +9,10 @@ goes on from there. So every output token is the one the serving policy samples 
 seed: a draft decides only how many tokens one forward pass yields, never which.
 
 The logits of a draft position come from the prefill, not from a decode step. In float64 the two agree to rounding
-(a differing token would need a Gumbel-max near-tie within ~1e-15); with rollout.batch_invariant they are the same
-computation row by row. In float32 and bfloat16 without it, a near-tie may resolve as a prefill rather than a
-decode resolves it: the token is still the serving policy's sample, as an SGLang prefill's is.
+(a differing token would need a Gumbel-max near-tie within ~1e-15), and with rollout.batch_invariant the log-probs
+came out bit-equal (tests/unit/test_drafts.py). In float32 and bfloat16 they differ in the last bits even with it
+(measured), so a near-tie may resolve as a prefill rather than a decode resolves it: the token is still the serving
+policy's sample, as an SGLang prefill's is.
 """
 
 from __future__ import annotations
