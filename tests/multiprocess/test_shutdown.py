@@ -39,7 +39,12 @@ try:
     run_node(read_config(env.config_path), env)
 except TransportError as err:
     print(f"stopped: {err}", file=sys.stderr)
-native = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+native = []
+for t in os.listdir("/proc/self/task"):
+    try:
+        native.append(open(f"/proc/self/task/{t}/comm").read().strip())
+    except FileNotFoundError:  # that thread ended between the listing and the read: not alive into teardown
+        pass
 print(json.dumps({"python": [t.name for t in threading.enumerate()], "native": native}))
 """
 """One trainer rank as launch/node.py runs it; then the threads still alive in its process, Python's and the
