@@ -1,7 +1,8 @@
-"""What trainer.exact_accumulation costs on the torch backend (CPU): time per training batch and memory.
+"""What trainer.exact_accumulation costs on the torch and FSDP backends (CPU): time per training batch and memory.
 
     python bench/exact_accumulation.py                                    # the embedded tiny Qwen3, float32
     python bench/exact_accumulation.py --hidden 256 --layers 4 --dtype bfloat16 --repeats 5 --threads 1
+    python bench/exact_accumulation.py --backend fsdp --ranks 2 --hidden 256 --layers 4 --threads 1
 
 Workload: one training batch of --groups GRPO groups of --samples samples (random token ids, fixed seed; each
 group one --prompt-tokens prompt, responses of 32 to 64 tokens, random advantages), on a Qwen3 built as
@@ -19,7 +20,10 @@ a rotating order, so machine noise hits all alike; cells are medians of --repeat
 32/mb median. "add+take" is the time spent in ExactGradientSum.add (each micro-batch's rounding into int64) and
 take (back to floating point), timed by a subclass patched in here only, as a share of the exact variant's batch.
 That share scales with parameters x micro-batches while the forward/backward scales with parameters x tokens: it
-shrinks as groups get longer. On a shared machine pass --threads 1: with other jobs on the cores, torch's default
+shrinks as groups get longer. ``--backend fsdp --ranks N``: FSDPTrainer on N gloo ranks (processes on this
+machine), each training its 1/N of the micro-batches in lockstep, rank 0's seconds; the exact variant reduce-
+scatters int64 (twice float32's bytes) and gathers whole gradients for the clip norm (fsdp_exact.py). There
+add+take is not timed and the memory tables are not made (the torch backend's layout). On a shared machine pass --threads 1: with other jobs on the cores, torch's default
 threads oversubscribe them and a batch's time varies several-fold between repeats.
 
 Memory table: bytes computed from the model's trainable parameters (the int64 accumulator is numel x 8 against
@@ -37,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -48,12 +53,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import torch
+import torch.distributed as dist
 from pipeline_bench import aligned_table  # bench/ is on sys.path when this script runs
 
 from rolloutpipe.model import DType, ModelConfig, TinyModelConfig, build_tiny_tokenizer, load_model
 from rolloutpipe.trainer import torch_backend
-from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
+from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerBackend, TrainerConfig
 from rolloutpipe.trainer.exact_sum import ExactGradientSum
+from rolloutpipe.trainer.fsdp_backend import FSDPTrainer
 from rolloutpipe.trainer.grpo_trainer import TrainSample
 from rolloutpipe.trainer.torch_backend import PolicyTrainer
 
@@ -93,15 +100,21 @@ def model_config(args) -> ModelConfig:
         max_position_embeddings=args.prompt_tokens + 128))
 
 
-def build_trainer(args) -> PolicyTrainer:
-    """A fresh policy (same seed, so the same initial weights for every variant) and its trainer."""
-    return PolicyTrainer(model=load_model(model_config(args), VOCAB_SIZE), cfg=TrainerConfig(), grpo=GRPOConfig(),
-                         temperature=1.0, pad_id=0, multi_step=False, process_group_active=False,
-                         old_logprobs=OldLogprobSource.trainer)
+def build_trainer(args) -> PolicyTrainer | FSDPTrainer:
+    """A fresh policy (same seed, so the same initial weights for every variant) and its trainer; FSDP's in the
+    process group ``fsdp_ranks`` started."""
+    fsdp = args.backend == "fsdp"
+    return (FSDPTrainer if fsdp else PolicyTrainer)(
+        model=load_model(model_config(args), VOCAB_SIZE), cfg=TrainerConfig(backend=TrainerBackend(args.backend)),
+        grpo=GRPOConfig(), temperature=1.0, pad_id=0, multi_step=False, process_group_active=fsdp,
+        old_logprobs=OldLogprobSource.trainer)
 
 
-def sum_exactly(policy: PolicyTrainer, num_samples: int) -> TimedExactGradientSum:
-    """policy.sum_exactly, with the timed accumulator in place of the trainer's."""
+def sum_exactly(policy: PolicyTrainer | FSDPTrainer, num_samples: int) -> TimedExactGradientSum | None:
+    """policy.sum_exactly, with the timed accumulator in place of the torch backend's (FSDP's is not timed)."""
+    if isinstance(policy, FSDPTrainer):
+        policy.sum_exactly(num_samples)
+        return None
     with mock.patch.object(torch_backend, "ExactGradientSum", TimedExactGradientSum):
         policy.sum_exactly(num_samples)
     return policy._exact
@@ -138,21 +151,22 @@ def train(policy: PolicyTrainer, micro: list[list[TrainSample]]) -> float:
     return time.perf_counter() - start
 
 
-def time_rows(args) -> tuple[list[list[str]], int]:
+def time_rows(args, rank: int = 0) -> tuple[list[list[str]], int]:
     batch = training_batch(args)
     num_samples = args.groups * args.samples
     policies = {v: build_trainer(args) for v in VARIANTS}
     exact = sum_exactly(policies[VARIANTS[2]], num_samples)
-    micro = {v: micro_batches(v, batch, args.micro_batch_size) for v in VARIANTS}
+    micro = {v: micro_batches(v, batch, args.micro_batch_size)[rank :: args.ranks] for v in VARIANTS}
     seconds = {v: [] for v in VARIANTS}
     exact_seconds = []
     for v in VARIANTS:  # warm-up
         train(policies[v], micro[v])
     for r in range(args.repeats):
         for v in VARIANTS[r % 3:] + VARIANTS[: r % 3]:
-            exact.seconds = 0.0
+            if exact is not None:
+                exact.seconds = 0.0
             seconds[v].append(train(policies[v], micro[v]))
-            if v == VARIANTS[2]:
+            if v == VARIANTS[2] and exact is not None:
                 exact_seconds.append(exact.seconds)
         print(f"  repeat {r + 1}/{args.repeats}: " + ", ".join(f"{v} {seconds[v][-1]:.3f} s" for v in VARIANTS),
               file=sys.stderr, flush=True)
@@ -163,13 +177,50 @@ def time_rows(args) -> tuple[list[list[str]], int]:
     for v in VARIANTS:
         median = statistics.median(seconds[v])
         share = ["-", "-"]
-        if v == VARIANTS[2]:
+        if v == VARIANTS[2] and exact_seconds:
             overhead = statistics.median(exact_seconds)
             share = [f"{overhead:.4f}", f"{statistics.median(e / s for e, s in zip(exact_seconds, seconds[v])):.1%}"]
-        rows.append([v, str(len(micro[v])), f"{median:.3f}", f"{min(seconds[v]):.3f}", f"{max(seconds[v]):.3f}",
+        rows.append([v, str(len(micro[v]) * args.ranks), f"{median:.3f}", f"{min(seconds[v]):.3f}", f"{max(seconds[v]):.3f}",
                      f"{median / base:.3f}", f"{num_tokens / median:.0f}", *share])
     numel = sum(p.numel() for p in policies[VARIANTS[0]].model.parameters() if p.requires_grad)
     return rows, numel
+
+
+def fsdp_rank(rank: int, args, port: int, results) -> None:
+    """One FSDP rank of ``time_rows``; rank 0 puts the table in ``results``."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    store = dist.TCPStore("127.0.0.1", port, args.ranks, is_master=rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=args.ranks)
+    try:
+        rows, numel = time_rows(args, rank)
+        if rank == 0:
+            results.put((rows, numel))
+    finally:
+        dist.destroy_process_group()
+
+
+def fsdp_time_rows(args) -> tuple[list[list[str]], int]:
+    """``time_rows`` on --ranks FSDP processes (one, in this process, on a world of its own)."""
+    if args.ranks == 1:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            return time_rows(args)
+        finally:
+            dist.destroy_process_group()
+    for v in VARIANTS:
+        count = len(micro_batches(v, training_batch(args), args.micro_batch_size))
+        if count % args.ranks:
+            raise SystemExit(f"{v}: {count} micro-batches do not split evenly over --ranks {args.ranks}: FSDP runs "
+                             "them in lockstep; change --groups or --micro-batch-size")
+    context = torch.multiprocessing.get_context("spawn")
+    results = context.Queue()
+    with socket.socket() as s:  # a free port for the ranks' store
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.start_processes(fsdp_rank, args=(args, port, results), nprocs=args.ranks,
+                                          start_method="spawn")
+    return results.get(timeout=5)
 
 
 def computed_rows(args, numel: int) -> list[list[str]]:
@@ -246,18 +297,25 @@ def main() -> int:
     parser.add_argument("--rss-batches", type=int, default=2, help="training batches per peak-RSS process")
     parser.add_argument("--no-rss", action="store_true", help="skip the measured peak RSS (three more processes)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--backend", choices=["torch", "fsdp"], default="torch")
+    parser.add_argument("--ranks", type=int, default=1, help="FSDP ranks (processes; --backend fsdp only)")
     parser.add_argument("--rss-of", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.ranks != 1 and args.backend != "fsdp":
+        parser.error("--ranks needs --backend fsdp")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.rss_of:
         print(json.dumps(rss_of(args.rss_of, args)))
         return 0
-    rows, numel = time_rows(args)
+    rows, numel = fsdp_time_rows(args) if args.backend == "fsdp" else time_rows(args)
     print(f"one training batch: {args.groups} groups x {args.samples} samples, prompt {args.prompt_tokens} + "
           f"response 32-64 tokens; Qwen3 hidden {args.hidden}, {args.layers} layers, {numel:,} trainable "
-          f"parameters, {args.dtype} on CPU, {torch.get_num_threads()} threads; median of {args.repeats}")
+          f"parameters, {args.dtype} on CPU, {torch.get_num_threads()} threads; median of {args.repeats}; "
+          f"{args.backend} backend" + (f" on {args.ranks} rank(s)" if args.backend == "fsdp" else ""))
     print("\n".join(aligned_table(rows)) + "\n")
+    if args.backend == "fsdp":
+        return 0
     print("\n".join(aligned_table(computed_rows(args, numel))) + "\n")
     if not args.no_rss:
         print(f"fresh process per variant, {args.rss_batches} training batches")

@@ -8,7 +8,7 @@ Pure arithmetic over the model's shape and the typed Config; nothing here touche
 Trainer rank (all ranks alike: data-parallel replicas, or tensor-parallel shards of equal size)
   weights, gradients, optimizer   per parameter of the rank's shard. Torch backend, bf16: bf16 weights and
                                   gradients, fp32 master weights, fp32 Adam m and v; at the optimizer step a float32
-                                  copy of the gradients too; trainer.exact_accumulation: an int64 sum, 8 B.
+                                  copy of the gradients too; trainer.exact_accumulation: an int64 sum, 8 B (FSDP: /n).
                                   Megatron: bf16 weights, DDP's fp32 gradients, fp32 master weights, Adam m and v (the
                                   last two / data-parallel size with trainer.megatron.distributed_optimizer, null: on,
                                   a plan is for GPUs). FSDP: ``fsdp_state_terms``, ``fsdp_unsharded_terms``.
@@ -33,13 +33,12 @@ Trainer rank (all ranks alike: data-parallel replicas, or tensor-parallel shards
                                   forward over every logit, 20 B per logit (measured: logits, log-softmax, the
                                   entropy pass, and their gradients).
 Rollout engine (SGLang)
-  weights + KV cache              ``rollout.concurrency`` responses of max prompt + max response tokens, K and V of
-                                  every layer's key/value heads in the model's dtype, inside SGLang's
-                                  --mem-fraction-static; the rest of the GPU is SGLang's reserve (activations,
-                                  CUDA graphs).
+  weights + KV cache              ``rollout.concurrency`` responses of max prompt + max response tokens, K and V
+                                  of every layer's key/value heads in the model's dtype, inside SGLang's
+                                  --mem-fraction-static; the rest is SGLang's reserve (activations, CUDA graphs).
 
-Validated against measured peak RSS of the CPU torch and FSDP trainers (bench/memory_plan_validation.py,
-docs/trainer.md "Memory plan"). ``fewest_ranks``: the fewest trainer GPUs that fit, where ranks shard the state.
+Validated against the CPU torch and FSDP trainers' peak RSS (bench/memory_plan_validation.py, docs/trainer.md).
+``fewest_ranks``: the fewest trainer GPUs that fit, where ranks shard the state.
 """
 
 from __future__ import annotations
@@ -173,14 +172,13 @@ def trainer_estimate(cfg: Config, shape: ModelShape, *, capacity_bytes: int,
 
     fsdp = tr.backend is TrainerBackend.fsdp
     n = tr.num_ranks if fsdp else 1  # FSDP: each rank keeps 1/n of the weights, gradients and optimizer state
-    terms = [Term(name="weights", num_bytes=params * d, phase=Phase.always, how=f"{shard} x {d} B", knob=more_tp)]
-    if fsdp:
-        terms = fsdp_state_terms(shape, d=d, n=n)
-    elif megatron:
+    terms = (fsdp_state_terms(shape, d=d, n=n) if fsdp else
+             [Term(name="weights", num_bytes=params * d, phase=Phase.always, how=f"{shard} x {d} B", knob=more_tp)])
+    if megatron:
         grad_bytes = 8 if d == 8 else 4
         terms.append(Term(name="gradients", num_bytes=params * grad_bytes, phase=Phase.always,
                           how=f"DDP's gradient buffer, {grad_bytes} B/param", knob=more_tp))
-    else:
+    elif not fsdp:
         terms.append(Term(name="gradients", num_bytes=params * d, phase=Phase.always,
                           how=f"{d} B/param, from the first micro-batch to the optimizer step", knob=more_tp))
     # Megatron's distributed optimizer (null: true on a GPU, which is what the plan is for) shards the float32
@@ -199,8 +197,10 @@ def trainer_estimate(cfg: Config, shape: ModelShape, *, capacity_bytes: int,
     if not megatron and not fsdp and d < 4:
         terms.append(Term(name="fp32 gradients", num_bytes=params * 4, phase=Phase.optimizer_step,
                           how="the gradients in float32 for the master weights", knob=more_tp))
-    if tr.exact_accumulation:  # (the gradient above then holds one micro-batch's, freed after it is summed)
-        terms.append(Term(name="exact gradient sum", num_bytes=params * 8, phase=Phase.always, how="int64, 8 B/param",
+    if tr.exact_accumulation:  # FSDP: the shards' sums, and one int64 reduce-scatter shard (fsdp_exact.py)
+        summed = params + (fsdp_root_and_layer(shape)[0] if fsdp else 0)  # the root: its largest reduce-scatter
+        terms.append(Term(name="exact gradient sum", num_bytes=summed * 8 // n, phase=Phase.always,
+                          how="int64, 8 B/param" + (f" / {n} ranks, + the root's shard" if fsdp else ""),
                           knob="trainer.exact_accumulation=false"))
     if cfg.num_steps_per_rollout > 1 and tr.old_logprobs is OldLogprobSource.trainer:
         terms.append(Term(name="policy snapshot", num_bytes=params * master // n if fsdp else params * d,

@@ -56,15 +56,19 @@ class ExactGradientSum:
         for p, total in zip(self.params, self._sums, strict=True):
             if p.grad is None:  # not reached by this micro-batch's loss: adds zero
                 continue
-            scaled = p.grad.double().mul_(self._scale)  # exact: a power of two
-            largest = float(scaled.abs().max())
-            if not largest < self._limit:  # also catches nan and inf
-                raise FloatingPointError(
-                    f"trainer.exact_accumulation: a micro-batch's gradient reaches {largest / self._scale:.3g} (or is "
-                    f"not finite), beyond the +-2^{RANGE_BITS} the exact sum holds; the loss diverged, or set "
-                    "trainer.exact_accumulation=false to sum gradients in floating point.")
-            total.add_(scaled.round_().long())
+            total.add_(self.to_grid(p.grad))
             p.grad = None
+
+    def to_grid(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` (one micro-batch's) rounded once to the grid, as int64 multiples of 2^-bits."""
+        scaled = grad.double().mul_(self._scale)  # exact: a power of two
+        largest = float(scaled.abs().max()) if scaled.numel() else 0.0
+        if not largest < self._limit:  # also catches nan and inf
+            raise FloatingPointError(
+                f"trainer.exact_accumulation: a micro-batch's gradient reaches {largest / self._scale:.3g} (or is "
+                f"not finite), beyond the +-2^{RANGE_BITS} the exact sum holds; the loss diverged, or set "
+                "trainer.exact_accumulation=false to sum gradients in floating point.")
+        return scaled.round_().long()
 
     def reduce(self, all_reduce: Callable[[torch.Tensor], object] | None) -> None:
         """Sum over the data-parallel ranks, as integers, in one flat tensor."""

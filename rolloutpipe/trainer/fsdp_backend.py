@@ -16,7 +16,8 @@ gradient: what FSDP is here to remove), and needs to know the last micro-batch b
 not (a batch is complete only when its last group arrives). The reduce-scatter moves as many bytes as the layer's
 all-gather that every micro-batch does anyway. ``finish_batch`` then divides the summed shards by the batch
 normaliser once, clips by the global norm (each rank's sum of squares in float64, one all-reduce) and steps AdamW.
-The order of additions differs from the torch backend's one flat all-reduce; nothing else.
+The order of additions differs from the torch backend's one flat all-reduce; nothing else. With
+trainer.exact_accumulation the ranks reduce-scatter and sum integers instead, in no order (fsdp_exact.py).
 
 Lockstep. Every forward/backward all-gathers (and reduce-scatters) over the ranks, so every rank must run as many
 per training batch. ``collective_micro_batches`` tells the consume loop (pipeline.train_step) to follow every
@@ -58,6 +59,7 @@ from torch.distributed.tensor import DTensor
 from rolloutpipe.control.checkpoint import Shard, ShardedState
 from rolloutpipe.control.weights.buckets import Bucket, plan_buckets
 from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
+from rolloutpipe.trainer.fsdp_exact import ShardedExactSum, clip_gathered_grad_norm
 from rolloutpipe.trainer.grpo import LossSums
 from rolloutpipe.trainer.grpo_trainer import GRPOTrainer, TrainSample, pack
 from rolloutpipe.trainer.lead import LeadReads
@@ -168,9 +170,23 @@ class FSDPTrainer(GRPOTrainer):
             shards[name] = shard.to(local.device, local.dtype, copy=True)
         return shards
 
+    def sum_exactly(self, num_samples_per_batch: int) -> None:
+        """Integer reduce-scatters and sums of the shards (fsdp_exact.py)."""
+        self._exact = ShardedExactSum([p for p in self.root.parameters() if p.requires_grad], self._sharded,
+                                      num_samples_per_batch=num_samples_per_batch,
+                                      world_size=self.data_parallel_size)
+
     def _optimizer_step(self, scale: float) -> float:
         """The gradient shards are sums over the ranks already (reduce-scattered in each backward): scale them
-        once, clip by the global norm, step AdamW on the shards."""
+        once, clip by the global norm, step AdamW on the shards. trainer.exact_accumulation: the shards come from
+        the integer sums, and the norm from the whole gradients (fsdp_exact.py)."""
+        if self._exact is not None:
+            self._exact.take_into_grads(next(self.root.parameters()).dtype, scale=scale)
+            params = [p for p in self.root.parameters() if p.grad is not None]
+            grad_norm = clip_gathered_grad_norm(params, self.cfg.max_grad_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            return grad_norm
         grads = [p.grad for p in self.root.parameters() if p.grad is not None]
         for g in grads:
             g.mul_(scale)

@@ -34,6 +34,8 @@ CGP_JITTER = "5"
 group 0's whatever the engines do (FIFO puts groups 0 and 2 on one engine, 1 and 3 on the other, and the first
 two groups' samples take the eight reward workers first), and cgp publishes out of group order. (With "2", 0.25,
 0.31, 0.21, 0.41 s, the reward workers' queue put the groups back in order once FIFO kept each group on one engine.)"""
+CLIPPED = 1e-3
+"""A trainer.max_grad_norm every step's gradient exceeds."""
 
 ONE_STEP = ["num_rollout=1"]
 """bfloat16 on the float path compares one RL step of one optimizer step (16 samples, 6 micro-batches on one rank). The
@@ -214,11 +216,15 @@ def test_pipelined_update_equals_synchronous_update(job_dir, dtype, num_ranks, e
 @pytest.mark.parametrize("dtype,extra", [
     ("float32", [*MULTI_STEP_FILTERED, *TIS_AND_KL, *LONG_RESPONSES, f"max_tokens_per_micro_batch={TOKEN_BUDGET}"]),
     ("bfloat16", ["rollout.admission=fgd"]),
-], ids=["float32-2-optimizer-steps-per-rollout-filtered-tis-kl-token-budget", "bfloat16"])
+    ("float32", ["rollout.admission=fgd", "trainer.backend=fsdp", f"trainer.max_grad_norm={CLIPPED}"]),
+], ids=["float32-2-optimizer-steps-per-rollout-filtered-tis-kl-token-budget", "bfloat16", "fsdp-clipped"])
 def test_exact_accumulation_makes_sync_and_cgp_with_fgd_on_two_ranks_the_same_bits(job_dir, dtype, extra):
     """Where the float path is only within derived bounds of sync (test_pipelined_update_equals_synchronous_update),
     exact accumulation makes every step's weights the same bits: sync on one rank, cgp with FGD on two ranks, the
-    groups arriving in other orders and split over the ranks."""
+    groups arriving in other orders and split over the ranks. FSDP: the ranks reduce-scatter integers, and every
+    step clips (its norm from whole gradients: shards would sum it differently on one rank and on two). FSDP in
+    float32 only: at this size bfloat16 gradients add up exactly in FSDP's float32 shards, so the float path would
+    pass too (tests/unit/test_exact_sum.py runs FSDP's exact path in bfloat16)."""
     runs = {}
     for mode, jitter, ranks in (("sync", "1", 1), ("cgp", CGP_JITTER, 2)):
         runs[mode] = job_dir(mode)
@@ -231,6 +237,8 @@ def test_exact_accumulation_makes_sync_and_cgp_with_fgd_on_two_ranks_the_same_bi
         assert sum(m["rollout/num_filtered_groups"] for m in read_metrics(runs["cgp"])) > 0
     else:
         assert publish_order(runs["sync"]) != publish_order(runs["cgp"]), "the groups must arrive in other orders"
+    if f"trainer.max_grad_norm={CLIPPED}" in extra:
+        assert all(m["train/grad_norm"] > CLIPPED for m in read_metrics(runs["cgp"])), "every step must clip"
     digests = {mode: weights_digests(run_dir) for mode, run_dir in runs.items()}
     assert len(digests["sync"]) == 2 and digests["sync"] == digests["cgp"], digests
     files = {mode: hashlib.sha256((run_dir / "checkpoints" / "final" / "model.safetensors").read_bytes()).hexdigest()

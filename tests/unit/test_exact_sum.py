@@ -12,6 +12,7 @@ from rolloutpipe.control.checkpoint import latest_checkpoint, load_optimizer, sa
 from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
 from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerBackend, TrainerConfig
 from rolloutpipe.trainer.exact_sum import RANGE_BITS, ExactGradientSum, fraction_bits
+from rolloutpipe.trainer.fsdp_backend import FSDPTrainer
 from rolloutpipe.trainer.grpo_trainer import TrainSample
 from rolloutpipe.trainer.torch_backend import PolicyTrainer
 
@@ -58,11 +59,15 @@ def test_a_micro_batch_gradient_out_of_range_or_not_finite_is_an_error_that_name
             total.add()
 
 
-def trainer(dtype: DType, *, exact: bool) -> PolicyTrainer:
+def trainer(dtype: DType, *, exact: bool, backend: TrainerBackend = TrainerBackend.torch,
+            max_grad_norm: float = 1.0) -> PolicyTrainer | FSDPTrainer:
+    """A trainer of the tiny model alone; FSDP on a world of one rank of its own (``close`` ends it)."""
     model = load_model(ModelConfig(dtype=dtype), len(build_tiny_tokenizer()))
-    policy = PolicyTrainer(model=model, cfg=TrainerConfig(exact_accumulation=exact), grpo=GRPOConfig(),
-                           temperature=1.0, pad_id=0, multi_step=False, process_group_active=False,
-                           old_logprobs=OldLogprobSource.trainer)
+    cls = FSDPTrainer if backend is TrainerBackend.fsdp else PolicyTrainer
+    policy = cls(model=model, cfg=TrainerConfig(backend=backend, exact_accumulation=exact,
+                                                max_grad_norm=max_grad_norm),
+                 grpo=GRPOConfig(), temperature=1.0, pad_id=0, multi_step=False, process_group_active=False,
+                 old_logprobs=OldLogprobSource.trainer)
     if exact:
         policy.sum_exactly(16)
     return policy
@@ -77,12 +82,23 @@ def groups(seed: int = 0) -> list[list[TrainSample]]:
             for _ in range(4)]
 
 
-def update(dtype: DType, order: list[int], *, exact: bool) -> bytes:
-    policy, batch = trainer(dtype, exact=exact), groups()
-    for i in order:
-        policy.forward_backward(batch[i], first_batch_of_step=True)
-    policy.finish_batch()
-    return b"".join(v.view(torch.uint8).numpy().tobytes() for v in policy.hf_state().values())
+def update(dtype: DType, order: list[int] | None, *, exact: bool, backend: TrainerBackend = TrainerBackend.torch,
+           max_grad_norm: float = 1.0, as_bytes: bool = True) -> bytes | torch.Tensor:
+    """The weights after one batch of ``groups()`` in ``order`` (None: no step), as bytes or flat float64. FSDP:
+    its float32 master shards."""
+    policy, batch = trainer(dtype, exact=exact, backend=backend, max_grad_norm=max_grad_norm), groups()
+    try:
+        if order is not None:
+            for i in order:
+                policy.forward_backward(batch[i], first_batch_of_step=True)
+            policy.finish_batch()
+        weights = ([p.to_local().detach() for p in policy.root.parameters()] if isinstance(policy, FSDPTrainer)
+                   else list(policy.hf_state().values()))
+        if as_bytes:
+            return b"".join(v.view(torch.uint8).numpy().tobytes() for v in weights)
+        return torch.cat([v.double().reshape(-1) for v in weights])
+    finally:
+        policy.close()
 
 
 @pytest.mark.parametrize("dtype", [DType.float32, DType.bfloat16])
@@ -92,9 +108,29 @@ def test_exact_accumulation_makes_the_update_the_same_bits_in_any_group_order(dt
     assert len({update(dtype, order, exact=False) for order in orders}) > 1, "float accumulation must tell orders apart"
 
 
+@pytest.mark.parametrize("dtype", [DType.float32, DType.bfloat16])
+def test_exact_accumulation_on_fsdp_makes_the_update_the_same_bits_in_any_group_order_clipped_or_not(dtype):
+    """FSDP2 on one rank (no reduce-scatter: the parameters' hooks round the gradients); two ranks run in
+    tests/multiprocess/test_pipeline.py. Clipped (max_grad_norm 1e-3) the norm is taken from whole gradients."""
+    orders = [[0, 1, 2, 3], [3, 1, 0, 2], [2, 3, 1, 0]]
+    for max_grad_norm in (1.0, 1e-3):
+        exact = {update(dtype, order, exact=True, backend=TrainerBackend.fsdp, max_grad_norm=max_grad_norm)
+                 for order in orders}
+        assert len(exact) == 1, f"max_grad_norm={max_grad_norm}"
+        init, float_update, exact_update = (
+            update(dtype, order, exact=summed_exactly, backend=TrainerBackend.fsdp, max_grad_norm=max_grad_norm,
+                   as_bytes=False)
+            for order, summed_exactly in ((None, False), (orders[0], False), (orders[0], True)))
+        assert (exact_update - float_update).norm() <= 1e-3 * (float_update - init).norm(), (
+            "the exact update must be the float one up to rounding")
+    if dtype is DType.float32:  # (bfloat16 gradients, 8 bits, add up exactly in FSDP's float32 shards here)
+        floats = {update(dtype, order, exact=False, backend=TrainerBackend.fsdp) for order in orders}
+        assert len(floats) > 1, "float accumulation must tell orders apart"
+
+
 def test_exact_accumulation_is_refused_where_the_backend_sums_in_floating_point():
-    with pytest.raises(ValueError, match="trainer.exact_accumulation=true needs trainer.backend=torch"):
-        TrainerConfig(backend=TrainerBackend.fsdp, exact_accumulation=True)
+    with pytest.raises(ValueError, match="trainer.exact_accumulation=true needs trainer.backend=torch or fsdp"):
+        TrainerConfig(backend=TrainerBackend.megatron, exact_accumulation=True)
 
 
 def test_a_bfloat16_torch_policy_resumes_from_its_float32_master_weights_to_the_same_bits(tmp_path):
