@@ -1,8 +1,9 @@
-"""What trainer.exact_accumulation costs on the torch and FSDP backends (CPU): time per training batch and memory.
+"""What trainer.exact_accumulation costs on the torch, FSDP and Megatron backends (CPU): time per training batch and memory.
 
     python bench/exact_accumulation.py                                    # the embedded tiny Qwen3, float32
     python bench/exact_accumulation.py --hidden 256 --layers 4 --dtype bfloat16 --repeats 5 --threads 1
     python bench/exact_accumulation.py --backend fsdp --ranks 2 --hidden 256 --layers 4 --threads 1
+    python bench/exact_accumulation.py --backend megatron --ranks 2 --hidden 256 --layers 4 --threads 1
 
 Workload: one training batch of --groups GRPO groups of --samples samples (random token ids, fixed seed; each
 group one --prompt-tokens prompt, responses of 32 to 64 tokens, random advantages), on a Qwen3 built as
@@ -23,7 +24,9 @@ That share scales with parameters x micro-batches while the forward/backward sca
 shrinks as groups get longer. ``--backend fsdp --ranks N``: FSDPTrainer on N gloo ranks (processes on this
 machine), each training its 1/N of the micro-batches in lockstep, rank 0's seconds; the exact variant reduce-
 scatters int64 (twice float32's bytes) and gathers whole gradients for the clip norm (fsdp_exact.py). There
-add+take is not timed and the memory tables are not made (the torch backend's layout). On a shared machine pass --threads 1: with other jobs on the cores, torch's default
+add+take is not timed and the memory tables are not made (the torch backend's layout). ``--backend megatron
+--ranks N``: MegatronTrainer data parallel over N gloo ranks the same way; the exact variant all-reduces int64
+and writes the sums into rank 0's DDP buffers before Megatron's float reduction (megatron/trainer.py). On a shared machine pass --threads 1: with other jobs on the cores, torch's default
 threads oversubscribe them and a batch's time varies several-fold between repeats.
 
 Memory table: bytes computed from the model's trainable parameters (the int64 accumulator is numel x 8 against
@@ -39,6 +42,7 @@ not the accumulator's 8.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -58,9 +62,9 @@ from pipeline_bench import aligned_table  # bench/ is on sys.path when this scri
 
 from rolloutpipe.model import DType, ModelConfig, TinyModelConfig, build_tiny_tokenizer, load_model
 from rolloutpipe.trainer import torch_backend
+from rolloutpipe.trainer.backend import PolicyBackend, trainer_class
 from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerBackend, TrainerConfig
 from rolloutpipe.trainer.exact_sum import ExactGradientSum
-from rolloutpipe.trainer.fsdp_backend import FSDPTrainer
 from rolloutpipe.trainer.grpo_trainer import TrainSample
 from rolloutpipe.trainer.torch_backend import PolicyTrainer
 
@@ -100,19 +104,28 @@ def model_config(args) -> ModelConfig:
         max_position_embeddings=args.prompt_tokens + 128))
 
 
-def build_trainer(args) -> PolicyTrainer | FSDPTrainer:
-    """A fresh policy (same seed, so the same initial weights for every variant) and its trainer; FSDP's in the
-    process group ``fsdp_ranks`` started."""
-    fsdp = args.backend == "fsdp"
-    return (FSDPTrainer if fsdp else PolicyTrainer)(
-        model=load_model(model_config(args), VOCAB_SIZE), cfg=TrainerConfig(backend=TrainerBackend(args.backend)),
-        grpo=GRPOConfig(), temperature=1.0, pad_id=0, multi_step=False, process_group_active=fsdp,
-        old_logprobs=OldLogprobSource.trainer)
+def build_trainer(args) -> PolicyBackend:
+    """A fresh policy (same seed, so the same initial weights for every variant) and its trainer; FSDP's and
+    Megatron's in the process group ``ranked_time_rows`` started. Megatron's process groups are global, made once
+    for the three variants' trainers here (a job has one trainer a process)."""
+    backend = TrainerBackend(args.backend)
+    with contextlib.ExitStack() as stack:
+        if backend is TrainerBackend.megatron:
+            from megatron.core import parallel_state
+
+            from rolloutpipe.trainer.megatron import trainer as megatron_trainer
+            if parallel_state.model_parallel_is_initialized():
+                stack.enter_context(mock.patch.object(megatron_trainer, "init_parallel_state", return_value=False))
+        return trainer_class(backend)(
+            model=load_model(model_config(args), VOCAB_SIZE), cfg=TrainerConfig(backend=backend),
+            grpo=GRPOConfig(), temperature=1.0, pad_id=0, multi_step=False,
+            process_group_active=backend is not TrainerBackend.torch, old_logprobs=OldLogprobSource.trainer)
 
 
-def sum_exactly(policy: PolicyTrainer | FSDPTrainer, num_samples: int) -> TimedExactGradientSum | None:
-    """policy.sum_exactly, with the timed accumulator in place of the torch backend's (FSDP's is not timed)."""
-    if isinstance(policy, FSDPTrainer):
+def sum_exactly(policy: PolicyBackend, num_samples: int) -> TimedExactGradientSum | None:
+    """policy.sum_exactly, with the timed accumulator in place of the torch backend's (the others' are not
+    timed)."""
+    if not isinstance(policy, PolicyTrainer):
         policy.sum_exactly(num_samples)
         return None
     with mock.patch.object(torch_backend, "ExactGradientSum", TimedExactGradientSum):
@@ -142,7 +155,7 @@ def micro_batches(variant: str, batch: list[list[TrainSample]], micro_batch_size
     return [flat[i : i + micro_batch_size] for i in range(0, len(flat), micro_batch_size)]
 
 
-def train(policy: PolicyTrainer, micro: list[list[TrainSample]]) -> float:
+def train(policy: PolicyBackend, micro: list[list[TrainSample]]) -> float:
     """Seconds for one training batch: every micro-batch's forward/backward, then the optimizer step."""
     start = time.perf_counter()
     for samples in micro:
@@ -182,12 +195,12 @@ def time_rows(args, rank: int = 0) -> tuple[list[list[str]], int]:
             share = [f"{overhead:.4f}", f"{statistics.median(e / s for e, s in zip(exact_seconds, seconds[v])):.1%}"]
         rows.append([v, str(len(micro[v]) * args.ranks), f"{median:.3f}", f"{min(seconds[v]):.3f}", f"{max(seconds[v]):.3f}",
                      f"{median / base:.3f}", f"{num_tokens / median:.0f}", *share])
-    numel = sum(p.numel() for p in policies[VARIANTS[0]].model.parameters() if p.requires_grad)
+    numel = sum(p.numel() for p in policies[VARIANTS[0]]._policy().parameters() if p.requires_grad)
     return rows, numel
 
 
-def fsdp_rank(rank: int, args, port: int, results) -> None:
-    """One FSDP rank of ``time_rows``; rank 0 puts the table in ``results``."""
+def rank_of(rank: int, args, port: int, results) -> None:
+    """One FSDP or Megatron rank of ``time_rows``; rank 0 puts the table in ``results``."""
     if args.threads:
         torch.set_num_threads(args.threads)
     store = dist.TCPStore("127.0.0.1", port, args.ranks, is_master=rank == 0)
@@ -200,8 +213,8 @@ def fsdp_rank(rank: int, args, port: int, results) -> None:
         dist.destroy_process_group()
 
 
-def fsdp_time_rows(args) -> tuple[list[list[str]], int]:
-    """``time_rows`` on --ranks FSDP processes (one, in this process, on a world of its own)."""
+def ranked_time_rows(args) -> tuple[list[list[str]], int]:
+    """``time_rows`` on --ranks FSDP or Megatron processes (one, in this process, on a world of its own)."""
     if args.ranks == 1:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         try:
@@ -211,14 +224,14 @@ def fsdp_time_rows(args) -> tuple[list[list[str]], int]:
     for v in VARIANTS:
         count = len(micro_batches(v, training_batch(args), args.micro_batch_size))
         if count % args.ranks:
-            raise SystemExit(f"{v}: {count} micro-batches do not split evenly over --ranks {args.ranks}: FSDP runs "
+            raise SystemExit(f"{v}: {count} micro-batches do not split evenly over --ranks {args.ranks}: the ranks run "
                              "them in lockstep; change --groups or --micro-batch-size")
     context = torch.multiprocessing.get_context("spawn")
     results = context.Queue()
     with socket.socket() as s:  # a free port for the ranks' store
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    torch.multiprocessing.start_processes(fsdp_rank, args=(args, port, results), nprocs=args.ranks,
+    torch.multiprocessing.start_processes(rank_of, args=(args, port, results), nprocs=args.ranks,
                                           start_method="spawn")
     return results.get(timeout=5)
 
@@ -297,24 +310,24 @@ def main() -> int:
     parser.add_argument("--rss-batches", type=int, default=2, help="training batches per peak-RSS process")
     parser.add_argument("--no-rss", action="store_true", help="skip the measured peak RSS (three more processes)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--backend", choices=["torch", "fsdp"], default="torch")
-    parser.add_argument("--ranks", type=int, default=1, help="FSDP ranks (processes; --backend fsdp only)")
+    parser.add_argument("--backend", choices=[b.value for b in TrainerBackend], default="torch")
+    parser.add_argument("--ranks", type=int, default=1, help="data-parallel ranks (processes; not --backend torch)")
     parser.add_argument("--rss-of", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.ranks != 1 and args.backend != "fsdp":
-        parser.error("--ranks needs --backend fsdp")
+    if args.ranks != 1 and args.backend == "torch":
+        parser.error("--ranks needs --backend fsdp or megatron")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.rss_of:
         print(json.dumps(rss_of(args.rss_of, args)))
         return 0
-    rows, numel = fsdp_time_rows(args) if args.backend == "fsdp" else time_rows(args)
+    rows, numel = time_rows(args) if args.backend == "torch" else ranked_time_rows(args)
     print(f"one training batch: {args.groups} groups x {args.samples} samples, prompt {args.prompt_tokens} + "
           f"response 32-64 tokens; Qwen3 hidden {args.hidden}, {args.layers} layers, {numel:,} trainable "
           f"parameters, {args.dtype} on CPU, {torch.get_num_threads()} threads; median of {args.repeats}; "
-          f"{args.backend} backend" + (f" on {args.ranks} rank(s)" if args.backend == "fsdp" else ""))
+          f"{args.backend} backend" + (f" on {args.ranks} rank(s)" if args.backend != "torch" else ""))
     print("\n".join(aligned_table(rows)) + "\n")
-    if args.backend == "fsdp":
+    if args.backend != "torch":
         return 0
     print("\n".join(aligned_table(computed_rows(args, numel))) + "\n")
     if not args.no_rss:

@@ -62,7 +62,8 @@ class TrainerConfig:
     """Sum each training batch's gradient exactly (int64 fixed point, exact_sum.py), with micro-batches made of one
     group each: the update is then the same bits in any arrival order and on any number of ranks (sync, cgp, cgp+FGD;
     with rollout.batch_invariant the runs are bit-identical). Costs an int64 per parameter (per shard element on
-    FSDP) and smaller micro-batches. The torch and fsdp backends; Megatron refuses it."""
+    FSDP) and smaller micro-batches. Every backend (Megatron: over data-parallel ranks at a fixed tensor-parallel
+    size, whose own float reductions do not depend on arrival)."""
 
     def __post_init__(self) -> None:
         if self.num_ranks < 1:
@@ -71,11 +72,6 @@ class TrainerConfig:
             raise ValueError(f"trainer.lr={self.lr} must be > 0.")
         if self.logprob_chunk_tokens < 0:
             raise ValueError(f"trainer.logprob_chunk_tokens={self.logprob_chunk_tokens} must be >= 0 (0: no chunks).")
-        if self.exact_accumulation and self.backend is TrainerBackend.megatron:
-            raise ValueError(
-                "trainer.exact_accumulation=true needs trainer.backend=torch or fsdp (not megatron): Megatron's "
-                "DDP reduces gradients in floating point; set trainer.backend=torch or fsdp, or "
-                "trainer.exact_accumulation=false.")
         tp, pp = self.megatron.tensor_parallel_size, self.megatron.pipeline_parallel_size
         if self.backend is not TrainerBackend.megatron and (tp, pp) != (1, 1):
             raise ValueError("trainer.megatron.* parallel sizes need trainer.backend=megatron.")

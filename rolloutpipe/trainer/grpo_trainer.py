@@ -121,7 +121,7 @@ class GRPOTrainer(abc.ABC):
         """trainer.exact_accumulation: from now on each micro-batch's gradient goes into an exact integer sum
         (exact_sum.py), which the backend's ``_optimizer_step`` takes; a backend that cannot refuses here."""
         raise ValueError(f"trainer.exact_accumulation=true is not supported by {type(self).__name__}; use "
-                         "trainer.backend=torch.")
+                         "trainer.backend=torch, fsdp or megatron.")
 
     def begin_step(self) -> None:
         """Remember policy_version k's parameters when later batches must clip against them."""

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
 from rolloutpipe.observe.metrics import read_spans
 from rolloutpipe.trainer.config import TrainerConfig
-from tests.conftest import DENSE_REWARD, SMALL, read_metrics, read_samples, run_job
+from tests.conftest import DENSE_REWARD, SMALL, needs_extra, read_metrics, read_samples, run_job
 from tests.helpers.parity import EXACT, assert_digests_tell_identical_from_different, weights_digests
 
 pytestmark = pytest.mark.multiprocess
@@ -217,14 +217,18 @@ def test_pipelined_update_equals_synchronous_update(job_dir, dtype, num_ranks, e
     ("float32", [*MULTI_STEP_FILTERED, *TIS_AND_KL, *LONG_RESPONSES, f"max_tokens_per_micro_batch={TOKEN_BUDGET}"]),
     ("bfloat16", ["rollout.admission=fgd"]),
     ("float32", ["rollout.admission=fgd", "trainer.backend=fsdp", f"trainer.max_grad_norm={CLIPPED}"]),
-], ids=["float32-2-optimizer-steps-per-rollout-filtered-tis-kl-token-budget", "bfloat16", "fsdp-clipped"])
+    pytest.param("float32", ["rollout.admission=fgd", "trainer.backend=megatron", f"trainer.max_grad_norm={CLIPPED}"],
+                 marks=needs_extra("megatron", "megatron.core")),
+], ids=["float32-2-optimizer-steps-per-rollout-filtered-tis-kl-token-budget", "bfloat16", "fsdp-clipped",
+        "megatron-clipped"])
 def test_exact_accumulation_makes_sync_and_cgp_with_fgd_on_two_ranks_the_same_bits(job_dir, dtype, extra):
     """Where the float path is only within derived bounds of sync (test_pipelined_update_equals_synchronous_update),
     exact accumulation makes every step's weights the same bits: sync on one rank, cgp with FGD on two ranks, the
     groups arriving in other orders and split over the ranks. FSDP: the ranks reduce-scatter integers, and every
     step clips (its norm from whole gradients: shards would sum it differently on one rank and on two). FSDP in
     float32 only: at this size bfloat16 gradients add up exactly in FSDP's float32 shards, so the float path would
-    pass too (tests/unit/test_exact_sum.py runs FSDP's exact path in bfloat16)."""
+    pass too (tests/unit/test_exact_sum.py runs FSDP's exact path in bfloat16). Megatron: data parallel over the two
+    ranks, the sums put back into DDP's buffers on data-parallel rank 0; float32 (bfloat16 needs CUDA there)."""
     runs = {}
     for mode, jitter, ranks in (("sync", "1", 1), ("cgp", CGP_JITTER, 2)):
         runs[mode] = job_dir(mode)

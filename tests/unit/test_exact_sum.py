@@ -10,11 +10,13 @@ import torch
 
 from rolloutpipe.control.checkpoint import latest_checkpoint, load_optimizer, save_checkpoint
 from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
+from rolloutpipe.trainer.backend import PolicyBackend, trainer_class
 from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerBackend, TrainerConfig
 from rolloutpipe.trainer.exact_sum import RANGE_BITS, ExactGradientSum, fraction_bits
 from rolloutpipe.trainer.fsdp_backend import FSDPTrainer
 from rolloutpipe.trainer.grpo_trainer import TrainSample
 from rolloutpipe.trainer.torch_backend import PolicyTrainer
+from tests.conftest import needs_extra
 
 
 def micro_batch_gradients(count: int, *, seed: int = 0) -> list[torch.Tensor]:
@@ -60,10 +62,11 @@ def test_a_micro_batch_gradient_out_of_range_or_not_finite_is_an_error_that_name
 
 
 def trainer(dtype: DType, *, exact: bool, backend: TrainerBackend = TrainerBackend.torch,
-            max_grad_norm: float = 1.0) -> PolicyTrainer | FSDPTrainer:
-    """A trainer of the tiny model alone; FSDP on a world of one rank of its own (``close`` ends it)."""
+            max_grad_norm: float = 1.0) -> PolicyBackend:
+    """A trainer of the tiny model alone; FSDP and Megatron on a world of one rank of their own (``close`` ends
+    it)."""
     model = load_model(ModelConfig(dtype=dtype), len(build_tiny_tokenizer()))
-    cls = FSDPTrainer if backend is TrainerBackend.fsdp else PolicyTrainer
+    cls = trainer_class(backend)
     policy = cls(model=model, cfg=TrainerConfig(backend=backend, exact_accumulation=exact,
                                                 max_grad_norm=max_grad_norm),
                  grpo=GRPOConfig(), temperature=1.0, pad_id=0, multi_step=False, process_group_active=False,
@@ -128,9 +131,24 @@ def test_exact_accumulation_on_fsdp_makes_the_update_the_same_bits_in_any_group_
         assert len(floats) > 1, "float accumulation must tell orders apart"
 
 
-def test_exact_accumulation_is_refused_where_the_backend_sums_in_floating_point():
-    with pytest.raises(ValueError, match="trainer.exact_accumulation=true needs trainer.backend=torch or fsdp"):
-        TrainerConfig(backend=TrainerBackend.megatron, exact_accumulation=True)
+@needs_extra("megatron", "megatron.core")
+def test_exact_accumulation_on_megatron_makes_the_update_the_same_bits_in_any_group_order_clipped_or_not():
+    """Megatron on one rank, float32 (bfloat16 needs CUDA there): the gradients come from DDP's buffers
+    (``main_grad``), and the sums go back there before finalize_model_grads. Two ranks: tests/multiprocess."""
+    orders = [[0, 1, 2, 3], [3, 1, 0, 2], [2, 3, 1, 0]]
+    megatron = TrainerBackend.megatron
+    for max_grad_norm in (1.0, 1e-3):
+        exact = {update(DType.float32, order, exact=True, backend=megatron, max_grad_norm=max_grad_norm)
+                 for order in orders}
+        assert len(exact) == 1, f"max_grad_norm={max_grad_norm}"
+        init, float_update, exact_update = (
+            update(DType.float32, order, exact=summed_exactly, backend=megatron, max_grad_norm=max_grad_norm,
+                   as_bytes=False)
+            for order, summed_exactly in ((None, False), (orders[0], False), (orders[0], True)))
+        assert (exact_update - float_update).norm() <= 1e-3 * (float_update - init).norm(), (
+            "the exact update must be the float one up to rounding")
+    floats = {update(DType.float32, order, exact=False, backend=megatron) for order in orders}
+    assert len(floats) > 1, "float accumulation must tell orders apart"
 
 
 def test_a_bfloat16_torch_policy_resumes_from_its_float32_master_weights_to_the_same_bits(tmp_path):

@@ -10,7 +10,9 @@ steps. Which data-parallel rank trained which group changes only the order of ad
 pipelined update equals the synchronous one here as well. With ``trainer.megatron.distributed_optimizer``
 (null: on a GPU) the optimizer is Megatron's DistributedOptimizer: finalize_model_grads reduce-scatters the
 buffers instead, each rank steps its 1/N of the master weights and moments, and the step all-gathers the
-parameters (optimizer.py, which also gives checkpoints its state).
+parameters (optimizer.py, which also gives checkpoints its state). With ``trainer.exact_accumulation`` each
+micro-batch's gradient is taken from DDP's buffers into an int64 sum (exact_sum.py), and the reduced sum goes
+back into data-parallel rank 0's buffers before finalize_model_grads (``_optimizer_step``).
 
 Parallelism. Trainer ranks form tensor-parallel groups of ``trainer.megatron.tensor_parallel_size``
 consecutive ranks; the consume loop deals groups by data-parallel rank, so the ranks of one
@@ -41,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
+from rolloutpipe.trainer.exact_sum import ExactGradientSum
 from rolloutpipe.trainer.grpo_trainer import GRPOTrainer
 from rolloutpipe.trainer.lead import LeadReads
 from rolloutpipe.trainer.logprobs import VocabShard, chunked_logprobs
@@ -122,6 +125,10 @@ class MegatronTrainer(GRPOTrainer):
         self._tp_shards: list[dict[str, torch.Tensor]] | None = None
         self._gather_shards()
 
+    def sum_exactly(self, num_samples_per_batch: int) -> None:
+        self._exact = _BufferSum([p for p in self.gpt.parameters() if p.requires_grad],
+                                 num_samples_per_batch=num_samples_per_batch)
+
     def hf_state(self) -> dict[str, torch.Tensor]:
         """The policy under HF names, full tensors (a tensor-parallel group's first rank; tied lm_head left out)."""
         return megatron_to_hf(self._tp_shards, self.layout)
@@ -156,11 +163,24 @@ class MegatronTrainer(GRPOTrainer):
 
     def _optimizer_step(self, scale: float) -> float:
         """Megatron's finalize_model_grads sums DDP's buffers over the data-parallel group, they are scaled once, and
-        Megatron's optimizer clips by the global norm and steps; then the tensor-parallel shards are gathered."""
+        Megatron's optimizer clips by the global norm and steps; then the tensor-parallel shards are gathered.
+
+        trainer.exact_accumulation: the buffers are already zero (``_BufferSum`` took each micro-batch's gradient).
+        The integer sums are all-reduced, scaled and rounded once, and put in data-parallel rank 0's buffers only,
+        so finalize_model_grads' float sum over the ranks adds exact zeros to them: the same bits on any number of
+        ranks (an integer 0 scales to +0.0, never -0.0). Its tensor-parallel sums (Qwen3's q/k norms) then see the
+        same inputs in every run of a tensor-parallel size."""
         from megatron.core.distributed import finalize_model_grads
 
+        if self._exact is not None:
+            self._exact.reduce(self.all_reduce)
+            grads = self._exact.take(self._exact.params[0].main_grad.dtype, scale=scale)
+            if self.data_parallel_rank == 0:
+                for p, grad in zip(self._exact.params, grads, strict=True):
+                    p.main_grad.copy_(grad)
         finalize_model_grads([self.ddp])
-        self.ddp.scale_gradients(scale)
+        if self._exact is None:
+            self.ddp.scale_gradients(scale)
         _, grad_norm, _ = self.megatron_optimizer.step()
         self.ddp.zero_grad_buffer()
         self.megatron_optimizer.zero_grad()
@@ -217,6 +237,16 @@ class MegatronTrainer(GRPOTrainer):
             for shard, part in zip(shards, parts):
                 shard[name] = part
         self._tp_shards = shards if self.tp_rank == 0 else None
+
+
+class _BufferSum(ExactGradientSum):
+    """Megatron DDP adds each micro-batch's gradient into the parameter's ``main_grad`` (a view of its gradient
+    buffer), not ``.grad``: the exact sum folds it from there and clears the buffer."""
+
+    def add(self) -> None:
+        for p, total in zip(self.params, self._sums, strict=True):
+            total.add_(self.to_grid(p.main_grad))
+            p.main_grad.zero_()
 
 
 def _no_gradient_through(padding_idx: int):
