@@ -111,44 +111,28 @@ def test_exact_accumulation_makes_the_update_the_same_bits_in_any_group_order(dt
     assert len({update(dtype, order, exact=False) for order in orders}) > 1, "float accumulation must tell orders apart"
 
 
-@pytest.mark.parametrize("dtype", [DType.float32, DType.bfloat16])
-def test_exact_accumulation_on_fsdp_makes_the_update_the_same_bits_in_any_group_order_clipped_or_not(dtype):
-    """FSDP2 on one rank (no reduce-scatter: the parameters' hooks round the gradients); two ranks run in
-    tests/multiprocess/test_pipeline.py. Clipped (max_grad_norm 1e-3) the norm is taken from whole gradients."""
+@pytest.mark.parametrize("backend,dtype", [
+    (TrainerBackend.fsdp, DType.float32), (TrainerBackend.fsdp, DType.bfloat16),
+    pytest.param(TrainerBackend.megatron, DType.float32, marks=needs_extra("megatron", "megatron.core")),
+], ids=["fsdp-float32", "fsdp-bfloat16", "megatron-float32"])
+def test_exact_accumulation_on_a_sharded_or_megatron_backend_makes_the_update_the_same_bits_in_any_group_order(
+        backend, dtype):
+    """FSDP2 on one rank (no reduce-scatter: the parameters' hooks round the gradients); Megatron on one rank (the
+    gradients come from DDP's buffers, main_grad, and the sums go back there before finalize_model_grads; bfloat16
+    needs CUDA there). Two ranks run in tests/multiprocess/test_pipeline.py. Clipped (max_grad_norm 1e-3), FSDP's
+    norm is taken from whole gradients."""
     orders = [[0, 1, 2, 3], [3, 1, 0, 2], [2, 3, 1, 0]]
     for max_grad_norm in (1.0, 1e-3):
-        exact = {update(dtype, order, exact=True, backend=TrainerBackend.fsdp, max_grad_norm=max_grad_norm)
-                 for order in orders}
+        exact = {update(dtype, order, exact=True, backend=backend, max_grad_norm=max_grad_norm) for order in orders}
         assert len(exact) == 1, f"max_grad_norm={max_grad_norm}"
         init, float_update, exact_update = (
-            update(dtype, order, exact=summed_exactly, backend=TrainerBackend.fsdp, max_grad_norm=max_grad_norm,
-                   as_bytes=False)
+            update(dtype, order, exact=summed_exactly, backend=backend, max_grad_norm=max_grad_norm, as_bytes=False)
             for order, summed_exactly in ((None, False), (orders[0], False), (orders[0], True)))
         assert (exact_update - float_update).norm() <= 1e-3 * (float_update - init).norm(), (
             "the exact update must be the float one up to rounding")
     if dtype is DType.float32:  # (bfloat16 gradients, 8 bits, add up exactly in FSDP's float32 shards here)
-        floats = {update(dtype, order, exact=False, backend=TrainerBackend.fsdp) for order in orders}
+        floats = {update(dtype, order, exact=False, backend=backend) for order in orders}
         assert len(floats) > 1, "float accumulation must tell orders apart"
-
-
-@needs_extra("megatron", "megatron.core")
-def test_exact_accumulation_on_megatron_makes_the_update_the_same_bits_in_any_group_order_clipped_or_not():
-    """Megatron on one rank, float32 (bfloat16 needs CUDA there): the gradients come from DDP's buffers
-    (``main_grad``), and the sums go back there before finalize_model_grads. Two ranks: tests/multiprocess."""
-    orders = [[0, 1, 2, 3], [3, 1, 0, 2], [2, 3, 1, 0]]
-    megatron = TrainerBackend.megatron
-    for max_grad_norm in (1.0, 1e-3):
-        exact = {update(DType.float32, order, exact=True, backend=megatron, max_grad_norm=max_grad_norm)
-                 for order in orders}
-        assert len(exact) == 1, f"max_grad_norm={max_grad_norm}"
-        init, float_update, exact_update = (
-            update(DType.float32, order, exact=summed_exactly, backend=megatron, max_grad_norm=max_grad_norm,
-                   as_bytes=False)
-            for order, summed_exactly in ((None, False), (orders[0], False), (orders[0], True)))
-        assert (exact_update - float_update).norm() <= 1e-3 * (float_update - init).norm(), (
-            "the exact update must be the float one up to rounding")
-    floats = {update(DType.float32, order, exact=False, backend=megatron) for order in orders}
-    assert len(floats) > 1, "float accumulation must tell orders apart"
 
 
 def test_a_bfloat16_torch_policy_resumes_from_its_float32_master_weights_to_the_same_bits(tmp_path):
