@@ -1,4 +1,5 @@
-"""What trainer.exact_accumulation costs on the torch, FSDP and Megatron backends (CPU): time per training batch and memory.
+"""What trainer.exact_accumulation costs on the torch, FSDP and Megatron backends (CPU): time per training batch
+and memory.
 
     python bench/exact_accumulation.py                                    # the embedded tiny Qwen3, float32
     python bench/exact_accumulation.py --hidden 256 --layers 4 --dtype bfloat16 --repeats 5 --threads 1
@@ -26,8 +27,10 @@ machine), each training its 1/N of the micro-batches in lockstep, rank 0's secon
 scatters int64 (twice float32's bytes) and gathers whole gradients for the clip norm (fsdp_exact.py). There
 add+take is not timed and the memory tables are not made (the torch backend's layout). ``--backend megatron
 --ranks N``: MegatronTrainer data parallel over N gloo ranks the same way; the exact variant all-reduces int64
-and writes the sums into rank 0's DDP buffers before Megatron's float reduction (megatron/trainer.py). On a shared machine pass --threads 1: with other jobs on the cores, torch's default
-threads oversubscribe them and a batch's time varies several-fold between repeats.
+and writes the sums into rank 0's DDP buffers before Megatron's float reduction (megatron/trainer.py).
+
+On a shared machine pass --threads 1: with other jobs on the cores, torch's default threads oversubscribe them and
+a batch's time varies several-fold between repeats.
 
 Memory table: bytes computed from the model's trainable parameters (the int64 accumulator is numel x 8 against
 parameters, gradients, float32 master copies of a 16-bit model, and AdamW's two float32 moments), then the

@@ -78,9 +78,13 @@ class ExactGradientSum:
         """The summed gradients times ``scale`` (1 / the batch's normaliser) in ``dtype``: computed in float64 and
         rounded once, the same on every rank. The sums restart at zero."""
         grads = [s.double().mul_(scale / self._scale).to(dtype) for s in self._sums]
+        self.clear()
+        return grads
+
+    def clear(self) -> None:
+        """Restart the sums at zero without turning them into gradients (a rank that does not write them)."""
         for s in self._sums:
             s.zero_()
-        return grads
 
 
 def all_reduce_flat(tensors: list[torch.Tensor], all_reduce: Callable[[torch.Tensor], object] | None) -> None:

@@ -174,10 +174,12 @@ class MegatronTrainer(GRPOTrainer):
 
         if self._exact is not None:
             self._exact.reduce(self.all_reduce)
-            grads = self._exact.take(self._exact.params[0].main_grad.dtype, scale=scale)
             if self.data_parallel_rank == 0:
+                grads = self._exact.take(self._exact.params[0].main_grad.dtype, scale=scale)
                 for p, grad in zip(self._exact.params, grads, strict=True):
                     p.main_grad.copy_(grad)
+            else:
+                self._exact.clear()
         finalize_model_grads([self.ddp])
         if self._exact is None:
             self.ddp.scale_gradients(scale)
