@@ -57,7 +57,7 @@ def grpo(
     """
     from rolloutpipe.control.env import free_port
 
-    cfg, run_dir = _prepare(list(overrides), trainer_gpus=trainer_gpus)
+    cfg, run_dir = _prepare(list(overrides))
     if rollout_gpus or trainer_gpus:
         from rolloutpipe.launch.preflight import warn_memory
 
@@ -87,10 +87,9 @@ def grpo(
     ])
 
 
-def _prepare(overrides: list[str], *, trainer_gpus: int):
+def _prepare(overrides: list[str]):
     """Compose conf/ with the overrides (as launch.py does), check it and the model (launch/preflight.py, as launch.py
-    does: before anything is queued; the trainer has CUDA where its replicas get GPUs, whatever this machine has),
-    and write the run's config.yaml."""
+    does: before anything is queued), and write the run's config.yaml."""
     from rolloutpipe.config import compose_config
     from rolloutpipe.launch.config import LauncherKind
     from rolloutpipe.launch.local import prepare_run
@@ -99,6 +98,6 @@ def _prepare(overrides: list[str], *, trainer_gpus: int):
     cfg = compose_config(overrides, CONF_DIR)
     if cfg.launcher.kind is not LauncherKind.local:
         raise ValueError(f"launcher={cfg.launcher.kind.value} does not apply here: TorchX is the launcher.")
-    check_model(cfg, trainer_cuda=trainer_gpus > 0)
+    check_model(cfg)
     run_dir = Path(cfg.run.dir or f"outputs/torchx/{datetime.now():%Y-%m-%d/%H-%M-%S}").resolve()
     return prepare_run(cfg, run_dir), run_dir

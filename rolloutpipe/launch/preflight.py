@@ -3,8 +3,7 @@
 ``check_model`` reads model.path's config.json and tokenizer (no weights), so a model the trainer backend cannot map
 faithfully, or a tokenizer that cannot serve the model, stops ``python launch.py`` with exit code 2 and the key to
 change, instead of after the queue wait and the model load on every rank. So does an explicit
-``trainer.megatron.distributed_optimizer=true`` that cannot run where the trainer ranks will run
-(``check_distributed_optimizer``; ``trainer_cuda``: the launcher's word on it, else judged by ``launcher.kind``).
+``trainer.megatron.distributed_optimizer=true`` with float64, which Megatron refuses (``check_distributed_optimizer``).
 
 ``warn_memory`` (GPU launchers only: launch.py's Slurm kinds, TorchX with GPUs) logs the memory plan's warnings
 (launch/memory_plan.py) when an estimate exceeds a GPU's memory: a warning, never a refusal, since an estimate is
@@ -16,17 +15,14 @@ from __future__ import annotations
 import logging
 
 from rolloutpipe.config import Config, ConfigError
-from rolloutpipe.launch.config import LauncherKind
 from rolloutpipe.model import load_tokenizer
 from rolloutpipe.trainer.config import TrainerBackend
 
 log = logging.getLogger(__name__)
 
 
-def check_model(cfg: Config, *, trainer_cuda: bool | None = None) -> None:
-    """``trainer_cuda``: whether the trainer ranks will have CUDA, where the launcher knows it (TorchX: trainer
-    GPUs were asked for); None: ``check_distributed_optimizer`` judges by the launcher kind."""
-    check_distributed_optimizer(cfg, trainer_cuda=trainer_cuda)
+def check_model(cfg: Config) -> None:
+    check_distributed_optimizer(cfg)
     if cfg.model.path is None:
         return  # the embedded tiny model and its tokenizer are made for each other
     from transformers import AutoConfig
@@ -46,25 +42,15 @@ def check_model(cfg: Config, *, trainer_cuda: bool | None = None) -> None:
             raise ConfigError(str(err)) from None
 
 
-def check_distributed_optimizer(cfg: Config, *, trainer_cuda: bool | None = None) -> None:
-    """An explicit ``trainer.megatron.distributed_optimizer=true`` that cannot run: with float64 anywhere, and where
-    the trainer ranks will have no CUDA. That is judged where they run, not where this check runs (a CPU login node
-    submits to GPU nodes): ``trainer_cuda`` when the launcher says it (the TorchX component: ``trainer_gpus > 0``);
-    otherwise the Slurm launchers' trainer nodes count as GPU nodes (as launch.py's ``gpu_launcher``), and the local
-    launcher's ranks run on this machine, so its CUDA decides."""
+def check_distributed_optimizer(cfg: Config) -> None:
+    """An explicit ``trainer.megatron.distributed_optimizer=true`` with float64 (it runs on GPUs and, redirected, on
+    the CPU, but takes 16- and 32-bit parameters only)."""
     if cfg.trainer.backend is not TrainerBackend.megatron or not cfg.trainer.megatron.distributed_optimizer:
         return
     from rolloutpipe.trainer.megatron.optimizer import resolve_distributed_optimizer
 
-    cuda = trainer_cuda
-    if cuda is None and cfg.launcher.kind is LauncherKind.local:
-        import torch  # only here: the launcher itself does not need torch
-
-        cuda = torch.cuda.is_available()
-    elif cuda is None:
-        cuda = True
     try:
-        resolve_distributed_optimizer(True, cuda=cuda, dtype=cfg.model.dtype.value)
+        resolve_distributed_optimizer(True, cuda=True, dtype=cfg.model.dtype.value)
     except ValueError as err:
         raise ConfigError(str(err)) from None
 

@@ -30,8 +30,8 @@ class MegatronConfig:
     pipeline_parallel_size: int = 1
     distributed_optimizer: bool | None = None
     """Megatron's DistributedOptimizer: AdamW state and float32 master weights sharded over the data-parallel ranks.
-    null: true on a GPU, false on the CPU (Megatron's distributed optimizer wraps only CUDA tensors) and for float64
-    (which it refuses). Resolved, and an explicit true that cannot run refused, by megatron/optimizer.py."""
+    null: true on a GPU, false on the CPU (where true runs too, under trainer/megatron/cpu.py's redirection) and for
+    float64 (which it refuses). Resolved, and true with float64 refused, by megatron/optimizer.py."""
 
 
 @dataclass(kw_only=True, slots=True)

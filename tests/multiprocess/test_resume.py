@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from rolloutpipe.control.checkpoint import latest_checkpoint
-from tests.conftest import DENSE_REWARD, SMALL, read_metrics, read_samples, run_job
+from tests.conftest import DENSE_REWARD, SMALL, needs_extra, read_metrics, read_samples, run_job
 from tests.helpers.parity import EXACT, weights_digests
 
 pytestmark = pytest.mark.multiprocess
@@ -19,14 +19,22 @@ WORKLOAD = [*SMALL, *DENSE_REWARD, *EXACT, "model.dtype=bfloat16", "run.save_sam
 exact accumulation and batch-invariant engines, so that the groups' arrival order cannot move a bit either."""
 
 
-def test_resumed_run_ends_with_the_weights_of_an_uninterrupted_run(job_dir):
+MEGATRON_DISTRIBUTED = ["trainer.backend=megatron", "trainer.megatron.distributed_optimizer=true", "trainer.num_ranks=2"]
+"""Megatron's DistributedOptimizer on two data-parallel ranks (on the CPU under trainer/megatron/cpu.py's redirection):
+its shards gathered into the checkpoint on rank 0 and scattered back on resume, torch's AdamW step counts with them."""
+
+
+@pytest.mark.parametrize("backend", [
+    [], pytest.param(MEGATRON_DISTRIBUTED, marks=needs_extra("megatron", "megatron.core")),
+], ids=["torch", "megatron-distributed-optimizer-2-ranks"])
+def test_resumed_run_ends_with_the_weights_of_an_uninterrupted_run(job_dir, backend):
     whole, split = job_dir("whole"), job_dir("split")
-    assert run_job(whole, *WORKLOAD, "num_rollout=4").returncode == 0
-    first = run_job(split, *WORKLOAD, "num_rollout=2")
+    assert run_job(whole, *WORKLOAD, *backend, "num_rollout=4").returncode == 0
+    first = run_job(split, *WORKLOAD, *backend, "num_rollout=2")
     assert first.returncode == 0, first.stderr[-2000:]
     assert latest_checkpoint(split).step == 1
     (split / "checkpoints" / "step=7.tmp").mkdir()  # an interrupted checkpoint write is never resumed from
-    second = run_job(split, *WORKLOAD, "num_rollout=4", "run.resume=auto")
+    second = run_job(split, *WORKLOAD, *backend, "num_rollout=4", "run.resume=auto")
     assert second.returncode == 0, second.stderr[-2000:]
 
     assert [m["step"] for m in read_metrics(split)] == [0, 1, 2, 3]

@@ -1,6 +1,6 @@
 """Megatron-core without CUDA: the one module that redirects its CUDA-only calls to the CPU.
 
-Megatron-core 0.16 runs GPTModel, its DDP (gloo) and its fp32 Adam on the CPU except for a few calls
+Megatron-core 0.16 runs GPTModel, its DDP (gloo) and its optimizers on the CPU except for a few calls
 that assume a GPU. ``cuda_calls_on_cpu`` redirects them for the duration of a Megatron call, and only
 when ``torch.cuda.is_available()`` is False; on a GPU machine it does nothing, so the GPU path is
 Megatron's own code, untouched:
@@ -12,9 +12,11 @@ Megatron's own code, untouched:
     recomputation saves and restores           tracker's streams are still saved and restored)
     gradient norm and clipping           -> plain torch in the gradients' dtype (Megatron's asserts
                                             torch.cuda.FloatTensor and reduces the norm in float32)
+    tensor.type() of a CPU tensor        -> its torch.cuda.* name (the bf16 and the distributed optimizers
+                                            accept torch.cuda.{Float,BFloat16,Half}Tensor parameters only)
 
-What stays GPU-only: the DistributedOptimizer and the bf16 / fp16 optimizers (they keep CUDA buffers
-and streams); ``MegatronTrainer`` refuses them on the CPU with an error that says so.
+So the bf16 optimizer and the DistributedOptimizer (its gathers and scatters go over gloo groups) run
+here too: what the tests run a GPU run's optimizer code with. Only Transformer Engine's spec needs a GPU.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ class _CudaFactoriesOnCpu(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" else name
         device = kwargs.get("device")
         if device is not None and torch.device(device).type == "cuda":
             kwargs["device"] = "cpu"

@@ -132,14 +132,17 @@ def build_gpt_model(hf_config, *, dtype: torch.dtype, tp_size: int, pp_size: int
     spec = (get_gpt_layer_with_transformer_engine_spec(qk_layernorm=layout.qk_norm) if transformer_engine
             else get_gpt_layer_local_spec(qk_layernorm=layout.qk_norm, normalization="RMSNorm"))
     rope = getattr(hf_config, "rope_parameters", None) or {"rope_theta": hf_config.rope_theta}
-    # the local spec's RMSNorm (torch.nn.RMSNorm) takes the default dtype, not params_dtype; a later
-    # model.to(dtype) would drop Megatron's tensor-parallel attributes from the parameters
+    # The local spec's RMSNorm (torch.nn.RMSNorm) makes its weight in the default dtype, not params_dtype. Every
+    # parameter in the model's dtype, as the HF model and the engines have it: a float32 norm in a bfloat16 model
+    # would be trained unrounded but checkpointed and served rounded, so a resumed run would start from other
+    # weights. A 16-bit default dtype would make RoPE's frequencies 16-bit too, so those norms are cast after;
+    # ``.data`` keeps the Parameter and its tensor-parallel attributes (model.to(dtype) would not).
     default_dtype = torch.get_default_dtype()
     if dtype in (torch.float32, torch.float64):
         torch.set_default_dtype(dtype)
     try:
         with torch.random.fork_rng(devices=[]):  # the initialisation is thrown away: keep the caller's RNG
-            return GPTModel(
+            gpt = GPTModel(
                 config=config, transformer_layer_spec=spec,
                 vocab_size=layout.padded_vocab_size, max_sequence_length=hf_config.max_position_embeddings,
                 share_embeddings_and_output_weights=layout.tied_embeddings, position_embedding_type="rope",
@@ -147,3 +150,7 @@ def build_gpt_model(hf_config, *, dtype: torch.dtype, tp_size: int, pp_size: int
             )
     finally:
         torch.set_default_dtype(default_dtype)
+    for param in gpt.parameters():
+        if param.dtype != dtype:
+            param.data = param.data.to(dtype)
+    return gpt

@@ -5,7 +5,8 @@ Replicated (the CPU path, and ``distributed_optimizer=false``): every data-paral
 state; DDP all-reduces the gradients. Distributed: Megatron's DistributedOptimizer keeps each rank's 1/N of the
 float32 master weights and of Adam's moments; DDP reduce-scatters the gradients into the shards and, after the step,
 all-gathers the updated parameters. The update is the same: only the order of the gradients' additions differs.
-Megatron's distributed optimizer wraps CUDA half/bfloat16/float32 tensors only, so it needs a GPU and refuses float64.
+Megatron's distributed optimizer wraps CUDA half/bfloat16/float32 tensors only: it refuses float64, and on the CPU it
+runs under cpu.py's redirection (gloo), which is how the tests run it.
 
 No overlap. ``overlap_grad_reduce`` / ``overlap_param_gather`` stay off: Megatron starts a bucket's reduce when its
 last gradient of the *last* micro-batch is ready, and CGP does not know which micro-batch is last before its backward
@@ -23,25 +24,25 @@ that a shard landed where it belongs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 
 from rolloutpipe.trainer.config import TrainerConfig
+from rolloutpipe.trainer.megatron.cpu import cuda_calls_on_cpu
+from rolloutpipe.trainer.torch_backend import MASTER
 
 FORMAT = "megatron_distributed_optimizer"
 """Marks a checkpoint's optimizer state as written by ``DistributedParameterState``."""
 
 
 def resolve_distributed_optimizer(requested: bool | None, *, cuda: bool, dtype: str) -> bool:
-    """``trainer.megatron.distributed_optimizer``: null means on a GPU (float64 excepted); true where it cannot run
-    raises with the reason and the key to set. ``dtype`` is model.dtype's name (``"bfloat16"``)."""
+    """``trainer.megatron.distributed_optimizer``: null means on a GPU (float64 excepted, which Megatron refuses);
+    an explicit true runs on the CPU too (cpu.py redirects its CUDA calls: what CI tests it with), and with float64
+    raises with the key to set. ``dtype`` is model.dtype's name (``"bfloat16"``)."""
     if requested is None:
         return cuda and dtype != "float64"
-    if requested and not cuda:
-        raise ValueError("trainer.megatron.distributed_optimizer=true needs a GPU: Megatron's DistributedOptimizer "
-                         "keeps its shards and communication buffers in CUDA memory, and this trainer has no CUDA "
-                         "device. Set trainer.megatron.distributed_optimizer=false (or null: false on the CPU).")
     if requested and dtype == "float64":
         raise ValueError("trainer.megatron.distributed_optimizer=true takes float16, bfloat16 or float32 parameters "
                          "(Megatron refuses float64 ones); set model.dtype=float32, or "
@@ -106,18 +107,35 @@ class DistributedParameterState:
         (meta,) = state_dict["param_groups"]
         tensors = state_dict["state"]
         index = 0
-        for sub, hyper in zip(self.megatron.chained_optimizers, meta["optimizers"], strict=True):
-            sub.load_state_dict(hyper)
-            parameter_state: dict = {"buckets_coalesced": True}
-            for buffer_index, ranges in enumerate(sub.gbuf_ranges):
-                (dtype_key,) = ranges.keys()
-                world = {name: tensors[index][name].float() for name in ("param", "exp_avg", "exp_avg_sq")}
-                parameter_state[buffer_index] = {dtype_key: {**world, "numel_unpadded": world["param"].numel()}}
-                index += 1
-            sub.load_parameter_state_from_dp_zero(parameter_state)
+        # the shards are views of parameters that require grad: Megatron's copies into them must not be recorded
+        with cuda_calls_on_cpu(), torch.no_grad():
+            for sub, hyper in zip(self.megatron.chained_optimizers, meta["optimizers"], strict=True):
+                sub.load_state_dict(hyper)
+                parameter_state: dict = {"buckets_coalesced": True}
+                for buffer_index, ranges in enumerate(sub.gbuf_ranges):
+                    (dtype_key,) = ranges.keys()
+                    world = {name: tensors[index][name].float() for name in ("param", "exp_avg", "exp_avg_sq")}
+                    parameter_state[buffer_index] = {dtype_key: {**world, "numel_unpadded": world["param"].numel()}}
+                    index += 1
+                with _step_set_aside(sub.optimizer):
+                    sub.load_parameter_state_from_dp_zero(parameter_state)
         if index != len(tensors):
             raise ValueError(f"the checkpoint's optimizer state has {len(tensors)} gradient buffers, this model "
                              f"{index}: it was written for another model.")
+
+
+@contextlib.contextmanager
+def _step_set_aside(inner: torch.optim.Optimizer) -> Iterator[None]:
+    """Torch's Adam (what Megatron wraps without Apex or Transformer Engine) keeps the step count in each
+    parameter's state, where ``sub.load_state_dict`` put it from the hyper-parameters; Megatron's scatter copies every
+    state key of a parameter from what it received (param, exp_avg, exp_avg_sq) and has no step to copy. FusedAdam
+    keeps the step in its parameter groups, and this does nothing."""
+    steps = {param: state.pop("step") for param, state in inner.state.items() if "step" in state}
+    try:
+        yield
+    finally:
+        for param, step in steps.items():  # one tensor each: Megatron gave them all one, which Adam adds 1 to per
+            inner.state[param]["step"] = step.clone()  # parameter (the step count would run N times too fast)
 
 
 def check_format(state_dict: dict, *, distributed: bool, data_parallel_size: int, tensor_parallel_size: int) -> None:
@@ -140,17 +158,36 @@ def check_format(state_dict: dict, *, distributed: bool, data_parallel_size: int
 
 
 class ReplicatedState:
-    """Megatron's replicated optimizer, its state dict unchanged, refusing a distributed optimizer's checkpoint."""
+    """Megatron's replicated optimizer in the checkpoint layout, refusing a distributed optimizer's checkpoint.
+
+    float32 (FP32Optimizer): Megatron's state dict is torch's, unchanged. bfloat16 (Float16OptimizerWithFloat16Params):
+    Megatron keeps the float32 master weights beside torch's state (``fp32_from_fp16_params``); here each goes under
+    ``MASTER`` in its parameter's state, as the torch backend keeps them, and back where Megatron wants it on load."""
 
     def __init__(self, optimizer) -> None:
         self.megatron = optimizer
+        (self._sub,) = optimizer.chained_optimizers  # one model chunk, no experts: one optimizer
 
     def state_dict(self) -> dict:
-        return self.megatron.state_dict()
+        megatron = self._sub.state_dict()
+        if "fp32_from_fp16_params" not in megatron:
+            return megatron
+        state = megatron["optimizer"]
+        for group, masters in zip(state["param_groups"], megatron["fp32_from_fp16_params"], strict=True):
+            for index, master in zip(group["params"], masters, strict=True):  # (a new dict: torch's state_dict
+                state["state"][index] = {**state["state"][index], MASTER: master}  # hands out the live ones)
+        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         check_format(state_dict, distributed=False, data_parallel_size=0, tensor_parallel_size=0)
-        self.megatron.load_state_dict(state_dict)
+        if not hasattr(self._sub, "fp32_from_float16_groups"):
+            self._sub.load_state_dict(state_dict)
+            return
+        state = {index: dict(tensors) for index, tensors in state_dict["state"].items()}
+        masters = [[state[index].pop(MASTER) for index in group["params"]] for group in state_dict["param_groups"]]
+        with cuda_calls_on_cpu():
+            self._sub.load_state_dict({"optimizer": {"state": state, "param_groups": state_dict["param_groups"]},
+                                       "fp32_from_fp16_params": masters})
 
 
 def _plain(value):

@@ -28,9 +28,9 @@ step ends by gathering the shards on each tensor-parallel group's first rank, so
 write them without the other ranks (``save_weights``, ``hf_model``).
 
 CPU. Without CUDA every Megatron call runs inside ``cpu.cuda_calls_on_cpu()``, which redirects
-Megatron's CUDA-only calls; float32 and float64 only (bf16 needs Megatron's mixed-precision
-optimizer, which needs CUDA), and the replicated optimizer (the distributed one needs CUDA). The GPU path
-(CUDA present) is Megatron's own code but has not been run by this project's tests (tools/gpu_check.py does).
+Megatron's CUDA-only calls: every dtype and both optimizers (the bf16 one and the distributed one included) run
+there on gloo, which is how the tests run the GPU path's optimizer code. With CUDA it is Megatron's own code,
+untouched (tools/gpu_check.py runs it on a GPU).
 """
 
 from __future__ import annotations
@@ -86,9 +86,6 @@ class MegatronTrainer(GRPOTrainer):
         """The HF model the weights came from; ``hf_model`` loads the trained weights back into it."""
         self.dtype = next(model.parameters()).dtype
         tp, pp = cfg.megatron.tensor_parallel_size, cfg.megatron.pipeline_parallel_size
-        if self.device is None and self.dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"trainer.backend=megatron on a machine without CUDA trains float32 or float64 only "
-                             f"(model.dtype is {self.dtype}): Megatron's bf16 optimizer needs CUDA.")
         self.distributed_optimizer = resolve_distributed_optimizer(
             cfg.megatron.distributed_optimizer, cuda=self.device is not None, dtype=str(self.dtype).split(".")[-1])
         """Megatron's DistributedOptimizer (optimizer.py); resolved before anything is built."""
