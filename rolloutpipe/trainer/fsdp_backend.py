@@ -64,7 +64,7 @@ from rolloutpipe.trainer.grpo import LossSums
 from rolloutpipe.trainer.grpo_trainer import GRPOTrainer, TrainSample, pack
 from rolloutpipe.trainer.lead import LeadReads
 from rolloutpipe.trainer.logprobs import token_entropy, token_logprobs
-from rolloutpipe.trainer.torch_backend import MASTER, _chunkable, _HiddenToLogprobs, clip_grad_norm
+from rolloutpipe.trainer.torch_backend import MASTER, _chunkable, _HiddenToLogprobs, clip_grad_norm, enable_recompute
 
 _GATHER = 1
 """Rank 0's request to the other ranks inside ``writer_reads`` (lead.py)."""
@@ -96,8 +96,8 @@ class FSDPTrainer(GRPOTrainer):
             model.float()
         if self.device is not None:
             model.to(self.device)
-        if cfg.recompute:  # HF's per-layer activation checkpointing; each recomputed layer all-gathers again
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.recompute:  # each recomputed layer all-gathers again
+            enable_recompute(model)
         self.model = model.train()
         self._head = (_HiddenToLogprobs(model, cfg.logprob_chunk_tokens, temperature)
                       if cfg.logprob_chunk_tokens and _chunkable(model) else None)

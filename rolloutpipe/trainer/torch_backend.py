@@ -37,8 +37,8 @@ class PolicyTrainer(GRPOTrainer):
         super().__init__(cfg=cfg, grpo=grpo, temperature=temperature, pad_id=pad_id, multi_step=multi_step,
                          old_logprobs=old_logprobs)
         self.model = (model if self.device is None else model.to(self.device)).train()
-        if cfg.recompute:  # HF's per-layer activation checkpointing; the non-reentrant kind works under no_grad too
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.recompute:
+            enable_recompute(model)
         self._head = (_HiddenToLogprobs(self.model, cfg.logprob_chunk_tokens, temperature)
                       if cfg.logprob_chunk_tokens and _chunkable(self.model) else None)
         """Log-probs from the hidden states by chunks; None: from the model's full logits."""
@@ -146,6 +146,17 @@ def _adopt_masters(optimizer: torch.optim.Optimizer) -> None:
             if kept is not None and kept is not param:
                 param.copy_(kept)
                 state[MASTER] = param
+
+
+def enable_recompute(model: torch.nn.Module) -> None:
+    """HF's per-layer activation checkpointing, the non-reentrant kind (it works under no_grad too). transformers 5.2x
+    calls it ``activation_checkpointing_enable`` and keeps ``gradient_checkpointing_enable`` as a deprecated alias
+    (to go in v6); earlier releases, the declared floor and the 5.17 of issue 43's H200 among them, have only that."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, *, all_reduce: bool = False) -> float:

@@ -130,7 +130,7 @@ def test_recomputed_activations_give_the_same_update():
         trainer = PolicyTrainer(model=copy.deepcopy(model), cfg=TrainerConfig(lr=1e-2, recompute=recompute),
                                 grpo=GRPOConfig(), temperature=TEMPERATURE, pad_id=0, multi_step=False,
                                 process_group_active=False, old_logprobs=OldLogprobSource.trainer)
-        assert trainer.model.is_activation_checkpointing is recompute
+        assert trainer.model.is_gradient_checkpointing is recompute  # (the name every supported transformers has)
         sums = trainer.forward_backward(samples, first_batch_of_step=True)
         out[recompute] = (float(sums.loss.detach()), sums.entropy_sum, trainer.finish_batch().grad_norm,
                           trainer.model.state_dict())
