@@ -119,6 +119,8 @@ class LocalLauncher:
 
     def _start(self, env: NodeEnv) -> Child:
         environ = {**child_environ(), **env.to_environ(), "PYTHONUNBUFFERED": "1"}
+        if env.role is Role.trainer:  # every rank on this machine: each binds to its own GPU (control/env.py)
+            environ["LOCAL_RANK"] = str(env.rank)
         if (loopback := loopback_interface()) is not None:  # gloo's peer sockets: loopback too, like the stores
             environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
         root = str(Path(__file__).resolve().parents[2])  # the directory that holds the package

@@ -12,33 +12,27 @@ Trainer rank (all ranks alike: data-parallel replicas, or tensor-parallel shards
                                   Megatron: bf16 weights, DDP's fp32 gradients, fp32 master weights, Adam m and v (the
                                   last two / data-parallel size with trainer.megatron.distributed_optimizer, null: on,
                                   a plan is for GPUs). FSDP: ``fsdp_state_terms``, ``fsdp_unsharded_terms``.
-  activations                     what a decoder layer keeps for backward, per token (``layer_activation_bytes``: the
-                                  tensors HF's Qwen3 layer saves; Megatron's local layer is counted alike), times
-                                  layers and the micro-batch's padded size rows * (max prompt + max response).
-                                  ``trainer.recompute``: each layer's input, plus one layer recomputed in backward.
-  attention                       ``fused`` (SDPA's flash / memory-efficient kernels, Transformer Engine's fused
-                                  attention): O(T), the output and a log-sum-exp per head, already in the layer count.
-                                  The torch backend calls SDPA purely causal (no padding mask): fused. Megatron takes
-                                  Transformer Engine's layer spec when it imports on the GPU nodes (assumed: fused);
-                                  ``materialised`` is its local spec (DotProductAttention, on CPU or without
-                                  Transformer Engine): the [heads, T, T] probabilities of every layer, in the model's
-                                  dtype, plus their float32 softmax where Megatron's fused softmax kernel does not
-                                  apply (T > 4096), and one scores buffer; Megatron also builds a [T, T] bool mask.
-  log-prob chunk                  trainer/logprobs.py: ``logprob_chunk_tokens`` response tokens at a time (Megatron
-                                  with 0: the micro-batch at once), [tokens, vocabulary / tp] logits. Forward: the
-                                  float32 logits and their exponentials, 8 B per logit; backward: the recomputed
-                                  float32 softmax and its gradient in a 16-bit model dtype (4 + 2 B) beside the head
-                                  gradient summed over chunks in float32 (and one chunk's part in 16 bits). The torch
-                                  backend with 0 (or a model whose logits are not the plain head): the model's own
-                                  forward over every logit, 20 B per logit (measured: logits, log-softmax, the
-                                  entropy pass, and their gradients).
+  activations                     what a decoder layer keeps for backward, per token (``layer_activation_bytes``,
+                                  HF's Qwen3 layer; Megatron's counted alike) x layers x the largest micro-batch's
+                                  padded tokens (``micro_batch_size``). ``trainer.recompute``: each layer's input,
+                                  plus one layer recomputed in backward.
+  attention                       ``fused`` (the torch backend's causal SDPA, Transformer Engine's: assumed for
+                                  Megatron on GPU nodes): O(T), in the layer count. ``materialised``: Megatron's local
+                                  spec, per score (rows x heads x T^2, the most a token budget allows):
+                                  ``materialised_score_bytes``, and a [T, T] bool mask. Held to an H200's peaks
+                                  (issue 43): tests/unit/test_memory_plan_gpu.py.
+  log-prob chunk                  trainer/logprobs.py: ``logprob_chunk_tokens`` tokens x vocabulary / tp logits.
+                                  Forward: float32 logits and exponentials, 8 B per logit; backward: the float32
+                                  softmax and its 16-bit gradient (4 + 2 B) beside the head's gradient summed in
+                                  float32. The torch backend with 0: the model's own logits, 20 B per logit.
 Rollout engine (SGLang)
   weights + KV cache              ``rollout.concurrency`` responses of max prompt + max response tokens, K and V
                                   of every layer's key/value heads in the model's dtype, inside SGLang's
                                   --mem-fraction-static; the rest is SGLang's reserve (activations, CUDA graphs).
 
-Validated against the CPU torch and FSDP trainers' peak RSS (bench/memory_plan_validation.py, docs/trainer.md).
-``fewest_ranks``: the fewest trainer GPUs that fit, where ranks shard the state.
+Validated against the CPU trainers' peak RSS (bench/memory_plan_validation.py) and live tensors
+(bench/memory_plan_tracked.py), and an H200's peaks (docs/trainer.md). ``fewest_ranks``: the fewest trainer GPUs
+that fit, where ranks shard the state.
 """
 
 from __future__ import annotations
@@ -48,19 +42,28 @@ import enum
 from dataclasses import dataclass, field
 
 from rolloutpipe.config import Config
-from rolloutpipe.launch.model_shapes import QWEN3_SHAPES, ModelShape, layer_activation_bytes, model_shape  # noqa: F401
+from rolloutpipe.launch.model_shapes import (  # noqa: F401 (re-exported: the plan's shapes and micro-batches)
+    QWEN3_SHAPES,
+    ModelShape,
+    layer_activation_bytes,
+    materialised_score_bytes,
+    micro_batch_rows,
+    micro_batch_size,
+    model_shape,
+    sequence_len,
+)
 from rolloutpipe.model import DType
 from rolloutpipe.trainer.config import OldLogprobSource, TrainerBackend
 
 GiB = 1 << 30
 DEFAULT_GPU_MEMORY_GIB = 80.0
 CUDA_CONTEXT_BYTES = 1 * GiB
-"""Assumed per trainer process: the CUDA context, cuBLAS / NCCL workspaces and allocator slack."""
+"""Assumed per trainer process: the CUDA context, cuBLAS / NCCL workspaces and allocator slack. The other terms are
+live tensors, what ``torch.cuda.max_memory_allocated`` counts; the trainer ranks run PyTorch's caching allocator with
+expandable segments (launch/node.py), so what it reserves beyond them stays small for micro-batches of every size."""
 SGLANG_MEM_FRACTION_STATIC = 0.88
 """Assumed share of the GPU SGLang gives weights + KV cache when rollout.sglang_launch_args has no
 --mem-fraction-static (its default on an 80 GB GPU at TP 1 in recent versions; it varies by version and GPU)."""
-MEGATRON_FUSED_SOFTMAX_MAX_LEN = 4096
-"""Megatron's fused scale-mask-softmax kernel takes keys up to this length; longer ones run torch's float32 softmax."""
 
 
 class AttentionKind(enum.Enum):
@@ -137,21 +140,6 @@ def dtype_bytes(dtype: DType) -> int:
     return {DType.float32: 4, DType.float64: 8, DType.bfloat16: 2}[dtype]
 
 
-def sequence_len(cfg: Config) -> int:
-    """The budget of one sample: the longest prompt plus the longest response."""
-    return cfg.data.max_prompt_len + cfg.rollout_max_response_len
-
-
-def micro_batch_rows(cfg: Config) -> int:
-    """Samples in the largest micro-batch a rank trains: micro_batch_size, or as many budget-length samples as
-    max_tokens_per_micro_batch holds (rows * longest length; at least one); never more than a rank's share, nor
-    than a group with trainer.exact_accumulation (its micro-batches never span two groups)."""
-    rows = (max(1, cfg.max_tokens_per_micro_batch // sequence_len(cfg)) if cfg.max_tokens_per_micro_batch
-            else cfg.micro_batch_size)
-    group = cfg.n_samples_per_prompt if cfg.trainer.exact_accumulation else rows
-    return min(rows, group, max(1, cfg.global_batch_size // cfg.trainer.data_parallel_size))
-
-
 def trainer_estimate(cfg: Config, shape: ModelShape, *, capacity_bytes: int,
                      attention: AttentionKind | None = None) -> Estimate:
     tr = cfg.trainer
@@ -162,7 +150,7 @@ def trainer_estimate(cfg: Config, shape: ModelShape, *, capacity_bytes: int,
     params = shape.num_params(tp=tp)
     attention = attention or AttentionKind.fused
     rows, length = micro_batch_rows(cfg), sequence_len(cfg)
-    tokens = rows * length
+    tokens, scores_per_head = micro_batch_size(cfg)
     h, layers = shape.hidden_size, shape.num_layers
     shard = f"{params / 1e9:.2f}B params" + (f" (1/{tp} tensor-parallel shard)" if tp > 1 else "")
     more_tp = ("more trainer.megatron.tensor_parallel_size" if megatron
@@ -223,26 +211,9 @@ def trainer_estimate(cfg: Config, shape: ModelShape, *, capacity_bytes: int,
         knob = fewer_tokens
     else:
         act = tokens * (layers * per_layer + final_norm)
-        how = f"{tokens} tokens ({rows} x {length}) x {layers} layers x {per_layer / 1024:.0f} KiB + final norm"
+        how = f"{tokens} padded tokens x {layers} layers x {per_layer / 1024:.0f} KiB + final norm"
         knob = f"trainer.recompute=true, {fewer_tokens}"
     terms.append(Term(name="activations", num_bytes=int(act), phase=Phase.forward_backward, how=how, knob=knob))
-
-    heads = shape.num_heads // tp
-    if attention is AttentionKind.materialised:
-        scores = rows * heads * length * length
-        fp32_softmax = 4 if d < 4 and length > MEGATRON_FUSED_SOFTMAX_MAX_LEN else 0
-        kept_layers = 1 if tr.recompute else layers
-        attn = scores * ((d + fp32_softmax) * kept_layers + d + fp32_softmax)  # + the buffer, its fp32 copy
-        how = (f"[{rows} x {heads} heads x {length}^2] x {d + fp32_softmax} B kept in {kept_layers} layer(s), "
-               "one scores buffer" + (", fp32 softmax (T > 4096)" if fp32_softmax else ""))
-        knob = f"{'' if tr.recompute else 'trainer.recompute=true, '}{more_tp}, {fewer_tokens}"
-    else:
-        attn, how, knob = 0, "O(T): output and log-sum-exp, counted in activations", ""
-    mask = length * length if megatron else 0  # the torch backend passes no mask (padding is on the right)
-    if mask:
-        how += f"; [{length}^2] boolean mask"
-    terms.append(Term(name=f"attention ({attention.value})", num_bytes=int(attn + mask), phase=Phase.forward_backward,
-                      how=how, knob=knob))
 
     head_grad = shape.vocab_size * h // tp * d  # the head weight's gradient in the model's dtype
     chunk = tr.logprob_chunk_tokens
@@ -252,14 +223,38 @@ def trainer_estimate(cfg: Config, shape: ModelShape, *, capacity_bytes: int,
         low = d if d < 4 else 0  # a 16-bit model's extra copy
         summed = vocab * h * (max(4, d) + low)  # float32 sum, one chunk's part in 16 bits
         lp_bytes = max(8 * logit_tokens * vocab, (4 + low) * logit_tokens * vocab + summed)
-        how = (f"{logit_tokens} tokens x {vocab} vocabulary{' (this rank' + chr(39) + 's shard)' if tp > 1 else ''}"
+        lp_how = (f"{logit_tokens} tokens x {vocab} vocabulary{' (this rank' + chr(39) + 's shard)' if tp > 1 else ''}"
                f": 8 B per logit forward, {4 + low} B beside the head gradient summed in float32 backward")
-        knob = "lower trainer.logprob_chunk_tokens" if chunk else "trainer.logprob_chunk_tokens=1024"
+        lp_knob = "lower trainer.logprob_chunk_tokens" if chunk else "trainer.logprob_chunk_tokens=1024"
     else:
         lp_bytes = 20 * logit_tokens * vocab
-        how = f"{logit_tokens} tokens x {vocab} vocabulary x 20 B: the model's own forward over every logit"
-        knob = "trainer.logprob_chunk_tokens=1024"
-    terms.append(Term(name="log-prob chunk", num_bytes=lp_bytes, phase=Phase.forward_backward, how=how, knob=knob))
+        lp_how = f"{logit_tokens} tokens x {vocab} vocabulary x 20 B: the model's own forward over every logit"
+        lp_knob = "trainer.logprob_chunk_tokens=1024"
+    heads = shape.num_heads // tp
+    if attention is AttentionKind.materialised:
+        scores = scores_per_head * heads
+        held, kept, layer = materialised_score_bytes(d)
+        terms.append(Term(name="scores buffer", num_bytes=scores * held, phase=Phase.always,
+                          how=f"Megatron's global [b x {heads} heads, T, T] buffer, {held} B per score"))
+        # the log-prob chunk's backward comes first, every layer's probabilities kept (none with recompute); the
+        # last layer's backward comes after it, the chunk freed: the term is what the larger of the two adds
+        first = 0 if tr.recompute else layers * kept * scores
+        attn = max(first, ((0 if tr.recompute else layers - 1) * kept + layer) * scores - lp_bytes)
+        how = (f"{scores / 1e6:.0f}M scores ({heads} heads x {scores_per_head / 1e6:.0f}M T^2): the larger of "
+               f"{0 if tr.recompute else layers} layers x {kept} B at the log-prob chunk's backward and, over the "
+               f"chunk, {'one layer' if tr.recompute else f'{layers - 1} x {kept} B + the last layer'} in backward "
+               f"({layer} B)")
+        knob = f"{'' if tr.recompute else 'trainer.recompute=true, '}{more_tp}, {fewer_tokens}"
+    else:
+        attn, how, knob = 0, "O(T): output and log-sum-exp, counted in activations", ""
+    mask = length * length if megatron else 0  # the torch backend passes no mask (padding is on the right)
+    if mask:
+        how += f"; [{length}^2] boolean mask"
+    terms.append(Term(name=f"attention ({attention.value})", num_bytes=int(attn + mask), phase=Phase.forward_backward,
+                      how=how, knob=knob))
+
+    terms.append(Term(name="log-prob chunk", num_bytes=lp_bytes, phase=Phase.forward_backward, how=lp_how,
+                      knob=lp_knob))
     if fsdp:
         terms += fsdp_unsharded_terms(shape, d=d, n=n, logprob_bytes=lp_bytes, layer_activations=tokens * per_layer)
     else:
@@ -271,8 +266,8 @@ def trainer_estimate(cfg: Config, shape: ModelShape, *, capacity_bytes: int,
                                   if shape.tied_embeddings else "the embedding's part before it is added"))))
     terms.append(Term(name="CUDA context", num_bytes=CUDA_CONTEXT_BYTES, phase=Phase.always,
                       how="assumed: context, workspaces, allocator slack"))
-    notes = [(f"micro-batch: {rows} rows x {length} tokens (max prompt {cfg.data.max_prompt_len} + max response "
-             f"{cfg.rollout_max_response_len}), padded"),
+    notes = [(f"micro-batch: up to {tokens} padded tokens (max prompt {cfg.data.max_prompt_len} + max response "
+             f"{cfg.rollout_max_response_len} = {length} a sample)"),
              f"attention assumed {attention.value}: "
              + ("Megatron's local layer spec (DotProductAttention: CPU, or no Transformer Engine)"
                 if attention is AttentionKind.materialised else
@@ -288,6 +283,11 @@ def trainer_estimate(cfg: Config, shape: ModelShape, *, capacity_bytes: int,
                if tr.megatron.distributed_optimizer is None else "")))
     return Estimate(who=f"trainer rank ({tr.backend.value}, tp={tp})", count=tr.num_ranks, terms=terms,
                     capacity_bytes=capacity_bytes, notes=notes)
+
+
+def planned_allocated_bytes(cfg: Config, shape: ModelShape, *, attention: AttentionKind | None = None) -> int:
+    """The trainer rank's peak as ``torch.cuda.max_memory_allocated`` counts it: without the CUDA context."""
+    return trainer_estimate(cfg, shape, capacity_bytes=0, attention=attention).peak_bytes - CUDA_CONTEXT_BYTES
 
 
 def fsdp_root_and_layer(shape: ModelShape) -> tuple[int, int]:

@@ -1,12 +1,14 @@
 """The shapes a memory plan needs: what memory depends on in a Qwen2/Qwen3-style decoder, read from an HF
-config.json, the embedded tiny model, or the Qwen3 family's published numbers (``--model-shape``), and what one
-decoder layer of a shape keeps for backward per token.
+config.json, the embedded tiny model, or the Qwen3 family's published numbers (``--model-shape``), what one
+decoder layer of a shape keeps for backward per token (and, in Megatron's local attention, per score), and the
+largest micro-batch a config trains.
 
 Pure arithmetic; launch/memory_plan.py adds up a trainer rank's and an engine's terms from it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from rolloutpipe.config import Config
@@ -48,11 +50,16 @@ class ModelShape:
         """Parameters of one tensor-parallel shard (tp=1: the HF model's parameter count, tied weights once).
         Linear layers and the vocabulary (padded to a multiple of tp) are split; norms are replicated."""
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        linear = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size + (q + 2 * kv if self.qkv_bias else 0)
+        linear = self.layer_matmul_params() + (q + 2 * kv if self.qkv_bias else 0)
         norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         vocab = -(-self.vocab_size // tp) * h
         heads = vocab if self.tied_embeddings else 2 * vocab
         return heads + self.num_layers * (linear // tp + norms) + h
+
+    def layer_matmul_params(self) -> int:
+        """One decoder layer's projection weights: q, k, v and o, and the MLP's gate, up and down."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size
 
 
 QWEN3_SHAPES = {
@@ -85,6 +92,30 @@ def model_shape(cfg: Config) -> ModelShape:
                       vocab_size=len(TINY_SPECIAL_TOKENS) + len(TINY_CHARS), tied_embeddings=True)
 
 
+def train_flops(shape: ModelShape, sequence_lengths: Iterable[int], *, recompute: bool = False) -> int:
+    """FLOPs of one forward and backward over sequences of these lengths (prompt + response tokens, no padding):
+    the model FLOPs that MFU divides by the time taken, or with ``recompute`` the hardware FLOPs of
+    ``trainer.recompute`` (HFU). docs/gpu.md has the derivation.
+
+    Matmuls (PaLM's appendix B, Megatron-LM's MFU): a weight of N elements costs 2N FLOPs per token forward (a
+    multiply and an add per element) and 4N backward (the input's gradient and the weight's): 6N per token. N is
+    every layer's projections and the output head, tied or not (the embedding lookup multiplies nothing), counted
+    at every token as the convention does, though the loss reads the head only at response tokens (issue 43's 26%
+    counts the same way). Causal attention, per layer, head and sequence of T tokens: query i meets keys 0..i,
+    T(T+1)/2 pairs, each a q.k dot product and a p.v product of head_dim elements (4 head_dim FLOPs) forward and
+    twice that backward: 6 head_dim T(T+1). ``recompute`` adds the decoder layers' forward once more (2 N_layers
+    per token, 2 head_dim T(T+1) per head): the head is not recomputed. The old log-probs of a step's first batch
+    come from the same forward, so they add nothing. Left out: norms, RoPE, softmax, SiLU and the loss (a few
+    FLOPs per hidden element, under 1%).
+    """
+    lengths = list(sequence_lengths)
+    tokens, pairs = sum(lengths), sum(t * (t + 1) for t in lengths)
+    layers = shape.num_layers * shape.layer_matmul_params()
+    attention = shape.num_layers * shape.num_heads * shape.head_dim * pairs
+    flops = 6 * (layers + shape.vocab_size * shape.hidden_size) * tokens + 6 * attention
+    return flops + (2 * layers * tokens + 2 * attention if recompute else 0)
+
+
 def layer_activation_bytes(shape: ModelShape, *, dtype_bytes: int, tp: int = 1,
                            expanded_kv: bool = False) -> dict[str, float]:
     """Bytes one decoder layer keeps for backward, per token, by tensor (tensor-parallel rank ``tp`` of them): what
@@ -113,3 +144,48 @@ def layer_activation_bytes(shape: ModelShape, *, dtype_bytes: int, tp: int = 1,
         "post-attention norm": norm,
         "mlp": 4 * d * shape.intermediate_size / tp,
     }
+
+
+def sequence_len(cfg: Config) -> int:
+    """The budget of one sample: the longest prompt plus the longest response."""
+    return cfg.data.max_prompt_len + cfg.rollout_max_response_len
+
+
+def row_cap(cfg: Config) -> int:
+    """The most samples a micro-batch holds: a rank's share of the batch, and a group with trainer.exact_accumulation
+    (its micro-batches never span two groups)."""
+    share = max(1, cfg.global_batch_size // cfg.trainer.data_parallel_size)
+    return min(share, cfg.n_samples_per_prompt) if cfg.trainer.exact_accumulation else share
+
+
+def micro_batch_rows(cfg: Config) -> int:
+    """Full-length samples in the largest micro-batch: micro_batch_size, or as many as max_tokens_per_micro_batch
+    holds (at least one)."""
+    rows = (max(1, cfg.max_tokens_per_micro_batch // sequence_len(cfg)) if cfg.max_tokens_per_micro_batch
+            else cfg.micro_batch_size)
+    return min(rows, row_cap(cfg))
+
+
+def micro_batch_size(cfg: Config) -> tuple[int, int]:
+    """The largest micro-batch a rank trains: (padded token slots, attention score elements per head: the sum of its
+    rows' T^2). A token budget B bounds rows x longest (trainer/batching.py), whatever the rows: up to B slots (one
+    sample longer than B goes alone), and the most score elements at r rows of min(longest, B // r) tokens."""
+    length, budget, cap = sequence_len(cfg), cfg.max_tokens_per_micro_batch, row_cap(cfg)
+    if not budget:
+        rows = min(cfg.micro_batch_size, cap)
+        return rows * length, rows * length * length
+    scores = max(r * min(length, budget // r) ** 2 for r in range(1, cap + 1) if r == 1 or budget // r)
+    return min(max(budget, length), cap * length), max(scores, length * length)
+
+
+def materialised_score_bytes(d: int) -> tuple[int, int, int]:
+    """Bytes per attention score element of Megatron's local DotProductAttention: (held for the run, kept by each
+    layer until its backward, held by the layer in backward). Its scores go to a [b * heads, T, T] global buffer of
+    the model's dtype, d B. Softmax runs in float32 (attention_softmax_in_fp32; without Apex's kernels, and past 4096
+    keys with them): each layer keeps the float32 probabilities (softmax's backward) and, for a 16-bit model, their
+    cast for the value matmul; in backward two float32 gradients join them, the softmax's input and output (its
+    forward holds less: the scores, their float32 copy, the probabilities and their cast). float32: the copy and the
+    cast are the tensors themselves. Measured: bench/memory_plan_tracked.py (live tensors, CPU), an H200 (issue 43)."""
+    wide = max(d, 4)
+    kept = wide + (d if d < 4 else 0)
+    return d, kept, kept + 2 * wide

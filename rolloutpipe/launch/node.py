@@ -40,6 +40,8 @@ def main() -> int:
 def _run(env: NodeEnv, who: str) -> int:
     if env.cpus:  # before torch is imported: the thread it starts then inherits the CPUs as all later ones do
         os.sched_setaffinity(0, env.cpus)
+    if env.role is Role.trainer:  # micro-batches of every size: segments that grow instead of a cache of fixed
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # blocks (no effect on CPU)
     import torch
 
     from rolloutpipe.config import ConfigError, read_config

@@ -312,21 +312,26 @@ def test_the_local_launcher_pins_every_thread_of_each_node_group_to_its_own_cpus
     proc = subprocess.Popen([sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", *SMALL, "num_rollout=4"],
                             cwd=tmp_path, env=node_environ(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     allowed: dict[tuple[int, str], tuple[str, set[int]]] = {}  # (tid, its process's role) -> (name, its CPUs)
+    gpu_ranks = set()  # (RP_RANK, LOCAL_RANK) of each trainer process: the GPU it binds to (control/env.py)
     while proc.poll() is None:
         if not (run_dir / "metrics.jsonl").exists():
             time.sleep(0.05)
             continue
         for pid in descendants(proc.pid)[1:]:
             try:
-                role = next(line[len(b"RP_ROLE="):].decode() for line in
-                            Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if line.startswith(b"RP_ROLE="))
+                environ = dict(line.decode().split("=", 1) for line in
+                               Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in line)
+                role = environ["RP_ROLE"]
+                if role == "trainer":
+                    gpu_ranks.add((environ["RP_RANK"], environ.get("LOCAL_RANK")))
                 for task in Path(f"/proc/{pid}/task").iterdir():
                     name = (task / "comm").read_text().strip()
                     allowed[(int(task.name), role)] = (name, set(os.sched_getaffinity(int(task.name))))
-            except (OSError, StopIteration):  # gone, or not a node group's (the launcher's own children)
+            except (OSError, KeyError):  # gone, or not a node group's (the launcher's own children)
                 continue
     _, stderr = proc.communicate()
     assert proc.returncode == 0, stderr[-3000:]
+    assert gpu_ranks == {("0", "0")}  # on a GPU machine, trainer rank r takes the r-th GPU
     roles = {role for _, role in allowed}
     assert roles == {"rollout", "trainer"}, f"threads of {roles} seen"
     expected = {"rollout": set(rollout_cpus), "trainer": set(trainer_cpus[0])}

@@ -170,3 +170,18 @@ def test_a_replicated_checkpoint_is_refused_by_the_distributed_optimizer(tmp_pat
         load_optimizer(DistributedParameterState(FakeDistributedOptimizer(16, seed=1), data_parallel_size=1,
                                                  tensor_parallel_size=1), checkpoint)
     load_optimizer(replicated(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])), checkpoint)
+
+
+@pytest.mark.parametrize("cuda,kernels,fused", [(True, True, True), (True, False, False), (False, True, False)])
+def test_megatrons_fused_softmax_only_where_its_kernels_import(monkeypatch, cuda, kernels, fused):
+    """Asked for without Apex's compiled kernels, Megatron imports them for attention of up to 4096 keys and stops;
+    the H200 image of issue 43 has none."""
+    import importlib.util
+
+    from rolloutpipe.trainer.megatron.model import fused_softmax_kernels
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name: (object() if kernels else None) if name.endswith("softmax_cuda") else find_spec(name))
+    assert fused_softmax_kernels() is fused

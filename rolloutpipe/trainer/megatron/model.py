@@ -92,6 +92,16 @@ def uses_transformer_engine() -> bool:
     return True
 
 
+def fused_softmax_kernels() -> bool:
+    """Megatron's fused scale-mask-softmax: its compiled kernels (Apex's, or Megatron's own build), on CUDA. Asked for
+    without them, Megatron imports them for attention of up to 4096 keys and stops (ModuleNotFoundError: the
+    project's own H200 image has neither); its unfused softmax runs instead."""
+    import importlib.util
+
+    return torch.cuda.is_available() and all(importlib.util.find_spec(kernels) is not None for kernels in (
+        "scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda"))
+
+
 def transformer_config(hf_config, *, dtype: torch.dtype, tp_size: int, pp_size: int, recompute: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -111,7 +121,7 @@ def transformer_config(hf_config, *, dtype: torch.dtype, tp_size: int, pp_size: 
         # with their tensor-parallel attributes (which the grad norm needs to skip replicas); fused
         # kernels are CUDA-only
         perform_initialization=True, use_cpu_initialization=on_cpu,
-        masked_softmax_fusion=not on_cpu, bias_activation_fusion=False, bias_dropout_fusion=False,
+        masked_softmax_fusion=fused_softmax_kernels(), bias_activation_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
            if recompute else {}),

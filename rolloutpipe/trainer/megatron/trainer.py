@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 from collections.abc import Iterator
 
 import torch
@@ -137,8 +138,15 @@ class MegatronTrainer(GRPOTrainer):
         return self._hf
 
     def close(self) -> None:
-        """Release Megatron's process groups (and the one-rank world group if this trainer made it)."""
+        """Release Megatron's process groups (and the one-rank world group if this trainer made it), and the training
+        state: Megatron's DDP hooks and optimizer refer back to the parameters, reference cycles that would keep the
+        weights, gradient buffers, master weights and Adam's moments allocated (on the GPU too) until the garbage
+        collector's next full pass. (Issue 43's H200 check measured its later trainers with the first one's state
+        still there.)"""
         destroy_parallel_state(created_world=self._created_world)
+        self.gpt = self.ddp = self.megatron_optimizer = self.optimizer = self._head = self._exact = None
+        self._tp_shards = None
+        gc.collect()
 
     @contextlib.contextmanager
     def writer_reads(self) -> Iterator[None]:
