@@ -58,6 +58,10 @@ class TrainerConfig:
     recompute: bool = False
     """Activation recomputation: keep only each decoder layer's input and recompute the layer in backward (about a
     third more compute; the activations of all but one layer are not kept)."""
+    pack_sequences: bool | None = None
+    """The torch and FSDP backends: a micro-batch's sequences as one row without padding, each attending only to
+    itself (trainer/packing.py), instead of right-padded rows: no compute on padding. null: on a GPU. Needs the
+    log-prob chunks (trainer.logprob_chunk_tokens > 0, a model whose logits are its head's output)."""
     exact_accumulation: bool = False
     """Sum each training batch's gradient exactly (int64 fixed point, exact_sum.py), with micro-batches made of one
     group each: the update is then the same bits in any arrival order and on any number of ranks (sync, cgp, cgp+FGD;

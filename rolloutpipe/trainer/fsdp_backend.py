@@ -64,7 +64,7 @@ from rolloutpipe.trainer.grpo import LossSums
 from rolloutpipe.trainer.grpo_trainer import GRPOTrainer, TrainSample, pack
 from rolloutpipe.trainer.lead import LeadReads
 from rolloutpipe.trainer.logprobs import token_entropy, token_logprobs
-from rolloutpipe.trainer.torch_backend import MASTER, _chunkable, _HiddenToLogprobs, clip_grad_norm, enable_recompute
+from rolloutpipe.trainer.torch_backend import MASTER, clip_grad_norm, enable_recompute, logprob_head
 
 _GATHER = 1
 """Rank 0's request to the other ranks inside ``writer_reads`` (lead.py)."""
@@ -99,8 +99,7 @@ class FSDPTrainer(GRPOTrainer):
         if cfg.recompute:  # each recomputed layer all-gathers again
             enable_recompute(model)
         self.model = model.train()
-        self._head = (_HiddenToLogprobs(model, cfg.logprob_chunk_tokens, temperature)
-                      if cfg.logprob_chunk_tokens and _chunkable(model) else None)
+        self._head = logprob_head(model, cfg, temperature, cuda=self.device is not None)
         self.root: torch.nn.Module = self._head if self._head is not None else model
         """The module whose forward is called: sharding it as the root unshards the embedding, the final norm and
         the head around the chunked log-probs too."""

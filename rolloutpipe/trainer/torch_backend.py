@@ -24,7 +24,7 @@ from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConf
 from rolloutpipe.trainer.exact_sum import ExactGradientSum, all_reduce_flat
 from rolloutpipe.trainer.grpo_trainer import GRPOTrainer
 from rolloutpipe.trainer.logprobs import chunked_logprobs, token_entropy, token_logprobs
-
+from rolloutpipe.trainer.packing import packed_row, use_packed_attention
 
 MASTER = "master"
 """A 16-bit model's float32 master copy of a parameter, under this key of the optimizer's state for it: checkpoints
@@ -39,8 +39,7 @@ class PolicyTrainer(GRPOTrainer):
         self.model = (model if self.device is None else model.to(self.device)).train()
         if cfg.recompute:
             enable_recompute(model)
-        self._head = (_HiddenToLogprobs(self.model, cfg.logprob_chunk_tokens, temperature)
-                      if cfg.logprob_chunk_tokens and _chunkable(self.model) else None)
+        self._head = logprob_head(self.model, cfg, temperature, cuda=self.device is not None)
         """Log-probs from the hidden states by chunks; None: from the model's full logits."""
         self.all_reduce = dist.all_reduce if process_group_active else None
         self.data_parallel_rank = dist.get_rank() if process_group_active else 0
@@ -49,9 +48,9 @@ class PolicyTrainer(GRPOTrainer):
         """float32 copies of a bfloat16/float16 model's parameters: what the optimizer steps (mixed precision)."""
         if next(model.parameters()).dtype in (torch.bfloat16, torch.float16):
             self._master = [p.detach().float().clone() for p in model.parameters()]
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer = torch.optim.AdamW(  # on a GPU one fused kernel: no temporaries the size of the state
             self._master or model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-            weight_decay=cfg.weight_decay,
+            weight_decay=cfg.weight_decay, fused=self.device is not None,
         )
         if self._master is not None:  # a checkpoint's float32 masters, as its state is loaded (resume)
             self.optimizer.register_load_state_dict_post_hook(_adopt_masters)
@@ -183,6 +182,22 @@ def sum_of_squares(grad: torch.Tensor) -> torch.Tensor:
     return wide.pow(2).sum().double()
 
 
+def logprob_head(model: torch.nn.Module, cfg: TrainerConfig, temperature: float, *,
+                 cuda: bool) -> _HiddenToLogprobs | None:
+    """The chunked log-probs over ``model``'s hidden states (trainer.logprob_chunk_tokens; None: the model's own
+    logits), on packed micro-batches with trainer.pack_sequences (null: on a GPU; packing.py)."""
+    if not (cfg.logprob_chunk_tokens and _chunkable(model)):
+        if cfg.pack_sequences:
+            raise ValueError("trainer.pack_sequences=true takes the log-prob chunks over the decoder's hidden states: "
+                             "set trainer.logprob_chunk_tokens > 0 (a model whose logits are its head's output, as "
+                             "Qwen and Llama), or trainer.pack_sequences=false.")
+        return None
+    packed = cfg.pack_sequences if cfg.pack_sequences is not None else cuda
+    if packed:
+        use_packed_attention(model)
+    return _HiddenToLogprobs(model, cfg.logprob_chunk_tokens, temperature, packed=packed)
+
+
 def _chunkable(model) -> bool:
     """An HF causal LM whose logits are just its output embedding of the decoder's last hidden states (Qwen2/3,
     Llama: no logit soft-capping or scaling after the head)."""
@@ -194,18 +209,27 @@ def _chunkable(model) -> bool:
 class _HiddenToLogprobs(torch.nn.Module):
     """The response tokens' log-probs and entropy from the decoder's hidden states (trainer/logprobs.py)."""
 
-    def __init__(self, lm: torch.nn.Module, chunk_tokens: int, temperature: float) -> None:
+    def __init__(self, lm: torch.nn.Module, chunk_tokens: int, temperature: float, *, packed: bool = False) -> None:
         super().__init__()
         self.lm = lm
         self.chunk_tokens = chunk_tokens
         self.temperature = temperature
+        self.packed = packed
+        """The micro-batch's sequences as one row without padding (packing.py)."""
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor,
                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.lm.get_decoder()(input_ids=input_ids).last_hidden_state
         response = mask > 0  # [B, L-1]; position j predicts token j + 1
+        if self.packed:  # the response tokens in the padded rows' order: the same scatter back
+            row = packed_row(input_ids, mask)
+            hidden = self.lm.get_decoder()(input_ids=row.input_ids, position_ids=row.position_ids,
+                                           rp_sequence_bounds=row.bounds).last_hidden_state
+            rows, picked = hidden[:, :-1][row.response], row.input_ids[:, 1:][row.response]
+        else:
+            hidden = self.lm.get_decoder()(input_ids=input_ids).last_hidden_state
+            rows, picked = hidden[:, :-1][response], targets[response]
         head = self.lm.get_output_embeddings()
-        logp, entropy = chunked_logprobs(hidden[:, :-1][response], head.weight, head.bias, targets[response],
-                                         temperature=self.temperature, chunk_tokens=self.chunk_tokens)
+        logp, entropy = chunked_logprobs(rows, head.weight, head.bias, picked, temperature=self.temperature,
+                                         chunk_tokens=self.chunk_tokens)
         full = torch.zeros(targets.shape, dtype=logp.dtype, device=logp.device)
         return full.masked_scatter(response, logp), full.masked_scatter(response, entropy)
