@@ -13,20 +13,23 @@ from tests.helpers.parity import EXACT, weights_digests
 
 pytestmark = pytest.mark.multiprocess
 
-WORKLOAD = [*SMALL, *DENSE_REWARD, *EXACT, "model.dtype=bfloat16", "run.save_samples=true", "run.checkpoint_every=1",
-            "pipeline.mode=cgp", "global_batch_size=8"]
-"""bfloat16, where a resume that rebuilt the float32 master weights from the bfloat16 policy would land elsewhere;
-exact accumulation and batch-invariant engines, so that the groups' arrival order cannot move a bit either."""
+WORKLOAD = [*SMALL, *DENSE_REWARD, *EXACT, "run.save_samples=true", "run.checkpoint_every=1", "pipeline.mode=cgp",
+            "global_batch_size=8"]
+"""Exact accumulation and batch-invariant engines, so that the groups' arrival order cannot move a bit either."""
 
 
-MEGATRON_DISTRIBUTED = ["trainer.backend=megatron", "trainer.megatron.distributed_optimizer=true", "trainer.num_ranks=2"]
+MEGATRON_DISTRIBUTED = ["trainer.backend=megatron", "trainer.megatron.distributed_optimizer=true", "trainer.num_ranks=2",
+                        "model.dtype=float32"]
 """Megatron's DistributedOptimizer on two data-parallel ranks (on the CPU under trainer/megatron/cpu.py's redirection):
-its shards gathered into the checkpoint on rank 0 and scattered back on resume, torch's AdamW step counts with them."""
+its shards gathered into the checkpoint on rank 0 and scattered back on resume, torch's AdamW step counts with them.
+float32, where the shards are views of the parameters (scattered into under no_grad); bfloat16's masters on one rank:
+tests/unit/test_megatron_checkpoint.py."""
 
 
 @pytest.mark.parametrize("backend", [
-    [], pytest.param(MEGATRON_DISTRIBUTED, marks=needs_extra("megatron", "megatron.core")),
-], ids=["torch", "megatron-distributed-optimizer-2-ranks"])
+    ["model.dtype=bfloat16"],  # where a resume that rebuilt the float32 masters from the bf16 policy would land elsewhere
+    pytest.param(MEGATRON_DISTRIBUTED, marks=needs_extra("megatron", "megatron.core")),
+], ids=["torch-bfloat16", "megatron-distributed-optimizer-2-ranks"])
 def test_resumed_run_ends_with_the_weights_of_an_uninterrupted_run(job_dir, backend):
     whole, split = job_dir("whole"), job_dir("split")
     assert run_job(whole, *WORKLOAD, *backend, "num_rollout=4").returncode == 0
