@@ -49,7 +49,7 @@ def main(raw: DictConfig) -> None:
         if gpu_launcher:
             from rolloutpipe.launch.slurm import check_launch
 
-            check_launch(cfg)
+            check_launch(cfg, run_dir)
         check_model(cfg)  # reads config.json and the tokenizer: a model that cannot run right stops here
         if gpu_launcher:
             warn_memory(cfg)  # log lines naming the term and the knob when an estimate exceeds a GPU's memory

@@ -94,10 +94,16 @@ def _prepare(overrides: list[str]):
     from rolloutpipe.launch.config import LauncherKind
     from rolloutpipe.launch.local import prepare_run
     from rolloutpipe.launch.preflight import check_model
+    from rolloutpipe.launch.slurm import has_control_characters
 
     cfg = compose_config(overrides, CONF_DIR)
     if cfg.launcher.kind is not LauncherKind.local:
         raise ValueError(f"launcher={cfg.launcher.kind.value} does not apply here: TorchX is the launcher.")
     check_model(cfg)
     run_dir = Path(cfg.run.dir or f"outputs/torchx/{datetime.now():%Y-%m-%d/%H-%M-%S}").resolve()
+    for key, value in (("run.id", cfg.run.id), ("run.dir", str(run_dir))):
+        # TorchX's Slurm scheduler writes a role's env into its batch script as srun --export=ALL,KEY=VALUE,...
+        if value is not None and ("," in value or has_control_characters(value)):
+            raise ValueError(f"{key}={value!r} holds a comma or a control character: on Slurm, TorchX passes it in "
+                             "srun's comma-separated --export list, on one line of its batch script. Leave them out.")
     return prepare_run(cfg, run_dir), run_dir

@@ -1,7 +1,7 @@
 """The paper-style table from several runs, printed and written as Markdown and CSV.
 
-    python tools/report.py multirun/2026-11-29/10-00-00            # a Hydra sweep over pipeline.mode=...
-    python tools/report.py runs/sync runs/cgp --out docs/bench     # hand-picked runs
+    python tools/report.py multirun/2026-11-29/10-00-00            # a Hydra sweep: writes report.md and .csv in it
+    python tools/report.py runs/sync runs/cgp --out docs/bench     # hand-picked runs; docs/bench.md and .csv
     python tools/report.py /tmp/bench --timeline                   # also draw each setting's modes side by side
     python tools/report.py runs/ --wandb my-entity/my-project      # also log the table (and timelines) to W&B
     python tools/report.py --first-difference runs/sync runs/cgp   # the first step whose weights digests differ
@@ -15,6 +15,7 @@ compares two runs' ``train/weights_digest`` step by step instead; exit status 0 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -34,8 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("paths", nargs="*", type=Path, help="run directories, or directories holding runs")
     parser.add_argument("--first-difference", nargs=2, type=Path, metavar=("RUN_A", "RUN_B"),
                         help="print the first step where the two runs' train/weights_digest differ (no table)")
-    parser.add_argument("--out", type=Path, default=Path("rolloutpipe_report"),
-                        help="writes OUT.md and OUT.csv (default: ./rolloutpipe_report)")
+    parser.add_argument("--out", type=Path,
+                        help="writes OUT.md and OUT.csv (default: report.md and report.csv in the directory the runs "
+                             "share: the sweep's, or the run's)")
     parser.add_argument("--skip-steps", type=int, default=1, help="warm-up steps left out of each run (default 1)")
     parser.add_argument("--stat", choices=["mean", "median"], default="mean", help="over a run's steps")
     parser.add_argument("--timeline", action="store_true",
@@ -55,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.paths:
         parser.error("name run directories (or --first-difference RUN_A RUN_B)")
 
+    out = args.out or default_out(args.paths)
     runs = find_runs(args.paths)
     summaries = [s for s in (summarise_run(r, skip_steps=args.skip_steps, stat=args.stat) for r in runs) if s]
     if not summaries:
@@ -64,17 +67,25 @@ def main(argv: list[str] | None = None) -> int:
     rows = build_table(summaries)
     markdown = to_markdown(rows)
     print(markdown, end="")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    md_path, csv_path = args.out.with_suffix(".md"), args.out.with_suffix(".csv")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    md_path, csv_path = out.with_suffix(".md"), out.with_suffix(".csv")
     md_path.write_text(markdown)
     csv_path.write_text(to_csv(rows))
     print(f"wrote {md_path} and {csv_path} ({len(summaries)} runs)")
-    pictures = draw_settings(summaries, rows, args.out) if args.timeline else []
+    pictures = draw_settings(summaries, rows, out) if args.timeline else []
     for path in pictures:
         print(f"wrote {path}")
     if args.wandb:
-        log_to_wandb(args.wandb, args.wandb_mode, rows, [p for p in pictures if p.suffix == ".png"], args.out.parent)
+        log_to_wandb(args.wandb, args.wandb_mode, rows, [p for p in pictures if p.suffix == ".png"], out.parent)
     return 0
+
+
+def default_out(paths: list[Path]) -> Path:
+    """``report`` in the directory the runs share (a sweep's, a run's, their parent): beside the runs, in a tree
+    .gitignore covers for Hydra's outputs/ and multirun/, not in the working directory. Runs with nothing in common
+    but the root: in the first one named."""
+    shared = Path(os.path.commonpath([p.resolve() for p in paths]))
+    return (paths[0].resolve() if shared == Path(shared.anchor) else shared) / "report"
 
 
 def draw_settings(summaries, rows, out: Path) -> list[Path]:

@@ -53,12 +53,15 @@ from rolloutpipe.launch.requeue import requeueable
 from rolloutpipe.launch.sacct import UNFINISHED_STATES
 
 
-def check_launch(cfg: Config) -> None:
-    """Before anything starts: the het groups must have the shape the config needs (ConfigError if not)."""
+def check_launch(cfg: Config, run_dir: Path | None = None) -> None:
+    """Before anything starts: the het groups must have the shape the config needs, and (kind=slurm) every value the
+    batch script holds must fit on one line of it (ConfigError if not). ``run_dir``: the run's directory if known
+    (Hydra's, when run.dir is not set)."""
     if cfg.launcher.kind is LauncherKind.sbatch:
         check_allocation(cfg)
     elif cfg.launcher.kind is LauncherKind.slurm:
         check_resources(cfg)
+        check_script_values(cfg, run_dir)
 
 
 def check_resources(cfg: Config) -> None:
@@ -75,6 +78,36 @@ def check_resources(cfg: Config) -> None:
         )
 
 
+def check_script_values(cfg: Config, run_dir: Path | None = None) -> None:
+    """kind=slurm: no value the batch script holds has a line break (or another control character). The script is
+    read line by line, by sbatch for its #SBATCH lines and by bash for the rest: quoting keeps a value one word on
+    its line, but a line break inside an #SBATCH line or a comment would start a line of its own (a command)."""
+    launcher = cfg.launcher
+    values = {"run.id": cfg.run.id, "run.dir": cfg.run.dir or (run_dir and str(run_dir)),
+              "launcher.job_name": launcher.job_name, "launcher.partition": launcher.partition,
+              "launcher.account": launcher.account}
+    for name, group in (("rollout", launcher.rollout), ("trainer", launcher.trainer)):
+        values[f"launcher.{name}.partition"] = group.partition
+        values |= {f"launcher.{name}.sbatch[{i}]": extra for i, extra in enumerate(group.sbatch)}
+    values |= {f"launcher.setup[{i}]": line for i, line in enumerate(launcher.setup)}
+    for key, value in values.items():
+        if value is not None and has_control_characters(str(value)):
+            raise ConfigError(f"{key}={str(value)!r} holds a line break or another control character, which would "
+                              "split a line of the Slurm batch script: write it on one line, without them.")
+
+
+def has_control_characters(value: str) -> bool:
+    """A line break, a carriage return, NUL or another ASCII control character but tab."""
+    return any(ord(c) < 32 and c != "\t" or c == "\x7f" for c in value)
+
+
+def script_word(value: str) -> str:
+    """``value`` as one word to both readers of the batch script: bash, and sbatch for its #SBATCH lines.
+    shlex.quote, except for a backslash: sbatch reads one as an escape even inside single quotes, so it goes
+    inside double quotes, where both read ``"\\\\"`` as one backslash."""
+    return '"\\\\"'.join(shlex.quote(part) for part in value.split("\\"))
+
+
 def _group_lines(cfg: Config, group: HetGroupConfig, comment: str) -> list[str]:
     launcher = cfg.launcher
     options = {
@@ -88,15 +121,15 @@ def _group_lines(cfg: Config, group: HetGroupConfig, comment: str) -> list[str]:
         "mem": group.mem_gb and f"{int(group.mem_gb * 1024)}M",
     }
     lines = [f"# {comment}"]
-    lines += [f"#SBATCH --{key}={shlex.quote(value)}" for key, value in options.items() if value]
-    lines += [f"#SBATCH {extra}" for extra in group.sbatch]
+    lines += [f"#SBATCH --{key}={script_word(value)}" for key, value in options.items() if value]
+    lines += [f"#SBATCH {script_word(extra)}" for extra in group.sbatch]  # one option each: '--constraint=h100'
     return lines
 
 
 def batch_script(cfg: Config, *, folder: Path, python: str) -> str:
     """The het-job batch script of a run (pure: docs/slurm.md's example is this function's output)."""
     launcher = cfg.launcher
-    task = f"{shlex.quote(python)} -u -m rolloutpipe.launch.slurm {shlex.quote(str(folder))}"
+    task = f"{script_word(python)} -u -m rolloutpipe.launch.slurm {script_word(str(folder))}"
 
     survive = survives_node_loss(cfg)
 
@@ -112,11 +145,12 @@ def batch_script(cfg: Config, *, folder: Path, python: str) -> str:
         print(f"warning: the job is not requeueable at its time limit: {why}", file=sys.stderr)
     lines = [
         "#!/bin/bash",
-        f"# RolloutPipe run {cfg.run.id}: one heterogeneous job. Het group 0 is the rollout node group (one",
+        (f"# RolloutPipe run {script_word(str(cfg.run.id))}: one heterogeneous job. Het group 0 is the rollout node "
+         "group (one"),
         "# task per node, each starting its node's engine servers; the first also runs the rollout and hosts",
         "# the store), het group 1 the trainer node group (one task per trainer rank).",
-        f"#SBATCH --job-name={shlex.quote(launcher.job_name)}",
-        f"#SBATCH --output={shlex.quote(str(folder / '%j_batch.out'))}",
+        f"#SBATCH --job-name={script_word(launcher.job_name)}",
+        f"#SBATCH --output={script_word(str(folder / '%j_batch.out'))}",
         "#SBATCH --open-mode=append",
         "# Warned before the time limit, the run stops at a checkpoint and the job requeues itself",
         "# (rolloutpipe/launch/requeue.py).",
@@ -136,7 +170,7 @@ def batch_script(cfg: Config, *, folder: Path, python: str) -> str:
         "export TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR}",
         *launcher.setup,
         "# One step over both het groups; each task writes <folder>/<job>_<task>_log.{out,err}.",
-        f"exec {shlex.quote(python)} -m rolloutpipe.launch.requeue -- srun --unbuffered --kill-on-bad-exit=0 \\",
+        f"exec {script_word(python)} -m rolloutpipe.launch.requeue -- srun --unbuffered --kill-on-bad-exit=0 \\",
         f"    {srun_side(0, launcher.rollout)} : \\",
         f"    {srun_side(1, launcher.trainer)}",
         "",

@@ -5,12 +5,15 @@ from __future__ import annotations
 import csv
 import io
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from rolloutpipe.observe.report import COLUMNS, build_table, find_runs, summarise_run, to_csv, to_markdown
+from tests.conftest import REPO
 
 
 def make_run(path: Path, *, mode: str, batch: int, seed: int, end_s: list[float], wait: list[float],
@@ -82,3 +85,20 @@ def test_the_report_shows_the_last_evaluation(tmp_path):
     row = build_table([summary])[0]
     assert row["eval_pass@1"] == pytest.approx(0.6) and "| 0.600 (2) |" in to_markdown([row])
     assert "eval_pass@1" in to_csv([row]).splitlines()[0]
+
+
+def test_the_report_goes_beside_the_runs_not_into_the_working_directory(tmp_path):
+    """tools/report.py without --out: report.md and report.csv in the sweep (or the runs' shared directory)."""
+    sweep, elsewhere = tmp_path / "multirun", tmp_path / "cwd"
+    make_run(sweep / "0", mode="sync", batch=4, seed=1, end_s=[2.0, 2.0], wait=[0.5, 0.5])
+    make_run(sweep / "1", mode="cgp", batch=4, seed=1, end_s=[2.0, 1.0], wait=[0.5, 0.2])
+    elsewhere.mkdir()
+    tool = [sys.executable, str(REPO / "tools" / "report.py")]
+    done = subprocess.run([*tool, str(sweep)], check=False, cwd=elsewhere, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"wrote {sweep / 'report.md'} and {sweep / 'report.csv'}" in done.stdout
+    assert "| cgp |" in (sweep / "report.md").read_text() and list(elsewhere.iterdir()) == []
+    done = subprocess.run([*tool, str(sweep / "0"), str(sweep / "1")], check=False, cwd=elsewhere,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and f"wrote {sweep / 'report.md'}" in done.stdout, done.stderr
+    assert list(elsewhere.iterdir()) == [] and find_runs([sweep]) == [sweep / "0", sweep / "1"]

@@ -8,18 +8,25 @@ listens on its node's own address only (loopback when the whole job is on one ma
 
 Its output goes to a log file that errors point to, through the node: SGLang logs its whole server arguments at
 INFO, the API key among them, so the node copies the server's output into the log with the key replaced
-(``REDACTED``), and the log directory and files are the user's alone (0700, 0600).
+(``REDACTED``), and the log directory and files are the user's alone (0700, 0600). Replaced too: the key in any
+case, the key wrapped over lines (a line break, with the indent and quotes of a pretty-printer, between any two of
+its characters), and its base64 wherever it sits in an encoded blob (``Authorization: Bearer <key>`` encoded).
 
 Log copier (one thread per server, ``log-<name>``)
     consumes   the server's stdout and stderr (one pipe, inherited by whatever the server spawns), line by line
-    produces   the log file, the key replaced
+    produces   the log file, the key replaced; a line that ends with the start of the key (a wrapped key's first
+               part) is written up to it, and the rest once the next line shows whether the key goes on there
     waits for  the next line
-    shuts down at the pipe's end: every process of the server's group has exited (or was killed)
+    shuts down at the pipe's end (writing what it held): every process of the server's group has exited (or was
+               killed)
 """
 
 from __future__ import annotations
 
+import base64
+import functools
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -124,11 +131,69 @@ def open_private_log(path: Path) -> BinaryIO:
 
 def copy_redacted(stream: BinaryIO, log: BinaryIO, key: str | None) -> None:
     """The log copier (module docstring): every line of ``stream`` into ``log``, ``key`` replaced, until the end."""
-    secret = key.encode() if key else None
+    redactor = Redactor(key) if key else None
     with stream, log:
         for line in iter(stream.readline, b""):
-            log.write(line.replace(secret, REDACTED) if secret else line)
+            log.write(redactor.feed(line) if redactor else line)
             log.flush()
+        if redactor:
+            log.write(redactor.held)
+
+
+WRAP = rb"""['"]?\\?[ \t]{0,80}\r?\n[ \t]{0,80}['"]?"""
+"""What may stand between two characters of a wrapped key: a line break, with a pretty-printer's closing quote (or a
+shell's backslash) before it and its indent and opening quote after it."""
+
+
+class Redactor:
+    """Replaces the key in a stream of lines (see the module docstring); ``feed`` returns what may be written."""
+
+    def __init__(self, key: str) -> None:
+        self._whole, self._start = _patterns(key)
+        self.held = b""
+        """The end of what was fed that may be a wrapped key's first part: written once the next line shows."""
+
+    def feed(self, line: bytes) -> bytes:
+        text = self._whole.sub(lambda m: REDACTED + b"\n" * m.group().count(b"\n"), self.held + line)
+        start = self._start.search(text)
+        cut = len(text) if start is None else start.start()
+        self.held = text[cut:]
+        return text[:cut]
+
+
+@functools.lru_cache(maxsize=2)
+def _patterns(key: str) -> tuple[re.Pattern, re.Pattern]:
+    """The key's forms, whole and (ending a line) started; compiled once per key (a tenth of a second), not per
+    server."""
+    forms = [(key.encode(), True)] + [(form, False) for k in (key, key.upper()) for form in base64_forms(k.encode())]
+    scoped = [(b"(?i:%s)" if any_case else b"(?:%s)", form) for form, any_case in forms]
+    whole = re.compile(b"|".join(scope % _wrapped(form) for scope, form in scoped))
+    start = re.compile(b"(?:" + b"|".join(scope % _wrapped_start(form) for scope, form in scoped) + b")" + WRAP
+                       + rb"\Z")
+    return whole, start
+
+
+def _wrapped(form: bytes) -> bytes:
+    """A pattern of ``form`` with a WRAP allowed between any two of its characters."""
+    return (b"(?:" + WRAP + b")?").join(re.escape(form[i:i + 1]) for i in range(len(form)))
+
+
+def _wrapped_start(form: bytes) -> bytes:
+    """A pattern of any proper prefix of ``form``, wrapped as in ``_wrapped`` (nested: c0(?:W?c1(?:W?c2)?)?)."""
+    pattern = b""
+    for i in reversed(range(len(form) - 1)):
+        pattern = re.escape(form[i:i + 1]) + (b"(?:(?:" + WRAP + b")?" + pattern + b")?" if pattern else b"")
+    return pattern
+
+
+def base64_forms(secret: bytes) -> set[bytes]:
+    """The base64 text ``secret`` makes inside any encoded blob: at each of its 3 offsets (mod 3), the whole
+    4-character groups made of its bytes alone, in the standard and the URL-safe alphabet."""
+    forms = set()
+    for offset in range(3):
+        encoded = base64.b64encode(b"\0" * offset + secret)[4 if offset else 0:(offset + len(secret)) // 3 * 4]
+        forms |= {encoded, encoded.translate(bytes.maketrans(b"+/", b"-_"))}
+    return forms
 
 
 def die_with_the_rollout_node() -> None:
