@@ -1,4 +1,5 @@
-"""Estimated peak GPU memory per trainer rank and per rollout engine, term by term, against a GPU's memory.
+"""Estimated peak GPU memory per trainer rank and per rollout engine, term by term, against a GPU's memory; then
+the host memory of the first trainer node and the first rollout node, against launcher.<group>.mem_gb.
 
     python tools/memory_plan.py +experiment=gpqa model.path=/path/to/Qwen3-1.7B
     python tools/memory_plan.py +experiment=gpqa --model-shape qwen3-1.7b --gpu-memory-gib 141
@@ -8,8 +9,9 @@
 Takes launch.py's Hydra overrides (the same Config, checked the same way) and these flags; the shape comes from
 model.path's config.json, or ``--model-shape`` (then model.path and data.path may be left out). Where more
 trainer ranks divide the state (FSDP, Megatron's distributed optimizer) it names the fewest trainer GPUs that fit.
-What each term counts and assumes: rolloutpipe/launch/memory_plan.py. Exit code 1 when an estimate does not fit,
-2 on a bad config.
+What each term counts and assumes: rolloutpipe/launch/memory_plan.py (GPU) and rolloutpipe/launch/host_memory.py
+(host; launcher.trainer.mem_gb=N and launcher.rollout.mem_gb=N check a node against N GiB). Exit code 1 when an
+estimate does not fit, 2 on a bad config.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import sys
 from pathlib import Path
 
 from rolloutpipe.config import ConfigError, compose_config
-from rolloutpipe.launch import memory_plan
+from rolloutpipe.launch import host_memory, memory_plan
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -45,8 +47,12 @@ def main(argv: list[str]) -> int:
         return 2
     attention = memory_plan.AttentionKind(args.attention) if args.attention else None
     result = memory_plan.plan(cfg, shape, gpu_memory_gib=args.gpu_memory_gib, attention=attention)
+    nodes = host_memory.plan(cfg, shape)
     print(memory_plan.format_plan(result))
-    return 0 if all(e.fits for e in result.estimates) else 1
+    print()
+    print(host_memory.format_plan(nodes), end="")
+    print("\n".join(host_memory.warnings(nodes)) or "every node's host memory fits (or is not checked)")
+    return 0 if all(e.fits for e in result.estimates) and all(n.fits for n in nodes) else 1
 
 
 if __name__ == "__main__":

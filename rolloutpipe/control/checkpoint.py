@@ -3,9 +3,10 @@
     checkpoints/step=<k>/
         model.safetensors, config.json, tokenizer files   policy_version k + 1, HF layout
         optimizer.safetensors                              AdamW moments and step counts, by parameter index
-        optimizer/rank-<r>-of-<N>.safetensors              or, from a sharded backend (FSDP), each rank's rows of its
-                                                           training state instead: float32 master weights, AdamW
-                                                           moments and step counts ("<index>.<name>")
+        optimizer/rank-<r>-of-<N>.safetensors              or, from a sharded backend (FSDP, Megatron's distributed
+                                                           optimizer), each rank's rows of its training state
+                                                           instead: float32 master weights, AdamW moments and
+                                                           step counts ("<index>.<name>")
         state.json                                         step, policy_version, the prompt source's cursor
                                                            and returned prompts, optimizer hyper-parameters,
                                                            the config it was written with
@@ -21,9 +22,10 @@ Sharded training state. No rank holds the whole of it: each writes its own file 
 while a peer is mid-step), and rank 0 moves the directory into ``step=<k>.tmp/optimizer`` once all N files are
 there (``missing_shards``), before the rename. A stop that cannot collect them all (a rank died) leaves the step
 unwritten: the resume starts from the newest complete checkpoint. Each file names the rows of dimension 0 it holds
-of every tensor (FSDP2's ``Shard(0)``), so ``ShardedState`` reads back any rows: a resume onto another number of
-ranks, or onto an unsharded backend, takes the rows its own layout needs. (torch.distributed.checkpoint plans a
-save as a collective of every rank, which a stop with a rank gone cannot make.)
+of each tensor it holds a part of (FSDP2's ``Shard(0)``; Megatron's distributed optimizer: a range of the flattened
+parameter, and nothing of some), so ``ShardedState`` reads back any rows: a resume onto another number of ranks, or
+onto an unsharded backend, takes the rows its own layout needs. (torch.distributed.checkpoint plans a save as a
+collective of every rank, which a stop with a rank gone cannot make.)
 """
 
 from __future__ import annotations
@@ -130,6 +132,24 @@ def shard_dir(run_dir: Path, step: int, attempt: int) -> Path:
     return run_dir / "checkpoints" / f"step={step}.shards-{attempt}"
 
 
+def save_final(model: torch.nn.Module, tokenizer, run_dir: Path) -> Path:
+    """The final policy as ``checkpoints/final``, HF layout, written as a checkpoint is: into ``final.tmp/``, synced,
+    renamed when complete. (The last step's own checkpoint is on disk before it: trainer/node.py, ``finish``.)"""
+    from rolloutpipe.model import save_hf_checkpoint
+
+    final = run_dir / "checkpoints" / "final"
+    tmp = final.with_name("final.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_hf_checkpoint(model, tokenizer, tmp)
+    for path in tmp.iterdir():
+        with path.open("rb") as f:
+            os.fsync(f.fileno())
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    _fsync_dir(final.parent)
+    return final
+
+
 def shard_file(rank: int, world_size: int) -> str:
     return f"rank-{rank}-of-{world_size}.safetensors"
 
@@ -177,29 +197,37 @@ class ShardedState:
         self._stack.close()
 
     def names(self) -> list[str]:
-        return list(self._rows[0])
+        """Every tensor some file holds rows of (a rank may hold none of one: Megatron's distributed optimizer)."""
+        return list(dict.fromkeys(key for rows in self._rows for key in rows))
 
     def whole(self, key: str) -> bool:
         """Whether every rank holds all of ``key`` (a step count) rather than rows of it."""
-        return self._rows[0][key][0] is None
+        return self._holding(key)[1][key][0] is None
 
     def rows(self, key: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         """Rows [start, stop) of tensor ``key`` (all of them by default; a whole tensor ignores the range)."""
-        offset, total = self._rows[0][key]
+        first, meta = self._holding(key)
+        offset, total = meta[key]
         if offset is None:
-            return self._files[0].get_tensor(key)
+            return first.get_tensor(key)
         start, stop = start or 0, total if stop is None else stop
         parts = []
         for f, rows in zip(self._files, self._rows):
+            if key not in rows:
+                continue
             offset = rows[key][0]
             piece = f.get_slice(key)
             lo, hi = max(start, offset), min(stop, offset + piece.get_shape()[0])
             if lo < hi:
                 parts.append(piece[lo - offset:hi - offset])
-        result = torch.cat(parts) if parts else self._files[0].get_slice(key)[0:0]
+        result = torch.cat(parts) if parts else first.get_slice(key)[0:0]
         if result.shape[0] != stop - start:
             raise ValueError(f"sharded checkpoint: rows {start}..{stop} of {key} are not all in its files")
         return result
+
+    def _holding(self, key: str) -> tuple:
+        """The first file that holds rows of ``key``, and its rows metadata."""
+        return next((f, rows) for f, rows in zip(self._files, self._rows) if key in rows)
 
 
 def optimizer_groups(checkpoint: Checkpoint) -> list[dict]:

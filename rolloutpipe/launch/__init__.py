@@ -7,6 +7,7 @@
     node.py          the entry point of every node-group process: ``python -m rolloutpipe.launch.node``
     preflight.py     checks of the model at launch; memory_plan.py  estimated peak GPU memory per rank and
                      engine (tools/memory_plan.py prints it, GPU launchers warn from it)
+    host_memory.py   estimated host memory per node (restore points, rank 0's copies), against launcher.*.mem_gb
     model_shapes.py  the model shapes a plan reads (an HF config.json, --model-shape) and a layer's activations
 
 May import: types, model, config, control/, observe/, rollout/, trainer/, pipeline. submitit only inside

@@ -23,11 +23,13 @@ class HetGroupConfig:
     """Null: Slurm's default (1 CPU per task)."""
     gpus_per_node: int = 0
     mem_gb: float | None = None
-    """Null: the partition's default."""
+    """Each node's memory (sbatch --mem, in GiB), which the host memory plan checks the node's estimate against
+    (launch/host_memory.py: a warning at launch). Null: the partition's default, not checked."""
     partition: str | None = None
     """Null: launcher.partition."""
     sbatch: list[str] = field(default_factory=list)
-    """More options for this het group, e.g. ['--constraint=h100', '--exclusive'], each an #SBATCH line."""
+    """More options for this het group, e.g. ['--constraint=h100', '--exclusive']: one option each, written quoted
+    as one #SBATCH line."""
 
     @property
     def num_tasks(self) -> int:
@@ -50,7 +52,8 @@ class LauncherConfig:
     trainer: HetGroupConfig = field(default_factory=HetGroupConfig)
     """Het group 1: nodes * tasks_per_node must equal trainer.num_ranks."""
     setup: list[str] = field(default_factory=list)
-    """Shell lines the batch script runs before the step, e.g. ['module load cuda', 'source .venv/bin/activate']."""
+    """Shell lines the batch script runs before the step, e.g. ['module load cuda', 'source .venv/bin/activate'],
+    written as they are (they are commands), one line each."""
     store_port: int | None = None
     """Null: 20000 + job id mod 10000 (see control/env.py)."""
     poll_s: float = 10.0

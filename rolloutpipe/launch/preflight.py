@@ -6,8 +6,9 @@ change, instead of after the queue wait and the model load on every rank. So doe
 ``trainer.megatron.distributed_optimizer=true`` with float64, which Megatron refuses (``check_distributed_optimizer``).
 
 ``warn_memory`` (GPU launchers only: launch.py's Slurm kinds, TorchX with GPUs) logs the memory plan's warnings
-(launch/memory_plan.py) when an estimate exceeds a GPU's memory: a warning, never a refusal, since an estimate is
-not a measurement. The local CPU run never computes it.
+(launch/memory_plan.py) when an estimate exceeds a GPU's memory, and the host memory plan's (launch/host_memory.py)
+when a node's exceeds its ``launcher.<group>.mem_gb``: a warning, never a refusal, since an estimate is not a
+measurement. The local CPU run never computes it.
 """
 
 from __future__ import annotations
@@ -70,12 +71,17 @@ def check_tokenizer(tokenizer, hf_config, *, path: str) -> None:
 
 def warn_memory(cfg: Config, *, gpu_memory_gib: float | None = None) -> list[str]:
     """Log (and return) one warning per trainer rank or engine estimate over the GPU's memory (80 GiB unless
-    given), naming the largest terms and the keys that lower them."""
-    from rolloutpipe.launch import memory_plan
+    given), and per node whose host memory estimate is over its ``launcher.<group>.mem_gb`` (null: not checked),
+    naming the largest terms and the keys that lower them."""
+    from rolloutpipe.launch import host_memory, memory_plan
 
     gpu = memory_plan.DEFAULT_GPU_MEMORY_GIB if gpu_memory_gib is None else gpu_memory_gib
-    lines = memory_plan.warnings(memory_plan.plan(cfg, memory_plan.model_shape(cfg), gpu_memory_gib=gpu))
+    shape = memory_plan.model_shape(cfg)
+    lines = memory_plan.warnings(memory_plan.plan(cfg, shape, gpu_memory_gib=gpu))
     for line in lines:
         log.warning("%s (an estimate for a %.0f GiB GPU: python tools/memory_plan.py <the same overrides> "
                     "--gpu-memory-gib N shows every term)", line, gpu)
-    return lines
+    host = host_memory.warnings(host_memory.plan(cfg, shape))
+    for line in host:
+        log.warning("%s (an estimate: python tools/memory_plan.py <the same overrides> shows every term)", line)
+    return lines + host

@@ -34,8 +34,8 @@ class PolicyBackend(Protocol):
     bucket_bytes: int
     """pipeline.weight_sync_bucket_mb: a sharded backend gathers the unsharded policy this much at a time."""
     sharded_checkpoint: bool
-    """Each rank checkpoints its own shards (a ``ShardedBackend``: FSDP); else rank 0 checkpoints the whole
-    ``optimizer.state_dict()``."""
+    """Each rank checkpoints its own shards (a ``ShardedBackend``: FSDP, Megatron's distributed optimizer); else rank 0
+    checkpoints the whole ``optimizer.state_dict()``."""
 
     def __init__(self, *, model: torch.nn.Module, cfg: TrainerConfig, grpo: GRPOConfig, temperature: float,
                  pad_id: int, multi_step: bool, process_group_active: bool,

@@ -11,16 +11,16 @@ before the process exits (``write``: a no-op when that step is on disk already).
 and keeps its metrics. Only a process that gets no chance to run (SIGKILL, OOM, a lost node) falls back to the
 newest checkpoint on disk.
 
-A sharded backend (FSDP) keeps no rank's state whole: every rank copies its own shards (``capture_shards``) and
-writes its own file of them (control/checkpoint.py ``write_shard``) wherever rank 0 writes the checkpoint (a due
-checkpoint, which every rank learns of at the step's end; any stop, on every rank); rank 0 copies the policy and
-the prompt source's state, and completes the checkpoint once every rank's file is there. The ranks copy step k one
-after the other around the step's last collective: a stop that finds rank 0 still at step k - 1 and a peer at k
-cannot assemble either, and the resume starts from the newest checkpoint on disk.
+A sharded backend (FSDP, Megatron's distributed optimizer) keeps no rank's state whole: every rank copies its own
+shards (``capture_shards``) and writes its own file of them (control/checkpoint.py ``write_shard``) wherever rank 0
+writes the checkpoint (a due checkpoint, which every rank learns of at the step's end; any stop, on every rank);
+rank 0 copies the policy and the prompt source's state, and completes the checkpoint once every rank's file is
+there. The ranks copy step k one after the other around the step's last collective: a stop that finds rank 0 still
+at step k - 1 and a peer at k cannot assemble either, and the resume starts from the newest checkpoint on disk.
 
 Cost: one copy of the rank's training state per step, taken while the trainer waits for the next step's first
-group, and that much host memory (bench/restore_point.py measures both); the copy is made with stop signals held
-back (control/lifetime.py ``stop_deferred``), so a stop never finds it half-written.
+group, and that much host memory (bench/restore_point.py measures both; launch/host_memory.py plans it); the copy is
+made with stop signals held back (control/lifetime.py ``stop_deferred``), so a stop never finds it half-written.
 """
 
 from __future__ import annotations

@@ -211,12 +211,17 @@ def test_cli_plans_the_gpqa_preset_from_a_built_in_shape():
                           timeout=120)
     assert over.returncode == 1, over.stderr
     for word in ("trainer rank (megatron, tp=1)", "rollout engine (SGLang, tp=1)", "optimizer state", "KV cache",
-                 "attention (fused)", "log-prob chunk", "DOES NOT FIT", "Fits with: "):
+                 "attention (fused)", "log-prob chunk", "DOES NOT FIT", "Fits with: ",
+                 "host memory of trainer node 0", "restore point: state", "host memory of rollout node 0"):
         assert word in over.stdout
     roomy = subprocess.run([*cmd, *UNPLANNED, "--gpu-memory-gib", "100000"], cwd=REPO, env=node_environ(),
                            capture_output=True,
                            text=True, timeout=120)
     assert roomy.returncode == 0 and "every estimate fits" in roomy.stdout, roomy.stdout + roomy.stderr
+    small_node = subprocess.run([*cmd, *UNPLANNED, "--gpu-memory-gib", "100000", "launcher.trainer.mem_gb=4"],
+                                cwd=REPO, env=node_environ(), capture_output=True, text=True, timeout=120,
+                                check=False)
+    assert small_node.returncode == 1 and "host memory plan: trainer node 0" in small_node.stdout, small_node.stdout
 
 
 def test_gpu_launchers_warn_naming_the_term_and_the_knob(caplog, tmp_path):
@@ -228,11 +233,15 @@ def test_gpu_launchers_warn_naming_the_term_and_the_knob(caplog, tmp_path):
     assert warn_memory(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, concurrency=4))) == []
     # the launcher itself: a Slurm dry run plans and warns, and still writes its batch script (exit 0)
     run = subprocess.run([sys.executable, str(REPO / "launch.py"), f"run.dir={tmp_path / 'run'}", "launcher=slurm",
-                          "launcher.dry_run=true", "rollout.engine=sglang", "rollout.concurrency=10000000"],
-                         cwd=REPO, env=node_environ(), capture_output=True, text=True, timeout=120)
+                          "launcher.dry_run=true", "rollout.engine=sglang", "rollout.concurrency=10000000",
+                          "launcher.trainer.mem_gb=1"], cwd=REPO, env=node_environ(), capture_output=True, text=True,
+                         timeout=120, check=False)
     assert run.returncode == 0, run.stderr
     output = run.stdout + run.stderr  # Hydra's log handler writes to stdout
     assert "WARNING] - memory plan: each rollout engine" in output and "rollout.concurrency=" in output
+    # the host memory plan against the node's memory, which sbatch asks for (--mem)
+    assert "WARNING] - host memory plan: trainer node 0 (1 rank)" in output and "launcher.trainer.mem_gb=1" in output
+    assert re.search(r"#SBATCH .*--mem.?=.?1024M", output), output
 
 
 def test_peak_is_what_is_always_held_plus_the_largest_transient_phase():

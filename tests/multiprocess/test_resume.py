@@ -3,6 +3,8 @@ weights of an uninterrupted run."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -21,9 +23,9 @@ WORKLOAD = [*SMALL, *DENSE_REWARD, *EXACT, "run.save_samples=true", "run.checkpo
 MEGATRON_DISTRIBUTED = ["trainer.backend=megatron", "trainer.megatron.distributed_optimizer=true", "trainer.num_ranks=2",
                         "model.dtype=float32"]
 """Megatron's DistributedOptimizer on two data-parallel ranks (on the CPU under trainer/megatron/cpu.py's redirection):
-its shards gathered into the checkpoint on rank 0 and scattered back on resume, torch's AdamW step counts with them.
-float32, where the shards are views of the parameters (scattered into under no_grad); bfloat16's masters on one rank:
-tests/unit/test_megatron_checkpoint.py."""
+each rank checkpoints its own shards and reads back the ranges its layout needs on resume, also on one rank, torch's
+AdamW step counts in state.json. float32, where the shards are views of the parameters (copied into under no_grad);
+bfloat16's masters on one rank: tests/unit/test_megatron_checkpoint.py."""
 
 
 @pytest.mark.parametrize("backend", [
@@ -37,8 +39,16 @@ def test_resumed_run_ends_with_the_weights_of_an_uninterrupted_run(job_dir, back
     assert first.returncode == 0, first.stderr[-2000:]
     assert latest_checkpoint(split).step == 1
     (split / "checkpoints" / "step=7.tmp").mkdir()  # an interrupted checkpoint write is never resumed from
+    resharded = None
+    if backend is MEGATRON_DISTRIBUTED:  # each rank's file, nothing gathered; also resumed on one rank
+        assert latest_checkpoint(split).sharded
+        shutil.copytree(split, resharded := job_dir("resharded"))
     second = run_job(split, *WORKLOAD, *backend, "num_rollout=4", "run.resume=auto")
     assert second.returncode == 0, second.stderr[-2000:]
+    if resharded is not None:  # exact accumulation: the same bits on any number of data-parallel ranks
+        third = run_job(resharded, *WORKLOAD, *backend, "trainer.num_ranks=1", "num_rollout=4", "run.resume=auto")
+        assert third.returncode == 0, third.stderr[-2000:]
+        assert weights_digests(resharded) == weights_digests(whole)
 
     assert [m["step"] for m in read_metrics(split)] == [0, 1, 2, 3]
     assert [(s["id"], s["response_ids"]) for s in read_samples(split)] == [

@@ -2,9 +2,10 @@
 CUDA calls): the replicated optimizer (float32 and bfloat16, whose float32 masters Megatron keeps beside torch's
 state) and the distributed one, each wrapping torch's AdamW (a step count in every parameter's state: what Megatron
 takes without Apex or Transformer Engine, as on the H200 of issue 43) or a FusedAdam (one step count per parameter
-group: Apex's and Transformer Engine's). A trainer resumed from the checkpoint holds what Megatron-core itself hands
-out for the saved one (its state dict, and the distributed optimizer's gathered shards) and takes its next step to
-the same bits as the uninterrupted trainer. Two ranks and a whole run: tests/multiprocess/test_resume.py."""
+group: Apex's and Transformer Engine's). The distributed optimizer's checkpoint is sharded (each rank's own ranges,
+nothing gathered). A trainer resumed from the checkpoint holds what Megatron-core itself hands out for the saved one
+(its state dict, and the distributed optimizer's shards as Megatron gathers them) and takes its next step to the same
+bits as the uninterrupted trainer. Two ranks and a whole run: tests/multiprocess/test_resume.py."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import weakref
 import pytest
 import torch
 
-from rolloutpipe.control.checkpoint import latest_checkpoint, load_optimizer
+from rolloutpipe.control.checkpoint import ShardedState, latest_checkpoint, load_optimizer, optimizer_groups
 from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
 from rolloutpipe.trainer.backend import trainer_class
 from rolloutpipe.trainer.config import GRPOConfig, MegatronConfig, OldLogprobSource, TrainerBackend, TrainerConfig
@@ -136,6 +137,8 @@ def test_a_resumed_megatron_optimizer_holds_megatrons_own_state_and_steps_to_the
         train(first, seed=1)  # two steps: a step count of 2 tells the per-parameter counts from their sum
         saved = megatrons_view(first)
         point = RestorePoint(run_dir=tmp_path, tokenizer=tokenizer, config_yaml="", keep_last=1, on_disk=-1)
+        if first.sharded_checkpoint:  # as the trainer node does (trainer/node.py end_step)
+            point.capture_shards(1, first.training_shards())
         with first.writer_reads():
             point.capture(1, model=first.hf_model(), optimizer=first.optimizer, source_state={})
         point.write()
@@ -145,9 +148,14 @@ def test_a_resumed_megatron_optimizer_holds_megatrons_own_state_and_steps_to_the
         first.close()
 
     checkpoint = latest_checkpoint(tmp_path)
+    assert checkpoint.sharded == distributed  # the distributed optimizer: each rank's file, no gathered state
     resumed = megatron_trainer(dtype, distributed=distributed, model_path=str(checkpoint.directory))
     try:
-        load_optimizer(resumed.optimizer, checkpoint)
+        if checkpoint.sharded:
+            with ShardedState(checkpoint.directory / "optimizer") as state:
+                resumed.load_training_shards(state, optimizer_groups(checkpoint))
+        else:
+            load_optimizer(resumed.optimizer, checkpoint)
         loaded = megatrons_view(resumed)
         assert same(loaded, saved), "the resumed optimizer must hold the state Megatron handed out for the saved one"
         train(resumed, seed=2)

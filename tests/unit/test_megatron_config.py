@@ -11,20 +11,18 @@ import pytest
 import torch
 
 from rolloutpipe.config import ConfigError, load_config
-from rolloutpipe.control.checkpoint import latest_checkpoint, load_optimizer
+from rolloutpipe.control.checkpoint import Shard, ShardedState, latest_checkpoint, load_optimizer, optimizer_groups
 from rolloutpipe.launch.preflight import check_model
 from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
 from rolloutpipe.trainer.config import GRPOConfig, MegatronConfig, OldLogprobSource, TrainerBackend, TrainerConfig
 from rolloutpipe.trainer.megatron.optimizer import (
-    DistributedParameterState,
+    FORMAT,
+    DistributedShards,
     ReplicatedState,
     resolve_distributed_optimizer,
 )
 from rolloutpipe.trainer.restore import RestorePoint
 from tests.conftest import needs_extra
-
-BUFFER_KEY = (torch.bfloat16, torch.float32)
-"""Megatron's key of a gradient buffer's ranges: (parameter dtype, gradient dtype)."""
 
 
 @pytest.mark.parametrize("cuda,dtype,expected", [
@@ -106,29 +104,19 @@ def test_the_megatron_configs_carry_the_resolved_key(distributed):
 
 
 class FakeDistributedOptimizer:
-    """Megatron's DistributedOptimizer as the checkpoint sees it: one gradient buffer, gathered whole on rank 0."""
+    """Megatron's DistributedOptimizer as far as a refused checkpoint reaches: its hyper-parameters."""
 
-    def __init__(self, numel: int, seed: int) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.gbuf_ranges = [{BUFFER_KEY: [{"param_map": {}}]}]
-        self.world = {name: torch.randn(numel, generator=gen) for name in ("param", "exp_avg", "exp_avg_sq")}
-        self.hyper = {"optimizer": {"param_groups": [{"lr": 1e-3 * (seed + 1), "betas": (0.9, 0.99), "step": seed,
-                                                      "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False,
-                                                      "is_decoupled_lr": False}]}}
+    def __init__(self, seed: int) -> None:
+        self.hyper = {"optimizer": {"param_groups": [{"lr": 1e-3 * (seed + 1), "step": seed}]}}
         self.chained_optimizers = [self]
-
-    def get_parameter_state_dp_zero(self) -> dict:
-        return {"buckets_coalesced": True, 0: {BUFFER_KEY: {**self.world, "numel_unpadded": 16}}}
 
     def state_dict(self) -> dict:
         return self.hyper
 
-    def load_state_dict(self, state: dict) -> None:
-        self.hyper = state
 
-    def load_parameter_state_from_dp_zero(self, state: dict) -> None:
-        assert state[0][BUFFER_KEY]["numel_unpadded"] == 16
-        self.world = {k: v for k, v in state[0][BUFFER_KEY].items() if k != "numel_unpadded"}
+def distributed(seed: int, *, tensor_parallel_size: int = 1) -> DistributedShards:
+    return DistributedShards(FakeDistributedOptimizer(seed), params=[], tp_rank=0, data_parallel_size=2,
+                             tensor_parallel_size=tensor_parallel_size)
 
 
 def replicated(adam: torch.optim.Optimizer) -> ReplicatedState:
@@ -136,40 +124,48 @@ def replicated(adam: torch.optim.Optimizer) -> ReplicatedState:
     return ReplicatedState(SimpleNamespace(chained_optimizers=[adam]))
 
 
-def written(tmp_path, optimizer) -> object:
-    """``optimizer``'s state through trainer rank 0's restore point into a checkpoint on disk, as a run writes it."""
+def written(tmp_path, optimizer, shards: dict | None = None) -> object:
+    """``optimizer``'s state through trainer rank 0's restore point into a checkpoint on disk, as a run writes it
+    (``shards``: rank 0's of a sharded one, on one rank)."""
     tokenizer = build_tiny_tokenizer()
     point = RestorePoint(run_dir=tmp_path, tokenizer=tokenizer, config_yaml="", keep_last=2, on_disk=-1)
+    if shards is not None:
+        point.capture_shards(0, shards)
     point.capture(0, model=load_model(ModelConfig(), len(tokenizer)), optimizer=optimizer, source_state={})
     point.write()
     return latest_checkpoint(tmp_path)
 
 
-def test_resuming_on_another_layout_or_optimizer_is_refused_not_misread(tmp_path):
-    saved = FakeDistributedOptimizer(16, seed=0)
-    checkpoint = written(tmp_path, DistributedParameterState(saved, data_parallel_size=2, tensor_parallel_size=1))
-    for dp, tp in ((4, 1), (1, 2)):
-        resumed = FakeDistributedOptimizer(16, seed=1)
-        with pytest.raises(ValueError, match=f"data-parallel size 2 and tensor-parallel size 1; this run has {dp} "
-                                             f"and {tp}. Resume with the same trainer.num_ranks"):
-            load_optimizer(DistributedParameterState(resumed, data_parallel_size=dp, tensor_parallel_size=tp),
-                           checkpoint)
-        assert resumed.hyper["optimizer"]["param_groups"][0]["step"] == 1  # untouched
+def test_resuming_on_another_tensor_parallel_size_or_optimizer_is_refused_not_misread(tmp_path):
+    shards = {f"0.{name}": Shard(torch.ones(4), 0, 4) for name in ("param", "exp_avg", "exp_avg_sq")}
+    checkpoint = written(tmp_path, distributed(seed=0), shards)
+    assert checkpoint.sharded and optimizer_groups(checkpoint)[0]["format"] == FORMAT
+    resumed = distributed(seed=1, tensor_parallel_size=2)
+    refusal = "written at tensor-parallel size 1; this run has 2. Resume with the same trainer.megatron.tensor_parallel"
+    with pytest.raises(ValueError, match=refusal), ShardedState(checkpoint.directory / "optimizer") as state:
+        resumed.load_shards(state, optimizer_groups(checkpoint))
+    assert resumed.megatron.hyper["optimizer"]["param_groups"][0]["step"] == 1  # untouched
     with pytest.raises(ValueError, match="written with trainer.megatron.distributed_optimizer=true.*set "
                                          "trainer.megatron.distributed_optimizer=true to resume"):
         load_optimizer(replicated(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])), checkpoint)
 
 
-def test_a_replicated_checkpoint_is_refused_by_the_distributed_optimizer(tmp_path):
+def test_a_replicated_or_gathered_checkpoint_is_refused_by_the_distributed_optimizer(tmp_path):
     param = torch.nn.Parameter(torch.ones(3))
     adam = torch.optim.AdamW([param])
     param.grad = torch.ones(3)
     adam.step()
-    checkpoint = written(tmp_path, replicated(adam))
+    checkpoint = written(tmp_path / "replicated", replicated(adam))
     with pytest.raises(ValueError, match="set trainer.megatron.distributed_optimizer=false to resume"):
-        load_optimizer(DistributedParameterState(FakeDistributedOptimizer(16, seed=1), data_parallel_size=1,
-                                                 tensor_parallel_size=1), checkpoint)
+        load_optimizer(distributed(seed=1), checkpoint)
     load_optimizer(replicated(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])), checkpoint)
+    # the one file gathered on rank 0 that earlier versions wrote: said, not misread
+    gathered = {"state": {0: {"param": torch.zeros(4), "exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4)}},
+                "param_groups": [{"format": FORMAT, "data_parallel_size": 2, "tensor_parallel_size": 1,
+                                  "optimizers": []}]}
+    checkpoint = written(tmp_path / "gathered", SimpleNamespace(state_dict=lambda: gathered))
+    with pytest.raises(ValueError, match="earlier versions wrote; this version reads each rank's own shards"):
+        load_optimizer(distributed(seed=1), checkpoint)
 
 
 @pytest.mark.parametrize("cuda,kernels,fused", [(True, True, True), (True, False, False), (False, True, False)])

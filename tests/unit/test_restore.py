@@ -90,6 +90,18 @@ def test_a_sharded_state_reads_back_any_rows_whichever_files_hold_them(tmp_path)
         ShardedState(tmp_path)
 
 
+def test_a_tensor_some_ranks_hold_nothing_of_is_read_from_the_ranks_that_do(tmp_path):
+    """Megatron's distributed optimizer: a rank's range of the flattened buffer may miss a parameter entirely, and
+    its file then names nothing of it (rank 0 here holds none of "1.exp_avg")."""
+    first, second = torch.arange(6.0), torch.arange(4.0) + 10
+    write_shard(tmp_path, rank=0, world_size=2, shards={"0.exp_avg": Shard(first[:5], 0, 6)})
+    write_shard(tmp_path, rank=1, world_size=2, shards={"0.exp_avg": Shard(first[5:], 5, 6),
+                                                        "1.exp_avg": Shard(second, 0, 4)})
+    with ShardedState(tmp_path) as state:
+        assert state.names() == ["0.exp_avg", "1.exp_avg"] and not state.whole("1.exp_avg")
+        assert torch.equal(state.rows("0.exp_avg"), first) and torch.equal(state.rows("1.exp_avg", 1, 3), second[1:3])
+
+
 def test_rank_0_completes_a_sharded_checkpoint_once_every_rank_wrote_its_file(tmp_path):
     trainer = trained_one_step()
     state = trainer.optimizer.state_dict()
@@ -111,3 +123,37 @@ def test_rank_0_completes_a_sharded_checkpoint_once_every_rank_wrote_its_file(tm
     load_optimizer(resumed.optimizer, checkpoint)
     loaded = resumed.optimizer.state_dict()["state"]
     assert all(torch.equal(loaded[i][k], v) for i, s in state["state"].items() for k, v in s.items())
+
+
+def test_a_stopping_rank_0_gives_up_on_a_missing_shard_within_the_stop_grace(tmp_path, monkeypatch):
+    """Trainer rank 0 stopping (trainer/node.py ``stop``) while rank 1's shard never comes (it died, or is stuck):
+    rank 0 leaves the step unwritten and still writes the outcome, having waited for the file at most half of
+    launcher.stop_grace_s (the launcher SIGKILLs at the end of it). The wait runs on a fake clock: no test sleeps."""
+    from rolloutpipe.config import load_config
+    from rolloutpipe.control import checkpoint
+    from rolloutpipe.trainer.node import TrainerNode
+
+    clock = [0.0]
+    monkeypatch.setattr(checkpoint.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(checkpoint.time, "sleep", lambda seconds: clock.__setitem__(0, clock[0] + seconds))
+    trainer = trained_one_step()
+    point = RestorePoint(run_dir=tmp_path, tokenizer=build_tiny_tokenizer(), config_yaml="", keep_last=2,
+                         on_disk=-1, rank=0, world_size=2)
+    point.capture_shards(0, {"0.exp_avg": Shard(torch.zeros(3), 0, 6)})
+    groups_only = SimpleNamespace(state_dict=lambda: {"state": {}, "param_groups": []})
+    point.capture(0, model=trainer.model, optimizer=groups_only, source_state={})
+    outcomes = []
+    node = NodeParts(cfg=load_config({"num_rollout": 3, "launcher": {"stop_grace_s": 8.0}}), last_step=0,
+                     is_writer=True, sharded=True, restore=point, env=SimpleNamespace(rank=0), _finished=False,
+                     _write_outcome=lambda **outcome: outcomes.append(outcome))
+    node.write_checkpoint = lambda **kwargs: TrainerNode.write_checkpoint(node, **kwargs)
+    TrainerNode.stop(node, RuntimeError("a peer failed"))
+    assert latest_checkpoint(tmp_path) is None and len(outcomes) == 1  # step 0 is not complete without rank 1
+    assert 0 < clock[0] <= 8.0 / 2 + 0.1, f"rank 0 waited {clock[0]}s for a missing shard, with 8s of grace"  # (a poll)
+
+
+class NodeParts(SimpleNamespace):
+    """The parts of a TrainerNode that ``stop`` reads; any other reads as None (unset)."""
+
+    def __getattr__(self, name: str) -> None:
+        return None

@@ -4,8 +4,9 @@ the torch backend, through a checkpoint, and at real width (a whole job's stop a
 1. A tiny float32 Qwen3's first step on the trainer ranks (one process each, data parallel over the GPUs) equals the
    torch backend's on one device (loss, entropy and gradient norm within ``MATCH_RTOL``, the update within
    ``UPDATE_RTOL``).
-2. Its sharded optimizer state goes through a real checkpoint (rank 0's restore point, then ``load_optimizer`` into
-   a fresh trainer on every rank): the next step is within ``RESUME_RTOL`` of the uninterrupted one.
+2. Its sharded optimizer state goes through a real checkpoint (every rank's restore point copies and writes its own
+   shards, rank 0 the policy; then ``load_training_shards`` into a fresh trainer on every rank): the next step is
+   within ``RESUME_RTOL`` of the uninterrupted one.
 3. GPU only: each rank's peak memory at Qwen3-1.7B's width in bfloat16, with and without the distributed optimizer,
    held to the memory plan's figure for that many ranks within [0.8, 1.25].
 """
@@ -116,7 +117,7 @@ def _rank(rank: int, world: int, layers: int, out: Path, port: int) -> None:
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from rolloutpipe.control.checkpoint import latest_checkpoint, load_optimizer
+    from rolloutpipe.control.checkpoint import ShardedState, latest_checkpoint, optimizer_groups
     from rolloutpipe.control.env import trainer_process_group_backend
     from rolloutpipe.model import build_tiny_tokenizer
     from rolloutpipe.trainer.restore import RestorePoint
@@ -138,11 +139,11 @@ def _rank(rank: int, world: int, layers: int, out: Path, port: int) -> None:
         before, want = load_file(str(out / "before.safetensors")), load_file(str(out / "torch.safetensors"))
         report["update_rdiff"] = _relative_difference(trainer.hf_state(), want, before)
     point = RestorePoint(run_dir=out / "run", tokenizer=build_tiny_tokenizer(), config_yaml="", keep_last=1,
-                         on_disk=-1)
-    with trainer.writer_reads():  # rank 0 gathers the sharded state; the others join the gather
-        if rank == 0:
-            point.capture(0, model=trainer.hf_model(), optimizer=trainer.optimizer, source_state={})
-            point.write()
+                         on_disk=-1, rank=rank, world_size=world)
+    point.capture_shards(0, trainer.training_shards())  # every rank its own shards: nothing gathered
+    if rank == 0:
+        point.capture(0, model=trainer.hf_model(), optimizer=trainer.optimizer, source_state={})
+    point.write(wait_s=60)  # each rank writes its file; rank 0 completes the checkpoint once every file is there
     dist.barrier()
     first = {k: v.clone() for k, v in trainer.hf_state().items()} if rank == 0 else None
     trainer.forward_backward(mine, first_batch_of_step=True)
@@ -151,7 +152,9 @@ def _rank(rank: int, world: int, layers: int, out: Path, port: int) -> None:
     trainer.close()
     checkpoint = latest_checkpoint(out / "run")
     resumed = _tiny_trainer("megatron", process_group_active=True, distributed=True, model_path=checkpoint.directory)
-    load_optimizer(resumed.optimizer, checkpoint)
+    assert checkpoint.sharded
+    with ShardedState(checkpoint.directory / "optimizer") as state:
+        resumed.load_training_shards(state, optimizer_groups(checkpoint))
     resumed.forward_backward(mine, first_batch_of_step=True)
     resumed.finish_batch()
     if rank == 0:

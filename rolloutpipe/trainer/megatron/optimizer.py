@@ -12,29 +12,34 @@ No overlap. ``overlap_grad_reduce`` / ``overlap_param_gather`` stay off: Megatro
 last gradient of the *last* micro-batch is ready, and CGP does not know which micro-batch is last before its backward
 (a training batch is complete only when its last group arrives); the batch's one reduce runs in finalize_model_grads.
 
-Checkpoints (control/checkpoint.py keeps ``{"state": {index: {name: tensor}}, "param_groups": [...]}``). Replicated:
-Megatron's own optimizer state dict, as before. Distributed: ``DistributedParameterState`` speaks the same layout,
-one entry per gradient buffer, each holding the buffer's master weights and moments, gathered whole on trainer rank 0
-(Megatron's ``get_parameter_state_dp_zero``: a gather over the data-parallel group, which the other ranks join inside
-``writer_reads``), and the hyper-parameters with the data-parallel size they were written at. A resumed run scatters
-them back to the shards (``load_parameter_state_from_dp_zero``). Resuming on another data-parallel size, or with the
-other optimizer, is refused with the key to set: the buffers' padding depends on the layout, so nothing would check
-that a shard landed where it belongs.
+Checkpoints. Replicated: Megatron's own optimizer state dict in control/checkpoint.py's layout (``{"state": {index:
+{name: tensor}}, "param_groups": [...]}``), written whole by trainer rank 0, as before. Distributed
+(``DistributedShards``): sharded as FSDP's are, nothing gathered. Each rank's restore point copies its own shards
+every step (12 bytes a parameter / data-parallel size: the float32 master weights and Adam's moments, views of
+Megatron's own tensors: ``_get_main_param_and_optimizer_states``) and each rank writes its own file. A parameter is
+stored flattened, and a rank holds the range of it that Megatron's buffer layout gives it
+(``_get_model_param_range_map``), under ``<index>.<name>`` with ``index`` the parameter's position in the model
+counted across the tensor-parallel ranks; the hyper-parameters (step counts included) go to state.json. A resumed
+run reads back the ranges its own layout needs (``load_shards``), so it may have another data-parallel size; another
+tensor-parallel size (the parameters' shapes differ), or the other optimizer, is refused with the key to set.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 
+from rolloutpipe.control.checkpoint import Shard, ShardedState
 from rolloutpipe.trainer.config import TrainerConfig
 from rolloutpipe.trainer.megatron.cpu import cuda_calls_on_cpu
 from rolloutpipe.trainer.torch_backend import MASTER
 
 FORMAT = "megatron_distributed_optimizer"
-"""Marks a checkpoint's optimizer state as written by ``DistributedParameterState``."""
+"""Marks a checkpoint's optimizer state as written by ``DistributedShards``."""
+STATE = ("param", "exp_avg", "exp_avg_sq")
+"""What the distributed optimizer keeps per parameter range: float32 master weights, Adam's moments."""
 
 
 def resolve_distributed_optimizer(requested: bool | None, *, cuda: bool, dtype: str) -> bool:
@@ -69,67 +74,72 @@ def megatron_optimizer_configs(cfg: TrainerConfig, *, dtype: torch.dtype, distri
     return ddp, optimizer
 
 
-class DistributedParameterState:
-    """Megatron's (chained) DistributedOptimizer with ``state_dict`` / ``load_state_dict`` in the checkpoint layout
-    (module docstring). ``state_dict`` is trainer rank 0's, inside ``writer_reads`` while the other ranks run
-    ``gather``; ``load_state_dict`` runs on every rank."""
+class DistributedShards:
+    """Megatron's (chained) DistributedOptimizer in the sharded checkpoint layout (module docstring): ``shards`` and
+    ``load_shards`` on every rank; ``state_dict`` gives the hyper-parameters only (trainer rank 0's state.json)."""
 
-    def __init__(self, optimizer, *, data_parallel_size: int, tensor_parallel_size: int,
-                 announce: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, optimizer, *, params: list[torch.nn.Parameter], tp_rank: int, data_parallel_size: int,
+                 tensor_parallel_size: int) -> None:
         self.megatron = optimizer
-        self.announce = announce
-        """Called first by ``state_dict``: asks the other ranks to join the gather."""
+        self.params = params
+        """The model's parameters in a fixed order: ``<index>`` of the keys, after the tensor-parallel ranks before."""
+        self.first_index = tp_rank * len(params)
         self.data_parallel_size = data_parallel_size
         self.tensor_parallel_size = tensor_parallel_size
 
-    def gather(self) -> list[dict | None]:
-        """Every rank: each sub-optimizer's parameter state, whole on data-parallel rank 0 (None elsewhere)."""
-        return [sub.get_parameter_state_dp_zero() for sub in self.megatron.chained_optimizers]
-
     def state_dict(self) -> dict:
-        self.announce()
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        for gathered in self.gather():
-            for key, buffers in gathered.items():
-                if key == "buckets_coalesced":
-                    continue
-                (world,) = buffers.values()  # Megatron keeps one dtype per gradient buffer
-                state[len(state)] = {name: world[name] for name in ("param", "exp_avg", "exp_avg_sq")}
-        return {"state": state, "param_groups": [{
+        return {"state": {}, "param_groups": [{
             "format": FORMAT, "data_parallel_size": self.data_parallel_size,
             "tensor_parallel_size": self.tensor_parallel_size,
             "optimizers": [_plain(sub.state_dict()) for sub in self.megatron.chained_optimizers],
         }]}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        check_format(state_dict, distributed=True, data_parallel_size=self.data_parallel_size,
-                     tensor_parallel_size=self.tensor_parallel_size)
-        (meta,) = state_dict["param_groups"]
-        tensors = state_dict["state"]
-        index = 0
-        # the shards are views of parameters that require grad: Megatron's copies into them must not be recorded
+        """A checkpoint without per-rank files: the replicated optimizer's, or the layout gathered on trainer rank 0
+        that earlier versions wrote for this one; each is refused with what to do."""
+        check_format(state_dict, distributed=True, tensor_parallel_size=self.tensor_parallel_size)
+        raise ValueError("the checkpoint's distributed optimizer state is the one file gathered on trainer rank 0 "
+                         "(optimizer.safetensors) that earlier versions wrote; this version reads each rank's own "
+                         "shards (optimizer/rank-<r>-of-<N>.safetensors). Resume it with the version that wrote it.")
+
+    def shards(self) -> dict[str, Shard]:
+        """This rank's ranges of the flattened parameters' master weights and moments, as views (nothing gathered)."""
+        shards: dict[str, Shard] = {}
+        for sub in self.megatron.chained_optimizers:
+            for index, param, held in self._held(sub):
+                tensors = sub._get_main_param_and_optimizer_states(param)
+                for name in STATE:
+                    shards[f"{index}.{name}"] = Shard(tensors[name].detach(), held.start, param.numel())
+        return shards
+
+    def load_shards(self, state: ShardedState, param_groups: list[dict]) -> None:
+        """A sharded checkpoint of any data-parallel size into this rank's ranges."""
+        check_format({"param_groups": param_groups}, distributed=True, tensor_parallel_size=self.tensor_parallel_size)
+        (meta,) = param_groups
+        # the shards are views of parameters that require grad (float32): the copies must not be recorded
         with cuda_calls_on_cpu(), torch.no_grad():
             for sub, hyper in zip(self.megatron.chained_optimizers, meta["optimizers"], strict=True):
-                sub.load_state_dict(hyper)
-                parameter_state: dict = {"buckets_coalesced": True}
-                for buffer_index, ranges in enumerate(sub.gbuf_ranges):
-                    (dtype_key,) = ranges.keys()
-                    world = {name: tensors[index][name].float() for name in ("param", "exp_avg", "exp_avg_sq")}
-                    parameter_state[buffer_index] = {dtype_key: {**world, "numel_unpadded": world["param"].numel()}}
-                    index += 1
+                sub.load_state_dict(hyper)  # allocates the state; the step counts come from the hyper-parameters
                 with _step_set_aside(sub.optimizer):
-                    sub.load_parameter_state_from_dp_zero(parameter_state)
-        if index != len(tensors):
-            raise ValueError(f"the checkpoint's optimizer state has {len(tensors)} gradient buffers, this model "
-                             f"{index}: it was written for another model.")
+                    for index, param, held in self._held(sub):
+                        sub._set_main_param_and_optimizer_states(
+                            param, {name: state.rows(f"{index}.{name}", held.start, held.end) for name in STATE})
+
+    def _held(self, sub) -> Iterator[tuple[int, torch.nn.Parameter, object]]:
+        """(key index, parameter, the range of the flattened parameter this rank holds) for every parameter of
+        ``sub`` (a DistributedOptimizer) this rank holds a part of."""
+        for index, param in enumerate(self.params, start=self.first_index):
+            if param in sub.model_param_gbuf_map:
+                yield index, param, sub._get_model_param_range_map(param)["param"]
 
 
 @contextlib.contextmanager
 def _step_set_aside(inner: torch.optim.Optimizer) -> Iterator[None]:
     """Torch's Adam (what Megatron wraps without Apex or Transformer Engine) keeps the step count in each
-    parameter's state, where ``sub.load_state_dict`` put it from the hyper-parameters; Megatron's scatter copies every
-    state key of a parameter from what it received (param, exp_avg, exp_avg_sq) and has no step to copy. FusedAdam
-    keeps the step in its parameter groups, and this does nothing."""
+    parameter's state, where ``sub.load_state_dict`` put it from the hyper-parameters; Megatron's
+    ``_set_main_param_and_optimizer_states`` copies every state key of a parameter from what it is given (param,
+    exp_avg, exp_avg_sq) and has no step to copy. FusedAdam keeps the step in its parameter groups, and this does
+    nothing."""
     steps = {param: state.pop("step") for param, state in inner.state.items() if "step" in state}
     try:
         yield
@@ -138,7 +148,7 @@ def _step_set_aside(inner: torch.optim.Optimizer) -> Iterator[None]:
             inner.state[param]["step"] = step.clone()  # parameter (the step count would run N times too fast)
 
 
-def check_format(state_dict: dict, *, distributed: bool, data_parallel_size: int, tensor_parallel_size: int) -> None:
+def check_format(state_dict: dict, *, distributed: bool, tensor_parallel_size: int = 0) -> None:
     """Refuse optimizer state this optimizer would misread, naming the key to set."""
     groups = state_dict["param_groups"]
     written = len(groups) == 1 and groups[0].get("format") == FORMAT
@@ -147,14 +157,11 @@ def check_format(state_dict: dict, *, distributed: bool, data_parallel_size: int
         raise ValueError(f"the checkpoint's optimizer state was written with trainer.megatron.distributed_optimizer"
                          f"={was}, and this run resolves it to {now}: set trainer.megatron.distributed_optimizer="
                          f"{was} to resume from it.")
-    if not distributed:
-        return
-    sizes = (groups[0]["data_parallel_size"], groups[0]["tensor_parallel_size"])
-    if sizes != (data_parallel_size, tensor_parallel_size):
-        raise ValueError(f"the checkpoint's distributed optimizer state was written at data-parallel size {sizes[0]}"
-                         f" and tensor-parallel size {sizes[1]}; this run has {data_parallel_size} and "
-                         f"{tensor_parallel_size}. Resume with the same trainer.num_ranks and "
-                         "trainer.megatron.tensor_parallel_size (its shards are laid out for them).")
+    if distributed and groups[0]["tensor_parallel_size"] != tensor_parallel_size:
+        raise ValueError(f"the checkpoint's distributed optimizer state was written at tensor-parallel size "
+                         f"{groups[0]['tensor_parallel_size']}; this run has {tensor_parallel_size}. Resume with the "
+                         f"same trainer.megatron.tensor_parallel_size (its shards are of the parameters' "
+                         "tensor-parallel pieces; the data-parallel size may change).")
 
 
 class ReplicatedState:
@@ -179,7 +186,7 @@ class ReplicatedState:
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        check_format(state_dict, distributed=False, data_parallel_size=0, tensor_parallel_size=0)
+        check_format(state_dict, distributed=False)
         if not hasattr(self._sub, "fp32_from_float16_groups"):
             self._sub.load_state_dict(state_dict)
             return

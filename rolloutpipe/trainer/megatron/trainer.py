@@ -10,7 +10,8 @@ steps. Which data-parallel rank trained which group changes only the order of ad
 pipelined update equals the synchronous one here as well. With ``trainer.megatron.distributed_optimizer``
 (null: on a GPU) the optimizer is Megatron's DistributedOptimizer: finalize_model_grads reduce-scatters the
 buffers instead, each rank steps its 1/N of the master weights and moments, and the step all-gathers the
-parameters (optimizer.py, which also gives checkpoints its state). With ``trainer.exact_accumulation`` each
+parameters (optimizer.py); checkpoints are then sharded as FSDP's are (``sharded_checkpoint``: every rank copies and
+writes its own shards, nothing gathered). With ``trainer.exact_accumulation`` each
 micro-batch's gradient is taken from DDP's buffers into an int64 sum (exact_sum.py), and the reduced sum goes
 back into data-parallel rank 0's buffers before finalize_model_grads (``_optimizer_step``).
 
@@ -23,9 +24,10 @@ forward_backward schedules are not used: they need a batch's micro-batches up fr
 gradients at the end of every call, while groups here arrive one by one and ranks may train different
 numbers of micro-batches. That is also why pipeline parallelism is refused (TrainerConfig).
 
-Weights out. The engines and checkpoints take HF tensors: with tensor parallelism every optimizer
-step ends by gathering the shards on each tensor-parallel group's first rank, so trainer rank 0 can
-write them without the other ranks (``save_weights``, ``hf_model``).
+Weights out. The engines and checkpoints take HF tensors: every optimizer step ends by copying the
+parameters to trainer rank 0's host (with tensor parallelism, gathered from its tensor-parallel group),
+so rank 0 can write them without the other ranks (``save_weights``, ``hf_model``). Only trainer rank 0
+keeps the HF model and that copy; the other ranks drop the HF model once it is mapped.
 
 CPU. Without CUDA every Megatron call runs inside ``cpu.cuda_calls_on_cpu()``, which redirects
 Megatron's CUDA-only calls: every dtype and both optimizers (the bf16 one and the distributed one included) run
@@ -35,18 +37,16 @@ untouched (tools/gpu_check.py runs it on a GPU).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
+from rolloutpipe.control.checkpoint import Shard, ShardedState
 from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
 from rolloutpipe.trainer.exact_sum import ExactGradientSum
 from rolloutpipe.trainer.grpo_trainer import GRPOTrainer
-from rolloutpipe.trainer.lead import LeadReads
 from rolloutpipe.trainer.logprobs import VocabShard, chunked_logprobs
 from rolloutpipe.trainer.megatron import cpu
 from rolloutpipe.trainer.megatron.convert import (
@@ -64,14 +64,11 @@ from rolloutpipe.trainer.megatron.model import (
     uses_transformer_engine,
 )
 from rolloutpipe.trainer.megatron.optimizer import (
-    DistributedParameterState,
+    DistributedShards,
     ReplicatedState,
     megatron_optimizer_configs,
     resolve_distributed_optimizer,
 )
-
-_OPTIMIZER_STATE = 1
-"""Trainer rank 0's request to the other ranks inside ``writer_reads`` (lead.py: the distributed optimizer's gather)."""
 
 
 class MegatronTrainer(GRPOTrainer):
@@ -113,11 +110,16 @@ class MegatronTrainer(GRPOTrainer):
                                                                       distributed=self.distributed_optimizer)
             self.ddp = DistributedDataParallel(config=self.gpt.config, module=self.gpt, ddp_config=ddp_config)
             self.megatron_optimizer = get_megatron_optimizer(optimizer_config, [self.ddp])
-        self.optimizer = (DistributedParameterState(self.megatron_optimizer, data_parallel_size=self.data_parallel_size,
-                                                    tensor_parallel_size=tp, announce=self._announce_gather)
+        self.optimizer = (DistributedShards(self.megatron_optimizer, params=list(self.gpt.parameters()),
+                                            tp_rank=self.tp_rank, data_parallel_size=self.data_parallel_size,
+                                            tensor_parallel_size=tp)
                           if self.distributed_optimizer else ReplicatedState(self.megatron_optimizer))
         """What checkpoints read and load (optimizer.py); ``megatron_optimizer`` steps."""
-        self._lead = LeadReads(backend="trainer.backend=megatron", device=self.device)
+        self.sharded_checkpoint = self.distributed_optimizer
+        """The distributed optimizer: every rank checkpoints its own shards (``training_shards``)."""
+        self._writer = dist.get_rank() == 0
+        if not self._writer:  # only trainer rank 0 reads the policy (hf_state, hf_model): the host copy goes
+            self._hf = None
         self._head = _HiddenToLogprobs(self.gpt, self.layout, tp_rank=self.tp_rank, tp_group=self.tp_group,
                                        chunk_tokens=cfg.logprob_chunk_tokens, temperature=temperature)
         self._tp_shards: list[dict[str, torch.Tensor]] | None = None
@@ -148,19 +150,13 @@ class MegatronTrainer(GRPOTrainer):
         self._tp_shards = None
         gc.collect()
 
-    @contextlib.contextmanager
-    def writer_reads(self) -> Iterator[None]:
-        """Every rank, around trainer rank 0's reads: with the distributed optimizer the others join the gathers of
-        its state that rank 0 asks for (``optimizer.state_dict``; lead.py), until rank 0 leaves; the weights need no
-        gather (every optimizer step leaves them whole on each tensor-parallel group's first rank)."""
-        if not self.distributed_optimizer:
-            yield
-            return
-        with self._lead.session(lambda _: self.optimizer.gather()):
-            yield
+    def training_shards(self) -> dict[str, Shard]:
+        """The distributed optimizer: this rank's ranges of the float32 master weights and Adam's moments (views)."""
+        return self.optimizer.shards()
 
-    def _announce_gather(self) -> None:
-        self._lead.ask(_OPTIMIZER_STATE, reads="the distributed optimizer's state")
+    def load_training_shards(self, state: ShardedState, param_groups: list[dict]) -> None:
+        """A sharded checkpoint of any data-parallel size (the same tensor-parallel size) into this rank's ranges."""
+        self.optimizer.load_shards(state, param_groups)
 
     # -- GRPOTrainer's hooks ---------------------------------------------------------------------
     def _policy(self) -> torch.nn.Module:
@@ -230,7 +226,10 @@ class MegatronTrainer(GRPOTrainer):
                 own[name].copy_(value)
 
     def _gather_shards(self) -> None:
-        """Collect the tensor-parallel shards on the group's first rank (every rank of the group calls this)."""
+        """Copy the parameters to trainer rank 0's host, gathered from its tensor-parallel group (every rank of that
+        group calls this; the other groups have nothing to do)."""
+        if self.data_parallel_rank != 0:  # (pipeline parallelism is refused: data-parallel rank 0 is rank 0's group)
+            return
         local = {k: v.detach().to("cpu", copy=True) for k, v in self.gpt.named_parameters()}
         if self.transformer_engine:
             local = local_names(local)
