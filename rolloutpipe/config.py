@@ -71,6 +71,20 @@ class Config:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
+    def check_resumable(self) -> None:
+        """Refuse a resume this config cannot make exactly: at launch with run.resume=auto, and in every requeued
+        attempt of a Slurm job (pipeline.run_node), which resumes by itself."""
+        if self.pipeline.mode is PipelineMode.async_one_step:
+            raise ValueError(
+                "run.resume=auto is not supported with pipeline.mode=async_one_step yet (its rollout runs a step "
+                "ahead on the previous weights, which a checkpoint does not keep); use sync or cgp."
+            )
+        if self.trainer.megatron.tensor_parallel_size > 1:
+            raise ValueError(
+                "run.resume=auto is not supported with trainer.megatron.tensor_parallel_size > 1 yet (checkpoints "
+                "keep the optimizer state of trainer rank 0 only); resume with tensor_parallel_size=1."
+            )
+
     def __post_init__(self) -> None:
         for key in ("num_rollout", "rollout_batch_size", "global_batch_size", "micro_batch_size",
                     "rollout_max_response_len"):
@@ -112,16 +126,8 @@ class Config:
                 f"num_steps_per_rollout={self.num_steps_per_rollout} but rollout_batch_size * n_samples_per_prompt "
                 f"/ global_batch_size = {derived}; drop num_steps_per_rollout (it is derived) or fix the batch sizes."
             )
-        if self.run.resume is ResumeMode.auto and self.pipeline.mode is PipelineMode.async_one_step:
-            raise ValueError(
-                "run.resume=auto is not supported with pipeline.mode=async_one_step yet (its rollout runs a step "
-                "ahead on the previous weights, which a checkpoint does not keep); use sync or cgp."
-            )
-        if self.run.resume is ResumeMode.auto and self.trainer.megatron.tensor_parallel_size > 1:
-            raise ValueError(
-                "run.resume=auto is not supported with trainer.megatron.tensor_parallel_size > 1 yet (checkpoints "
-                "keep the optimizer state of trainer rank 0 only); resume with tensor_parallel_size=1."
-            )
+        if self.run.resume is ResumeMode.auto:
+            self.check_resumable()
         if self.pipeline.weight_sync is WeightSync.distributed:
             if self.rollout.engine is EngineKind.embedded:
                 raise ValueError(

@@ -39,7 +39,7 @@ import sys
 import time
 from dataclasses import replace
 
-from rolloutpipe.config import Config, PipelineMode, ResumeMode
+from rolloutpipe.config import Config, ConfigError, PipelineMode, ResumeMode
 from rolloutpipe.control.env import NodeEnv, Role
 from rolloutpipe.control.lifetime import Stopped
 from rolloutpipe.control.liveness import Liveness
@@ -248,7 +248,7 @@ def open_transport(cfg: Config, env: NodeEnv) -> Transport:
     transport = Transport.open(
         address=StoreAddress(host=env.store_host, port=env.store_port, hosted_by="rollout rank 0"),
         is_host=is_host, run_id=env.run_id, secret=env.attempt_key, run_dir=env.run_dir,
-        connect_timeout_s=cfg.pipeline.connect_timeout_s,
+        connect_timeout_s=cfg.pipeline.connect_timeout_s, deadline_s=cfg.pipeline.peer_timeout_s,
     )
     peers = [("rollout", 0)] + [("trainer", r) for r in range(cfg.trainer.num_ranks)]
     if env.role is Role.rollout and env.rank > 0:  # an engine host answers to the manager only
@@ -265,6 +265,11 @@ def open_transport(cfg: Config, env: NodeEnv) -> Transport:
 def run_node(cfg: Config, env: NodeEnv) -> None:
     """Entry of one node-group process: run its loop; on any error tell the others why, then re-raise."""
     if env.restart_count and cfg.run.resume is not ResumeMode.auto:  # a requeued Slurm job (launch/requeue.py)
+        try:
+            cfg.check_resumable()
+        except ValueError as err:  # (ends the job, unrequeued: no outcome says a requeue would help)
+            raise ConfigError(f"Slurm requeued this job ({env.restart_count} time(s)), but it cannot resume: {err}") \
+                from None
         print(f"[{env.role.value} rank {env.rank}] Slurm requeued this job ({env.restart_count} time(s)): resuming "
               "from the run's last checkpoint", file=sys.stderr, flush=True)
         cfg.run = replace(cfg.run, resume=ResumeMode.auto)
@@ -286,10 +291,10 @@ def run_node(cfg: Config, env: NodeEnv) -> None:
             raise  # an engine host stopped, its servers with it: as when it is killed, the manager decides (hosts.py)
         transport.abort(f"{who} was stopped by {err.name}" if isinstance(err, Stopped)
                         else f"{who} failed: {type(err).__name__}: {err}")
-        if isinstance(node, TrainerNode):
-            node.stop(err)  # rank 0: the last finished step's checkpoint (trainer/restore.py), the attempt's outcome
-        if transport.is_host:  # keep the store up until every waiter has had a poll to read the reason
-            time.sleep(transport.poll_s + 0.5)
+        if node is not None:  # trainer rank 0: the last finished step's checkpoint (trainer/restore.py), the attempt's
+            node.stop(err)  # outcome; the rollout manager: that outcome if trainer rank 0 died without one
+        if transport.is_host:  # the store stays up until every peer has seen the abort: a busy one then meets it gone
+            transport.liveness.wait_seen(cfg.pipeline.peer_timeout_s)  # knowing why (not a lost node)
         raise
     finally:
         if node is not None:

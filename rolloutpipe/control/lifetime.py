@@ -43,6 +43,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 REQUEUE_EXIT = 75
 """How a node process exits when the run stopped at a checkpoint to be requeued (EX_TEMPFAIL: try again)."""
+PEER_STOPPED_EXIT = 3
+"""How a node process exits when it stopped because another process of the run failed or died (an abort, a lost
+peer): not the cause, which the launcher names instead (launch/local.py)."""
 
 _PR_SET_PDEATHSIG = 1
 

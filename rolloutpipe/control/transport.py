@@ -30,7 +30,9 @@ Nothing read from the store is unpickled: records and handles are JSON, payloads
 (tensors plus a JSON header) whose sha256 digest the handle carries.
 
 A TCPStore client serialises its operations, and a blocking ``wait`` holds it, so every thread that
-talks to the store gets a client of its own (``Transport.connect_another``).
+talks to the store gets a client of its own (``Transport.connect_another``). Every call of a client has a deadline of
+its own (control/bounded_store.py), so a store host that froze or dropped off the network ends the waits on it within
+``pipeline.peer_timeout_s`` (PeerGone), and a stop signal reaches a process whatever it waits on.
 """
 
 from __future__ import annotations
@@ -49,8 +51,10 @@ from typing import Protocol, TypeVar
 
 import torch.distributed as dist
 
+from rolloutpipe.control.bounded_store import BoundedStore, StoreUnresponsive
 from rolloutpipe.control.codec import decode_group, encode_group
 from rolloutpipe.control.env import listen_socket
+from rolloutpipe.control.kept import Kept
 from rolloutpipe.control.seal import Forged, seal, unseal
 from rolloutpipe.types import CompleteGroup, GroupHandle
 
@@ -62,14 +66,21 @@ STORE_MAX_VALUE_BYTES = 8 * 1024 * 1024
 """The libuv TCPStore rejects larger values, so bigger payloads go through the run directory."""
 
 
+ABORT_S = 2.0
+"""The most a process waits to leave its abort record in the store on its way out."""
+
+
 class TransportError(RuntimeError):
     """The other node group went away, sent something we refuse, or a run was aborted."""
 
 
 class PeerCheck(Protocol):
-    """What a waiter calls every poll: control/liveness.py's Liveness (raises PeerLost for a dead peer or an abort)."""
+    """What a waiter calls every poll: control/liveness.py's Liveness (raises PeerLost for a dead peer or an abort),
+    and what it names as the cause when the store goes away (the abort it saw, else the loss)."""
 
     def check(self, *, waiting_for: str) -> None: ...
+
+    def cause(self, lost: PeerGone) -> TransportError: ...
 
 
 class HandleRejected(TransportError):
@@ -104,7 +115,7 @@ class Transport:
     def __init__(
         self,
         *,
-        store: dist.TCPStore,
+        store: BoundedStore,
         address: StoreAddress,
         run_id: str,
         secret: bytes,
@@ -121,14 +132,18 @@ class Transport:
         self.poll_s = poll_s
         self.liveness: PeerCheck | None = None
         """This process's heart-beats and peer check (control/liveness.py), set by pipeline.open_transport."""
+        self.kept = Kept()
+        """What this process wrote and a reader may still need, written back if changed (control/kept.py)."""
         self._refused: set[tuple[str, str]] = set()
 
     @classmethod
     def open(
         cls, *, address: StoreAddress, is_host: bool, run_id: str, secret: bytes, run_dir: Path,
-        connect_timeout_s: float,
+        connect_timeout_s: float, deadline_s: float = 30.0,
     ) -> Transport:
-        """Host the store (on ``address.host``'s own address only; port 0 takes a free one) or connect to it."""
+        """Host the store (on ``address.host``'s own address only; port 0 takes a free one) or connect to it.
+        ``deadline_s``: the most any call may go unanswered beyond its own wait (pipeline.peer_timeout_s, whose
+        default it is)."""
         try:
             listen_fd = listen_socket(address.host, address.port).detach() if is_host else None
             store = dist.TCPStore(
@@ -147,14 +162,17 @@ class Transport:
                 f"within {connect_timeout_s:.0f} s: that component never showed up or died at start; see its log. "
                 "Raise pipeline.connect_timeout_s if it is only slow to start."
             ) from err
-        return cls(store=store, address=address, run_id=run_id, secret=secret, run_dir=run_dir, is_host=is_host)
+        bounded = BoundedStore(store, deadline_s=deadline_s,
+                               where=f"{address.host}:{address.port} (hosted by {address.hosted_by})")
+        return cls(store=bounded, address=address, run_id=run_id, secret=secret, run_dir=run_dir, is_host=is_host)
 
     def connect_another(self) -> Transport:
         """A second client of the same store, for another thread."""
         other = Transport.open(
             address=self.address, is_host=False, run_id=self.run_id, secret=self.secret, run_dir=self.run_dir,
-            connect_timeout_s=30.0,
+            connect_timeout_s=30.0, deadline_s=self.store.deadline_s,
         )
+        other.kept = self.kept
         other.liveness = self.liveness
         return other
 
@@ -164,14 +182,25 @@ class Transport:
 
     # -- guarded store access ---------------------------------------------------------------------
     def _lost(self, err: Exception) -> TransportError:
-        return PeerGone(
-            f"lost the TCPStore at {self.address.host}:{self.address.port} (hosted by {self.address.hosted_by}): "
-            f"that process has probably died; see its log. ({err})"
-        )
+        """The store is gone (or its host frozen): PeerGone, a lost node, unless this process saw the run's abort
+        first, whose consequence that is (control/liveness.py, ``cause``)."""
+        if isinstance(err, TransportError):
+            return err
+        if isinstance(err, StoreUnresponsive):
+            lost = PeerGone(f"{err}; see that process's node (this process stops waiting on it)")
+        else:
+            lost = PeerGone(
+                f"lost the TCPStore at {self.address.host}:{self.address.port} (hosted by {self.address.hosted_by}): "
+                f"that process has probably died; see its log. ({err})")
+        return lost if self.liveness is None else self.liveness.cause(lost)
 
-    def set(self, key: str, value: bytes | str) -> None:
+    def set(self, key: str, value: bytes | str, *, keep: bool = False) -> None:
+        """``keep``: a value a reader may still need, written back if an outsider changes it (control/kept.py)."""
         try:
-            self.store.set(key, value)
+            with self.kept.lock:
+                self.store.set(key, value)
+                if keep:
+                    self.kept.keep(key, value)
         except RuntimeError as err:
             raise self._lost(err) from err
 
@@ -212,17 +241,29 @@ class Transport:
 
     def abort(self, reason: str, *, requeue: bool = False) -> None:
         """Tell every process of the run to stop; the first genuine reason wins (a forged one is overwritten).
-        ``requeue``: it stops to be requeued (waiters raise RunRequeued). Best effort: the store may be gone."""
+        ``requeue``: it stops to be requeued (waiters raise RunRequeued). Best effort, within ``ABORT_S``: the store
+        may be gone or frozen, and what this process does next (its checkpoint) must not wait on it."""
         key = self.key("abort")
+
+        def write(raw) -> None:
+            if raw.check([key]):
+                try:
+                    self.unseal(key, raw.get(key))
+                    return  # a genuine reason is there first
+                except Forged:
+                    pass
+            raw.set(key, self.seal(key, {"reason": reason, "requeue": requeue}))
+
         try:
-            if not self.store.check([key]) or self.read_record(key) is None:
-                self.store.set(key, self.seal(key, {"reason": reason, "requeue": requeue}))
+            self.store.run(write, what="the abort", within_s=ABORT_S)
         except RuntimeError:
             pass
 
     def delete(self, key: str) -> None:
         try:
-            self.store.delete_key(key)
+            with self.kept.lock:
+                self.kept.drop(key)
+                self.store.delete_key(key)
         except RuntimeError as err:
             raise self._lost(err) from err
 
@@ -258,8 +299,10 @@ class Transport:
             self._refused.add(seen)
             log.warning("refused a store record: %s; ignoring it and waiting for the run's own.", why)
 
-    def put_record(self, key: str, record: dict) -> None:
-        self.set(key, self.seal(key, record))
+    def put_record(self, key: str, record: dict, *, keep: bool = True) -> None:
+        """A sealed record, kept (written back if an outsider changes it) unless ``keep`` is False: a value its
+        writer replaces on its own, as a heart-beat."""
+        self.set(key, self.seal(key, record), keep=keep)
 
     def read_record(self, key: str) -> dict | None:
         """``key``'s record if it exists and is genuine (a forged one is refused, in the log), else None."""
@@ -301,7 +344,7 @@ class Transport:
         step_key = f"step={group.step}"
         if len(payload) <= min(inline_max_bytes, STORE_MAX_VALUE_BYTES):
             location = "inline"
-            self.set(self.key(step_key, "payload", f"seq={seq}"), payload)
+            self.set(self.key(step_key, "payload", f"seq={seq}"), payload, keep=True)
         else:
             relative = Path("payloads") / step_key / f"seq={seq}.safetensors"
             path = self.run_dir / relative
@@ -323,28 +366,41 @@ class Transport:
             published_s=time.time(),
         )
         handle.signature = self._sign(handle)
-        self.set(self.key(step_key, "handle", f"seq={seq}"), json.dumps(dataclasses.asdict(handle)))
+        self.set(self.key(step_key, "handle", f"seq={seq}"), json.dumps(dataclasses.asdict(handle)), keep=True)
         return handle
 
     def wait_handle(self, *, step: int, seq: int, policy_version: int) -> GroupHandle:
         """Wait for the handle published ``seq``-th in ``step`` and verify it (signature, run, step, version).
 
-        A handle without this run's signature is refused (logged) and waited past; one that is signed but names
-        another run, step or version, or a payload outside the run directory, stops the run (HandleRejected).
+        A handle without this run's signature, or a genuine one copied from another key (another step, seq or
+        version: a replay), is refused (logged) and waited past; its writer writes the genuine one back
+        (control/kept.py). A signed handle with a payload outside the run directory stops the run (HandleRejected:
+        only a bug of the run's own writes one).
         """
         key = self.key(f"step={step}", "handle", f"seq={seq}")
         return self._wait_genuine(key, what=f"group handle step={step}/seq={seq}", read=lambda raw: (
             self._verified_handle(raw, key=key, step=step, seq=seq, policy_version=policy_version)))
 
     def load_group(self, handle: GroupHandle) -> CompleteGroup:
-        """Fetch a verified handle's payload, check its digest and decode it."""
+        """Fetch a verified handle's payload, check its digest and decode it. An inline payload that does not match
+        the digest (an outsider's write into the store) is refused and waited past, as a forged record is; a file
+        that does not (the run directory is the run's own) stops the run."""
         where = f"step={handle.step}/seq={handle.seq}"
+
+        def verified(payload: bytes) -> bytes:
+            if hashlib.sha256(payload).hexdigest() != handle.digest:
+                raise Forged(f"{where}: the payload does not match the handle's digest")
+            return payload
+
         if handle.location == "inline":
-            payload = self.get(self.key(f"step={handle.step}", "payload", f"seq={handle.seq}"))
+            key = self.key(f"step={handle.step}", "payload", f"seq={handle.seq}")
+            payload = self._wait_genuine(key, what=f"the payload of {where}", read=verified)
         else:
             payload = (self.run_dir / handle.location.removeprefix("file:")).read_bytes()
-        if hashlib.sha256(payload).hexdigest() != handle.digest:
-            raise HandleRejected(f"{where}: the payload does not match the handle's digest; refusing it.")
+            try:
+                verified(payload)
+            except Forged as err:
+                raise HandleRejected(f"{err}; refusing it.") from None
         group = decode_group(payload)
         if (group.step, group.group, group.batch, group.policy_version) != (
             handle.step, handle.group, handle.batch, handle.policy_version
@@ -364,10 +420,8 @@ class Transport:
         expected = {"run_id": self.run_id, "step": step, "seq": seq, "policy_version": policy_version}
         for name, value in expected.items():
             if getattr(handle, name) != value:
-                raise HandleRejected(
-                    f"{key}: handle has {name}={getattr(handle, name)!r}, expected {value!r} (a replayed or stray "
-                    "handle); refusing it."
-                )
+                raise Forged(f"{key}: a genuine handle of another key ({name}={getattr(handle, name)!r}, expected "
+                             f"{value!r}): replayed by a process outside the run")
         if handle.location != "inline" and not _is_payload_file(handle.location):
             raise HandleRejected(f"{key}: payload location {handle.location!r} is outside the run directory.")
         return handle

@@ -45,7 +45,7 @@ from typing import Protocol
 
 from rolloutpipe.config import Config, save_config
 from rolloutpipe.control.env import NodeEnv, Role, free_port, loopback_interface
-from rolloutpipe.control.lifetime import STOP_SIGNALS, child_environ, stop_groups
+from rolloutpipe.control.lifetime import PEER_STOPPED_EXIT, STOP_SIGNALS, child_environ, stop_groups
 
 
 class Launcher(Protocol):
@@ -150,8 +150,12 @@ class LocalLauncher:
                     deadline = time.monotonic() + self.grace_s + (0 if culprit.hosts_store else peer_timeout_s)
             if culprit is not None and (all(code is not None for code in codes.values())
                                         or time.monotonic() > deadline):
-                # one a signal ended (not ours, below) is the cause, even when a peer noticed and exited 1 first
-                culprit = next((c for c in children if not 0 <= (c.process.poll() or 0) <= 128), culprit)
+                # one a signal ended (not ours, below) is the cause, even when a peer noticed and exited first; else
+                # one that failed, rather than one that stopped for it (PEER_STOPPED_EXIT)
+                codes = {c.label: c.process.poll() for c in children}
+                culprit = (next((c for c in children if not 0 <= (codes[c.label] or 0) <= 128), None)
+                           or next((c for c in children if codes[c.label] not in (None, 0, PEER_STOPPED_EXIT)), None)
+                           or culprit)
                 stop_groups([c.process for c in children], stop_grace_s)
                 print(f"run failed: {culprit.label} exited with {_describe(culprit.process.returncode)}; "
                       "the other processes were stopped. See the messages above.", file=sys.stderr)

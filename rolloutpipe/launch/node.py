@@ -18,7 +18,13 @@ import sys  # noqa: E402
 import traceback  # noqa: E402
 
 from rolloutpipe.control.env import NodeEnv, Role  # noqa: E402
-from rolloutpipe.control.lifetime import REQUEUE_EXIT, Stopped, die_with_parent, raise_on_stop_signals  # noqa: E402
+from rolloutpipe.control.lifetime import (  # noqa: E402
+    PEER_STOPPED_EXIT,
+    REQUEUE_EXIT,
+    Stopped,
+    die_with_parent,
+    raise_on_stop_signals,
+)
 
 
 def main() -> int:
@@ -45,7 +51,7 @@ def _run(env: NodeEnv, who: str) -> int:
     import torch
 
     from rolloutpipe.config import ConfigError, read_config
-    from rolloutpipe.control.transport import RunRequeued, TransportError
+    from rolloutpipe.control.transport import PeerLost, RunRequeued, TransportError
     from rolloutpipe.pipeline import run_node
 
     try:
@@ -57,12 +63,15 @@ def _run(env: NodeEnv, who: str) -> int:
     torch.set_num_threads(threads or max(1, len(os.sched_getaffinity(0))))
     try:
         run_node(cfg, env)
+    except ConfigError as err:
+        print(f"{who} {err}", file=sys.stderr)
+        return 2
     except RunRequeued as err:
         print(f"{who} stopped: {err}; exiting with {REQUEUE_EXIT}", file=sys.stderr)
         return REQUEUE_EXIT
     except TransportError as err:
         print(f"{who} stopping: {err}", file=sys.stderr)
-        return 1
+        return PEER_STOPPED_EXIT if isinstance(err, PeerLost) else 1
     except Exception as err:  # noqa: BLE001 - the process boundary: say who failed and why, exit non-zero
         traceback.print_exc()
         print(f"{who} failed: {type(err).__name__}: {err}", file=sys.stderr)
@@ -70,5 +79,18 @@ def _run(env: NodeEnv, who: str) -> int:
     return 0
 
 
+def exit_with(code: int) -> None:
+    """Exit; without the interpreter's finalization while a store call is in flight (control/bounded_store.py: one
+    given up on, or whose caller a stop signal took): the call returning during finalization would abort the
+    process. What the node had to write is written by now (checkpoint, outcome, logs: flushed here)."""
+    from rolloutpipe.control.bounded_store import calls_in_flight
+
+    if calls_in_flight():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

@@ -24,16 +24,18 @@ Rollout main loop (pipeline.run_rollout, on the process's main thread)
 
 from __future__ import annotations
 
+import json
 import queue
 import sys
 import time
 from dataclasses import asdict
 
 from rolloutpipe.config import Config, ConfigError, ResumeMode
+from rolloutpipe.control.attempt import Outcome, read_outcome, write_outcome
 from rolloutpipe.control.checkpoint import latest_checkpoint
 from rolloutpipe.control.clock import sync_clock
 from rolloutpipe.control.env import NodeEnv
-from rolloutpipe.control.transport import Transport
+from rolloutpipe.control.transport import PeerGone, Transport
 from rolloutpipe.control.weights import receiver, weights_record_key
 from rolloutpipe.model import context_len, load_tokenizer
 from rolloutpipe.observe.metrics import RolloutStats, SpanRecorder
@@ -231,6 +233,21 @@ class RolloutNode:
         self.transport.wait_record(self.transport.key("trainer", "done"), what="the trainer to finish")
         self.factory.stop_hosts()  # the other rollout nodes stop their engine servers and finish
 
+    def stop(self, err: BaseException) -> None:
+        """The run stops before its end (pipeline.run_node). Trainer rank 0 says how the attempt ended
+        (control/attempt.py), unless it died without a word (killed, its node lost: its heart-beat stopped): then
+        the rollout manager writes that outcome in its place, a lost node that a requeue can fix."""
+        if not (isinstance(err, PeerGone) and self.transport.liveness.lost_peer == ("trainer", 0)):
+            return
+        run_dir, key, attempt = self.env.run_dir, self.env.attempt_key, self.env.restart_count
+        if read_outcome(run_dir, key, attempt) is not None:
+            return
+        checkpoint = latest_checkpoint(run_dir)
+        write_outcome(run_dir, key, Outcome(
+            attempt=attempt, finished=False, requeue=True, last_step=last_metrics_step(run_dir),
+            checkpoint_step=-1 if checkpoint is None else checkpoint.step,
+            reason=f"{type(err).__name__}: {err} (written by rollout rank 0: trainer rank 0 wrote none)"))
+
     def close(self) -> None:
         for engine in self.engines:
             engine.shutdown()
@@ -239,6 +256,13 @@ class RolloutNode:
         self.rewards.pool.close()
         self.evaluation.close()
         self.spans.flush()
+
+
+def last_metrics_step(run_dir) -> int:
+    """The last step whose metrics record trainer rank 0 wrote whole (-1: none)."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_bytes().split(b"\n") if path.exists() else []
+    return max((json.loads(line)["step"] for line in lines[:-1]), default=-1)  # (a cut-off last line is not whole)
 
 
 def check_context(cfg: Config, prompts: list[Prompt]) -> None:

@@ -34,6 +34,7 @@ Requeue watch (rank 0, a thread of its own: ``_requeue_watch``)
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -45,13 +46,19 @@ import torch.distributed.nn  # before any process group exists: see TrainerNode.
 
 from rolloutpipe.config import Config, PipelineMode, ResumeMode
 from rolloutpipe.control.attempt import Outcome, write_outcome
-from rolloutpipe.control.checkpoint import ShardedState, latest_checkpoint, load_optimizer, optimizer_groups
+from rolloutpipe.control.checkpoint import (
+    ShardedState,
+    latest_checkpoint,
+    load_optimizer,
+    optimizer_groups,
+    save_final,
+)
 from rolloutpipe.control.clock import sync_clock
 from rolloutpipe.control.env import NodeEnv, trainer_process_group_backend
 from rolloutpipe.control.lifetime import requeue_margin_s, stop_deferred
-from rolloutpipe.control.transport import PeerGone, RunRequeued, SealedStore, Transport, TransportError
+from rolloutpipe.control.transport import ABORT_S, PeerGone, RunRequeued, SealedStore, Transport, TransportError
 from rolloutpipe.control.weights import WeightSender, sender
-from rolloutpipe.model import load_model, load_tokenizer, save_hf_checkpoint
+from rolloutpipe.model import load_model, load_tokenizer
 from rolloutpipe.observe.metrics import RolloutStats, SpanRecorder, TrainStats, reduce_step, summary_line
 from rolloutpipe.observe.timeline import finish_run
 from rolloutpipe.observe.tracking import open_tracker
@@ -59,9 +66,10 @@ from rolloutpipe.trainer.backend import PolicyBackend, trainer_class
 from rolloutpipe.trainer.config import OldLogprobSource
 from rolloutpipe.trainer.restore import RestorePoint
 
-SHARD_WAIT_S = 60.0
-"""Sharded checkpoints: how long rank 0 waits for the other ranks' files (written at the same step's end, or as
-each rank stops) before it leaves the step unwritten."""
+SHARD_WAIT_SHARE = 0.5
+"""Sharded checkpoints: rank 0 waits for the other ranks' files (written at the same step's end, or as each rank
+stops) up to this share of ``launcher.stop_grace_s`` before it leaves the step unwritten, so that a stop keeps the
+rest of the grace for the policy and the outcome before the launcher's SIGKILL."""
 
 
 class TrainerNode:
@@ -80,13 +88,23 @@ class TrainerNode:
         self.tracker = open_tracker(cfg.wandb, run_dir=env.run_dir, run_id=env.run_id, config=cfg,
                                     enabled=self.is_writer, redo_history=kept if redone else None)
         self.distributed = env.world_size > 1
+        self.trainer: PolicyBackend | None = None
+        self._closing = threading.Event()
+        self._watch: threading.Thread | None = None
         if self.distributed:
             pg_store = SealedStore(transport.connect_another(), transport.key("trainer_pg"))
             dist.init_process_group(trainer_process_group_backend(), store=pg_store, rank=env.rank,
                                     world_size=env.world_size)
+        try:
+            self._build(cfg, env, transport, redone)
+        except BaseException:  # a start that fails (a bad model file; a stop during the model load) releases what
+            self.close()  # it made: the process group and its threads, the backend's groups
+            raise
+
+    def _build(self, cfg: Config, env: NodeEnv, transport: Transport, redone: bool) -> None:
         self.tokenizer = load_tokenizer(cfg.model)
         model_cfg = cfg.model if self.resumed is None else replace(cfg.model, path=str(self.resumed.directory))
-        self.trainer: PolicyBackend = trainer_class(cfg.trainer.backend)(
+        self.trainer = trainer_class(cfg.trainer.backend)(
             model=load_model(model_cfg, len(self.tokenizer)), cfg=cfg.trainer, grpo=cfg.grpo,
             temperature=cfg.rollout_temperature, pad_id=self.tokenizer.pad_token_id,
             multi_step=cfg.num_steps_per_rollout > 1, process_group_active=self.distributed,
@@ -120,24 +138,31 @@ class TrainerNode:
         """The last step whose metrics are written."""
         if cfg.run.resume is ResumeMode.auto:  # the steps from first_step are redone: their old spans go
             self.spans.resume_at(self.first_step)
-        if redone:  # drop the records of steps that will be redone: all of them when none was checkpointed
-            self.metrics_path.write_text("".join(json.dumps(record) + "\n" for record in kept))
+        if redone:  # cut off the records of the steps that will be redone (appended again); the kept bytes stay
+            os.truncate(self.metrics_path, self._kept_bytes)
         self.progress = None
-        self._closing = threading.Event()
-        self._watch: threading.Thread | None = None
         self._stopping = False
         """Rank 0: the step just ended is where the run stops for a requeue (``end_step`` decided it)."""
+        self._finished = False
+        """Rank 0: the final policy and the finished outcome are written (``finish``)."""
         self._requeue_requested_s: float | None = None
         """When the batch script asked the run to stop for a requeue (``_requeue_watch``)."""
 
     def _metrics_to_keep(self) -> tuple[list[dict], bool]:
         """Rank 0 on resume: the metrics records of the steps before ``first_step``, and whether the file holds
-        records of later steps, which the resume redoes (a crash after the last checkpoint)."""
+        records of later steps, which the resume redoes (a crash after the last checkpoint); ``_kept_bytes``: where
+        they end in the file (metrics.jsonl is appended to, and only ever cut there)."""
+        self._kept_bytes = 0
         if self.cfg.run.resume is not ResumeMode.auto or not self.metrics_path.exists():
             return [], False
-        records = [json.loads(line) for line in self.metrics_path.read_text().splitlines()]
-        kept = [r for r in records if r["step"] < self.first_step]
-        return kept, len(kept) < len(records)
+        kept, lines = [], self.metrics_path.read_bytes().splitlines(keepends=True)
+        for line in lines:
+            record = json.loads(line)
+            if record["step"] >= self.first_step:
+                break
+            kept.append(record)
+            self._kept_bytes += len(line)
+        return kept, len(kept) < len(lines)
 
     def start(self) -> int:
         """Rank 0 opens weight sync and tells the rollout to start; returns the first step to run."""
@@ -146,6 +171,9 @@ class TrainerNode:
         with self.trainer.writer_reads():  # (broadcast sync reads the policy's dtype and device)
             if self.is_writer:
                 self.weights.open()
+        if self.is_writer and self.first_step >= self.cfg.num_rollout:
+            print(f"[trainer rank 0] nothing to train: step {self.first_step - 1}'s checkpoint holds the run's last "
+                  f"step (num_rollout={self.cfg.num_rollout}); writing the final policy", file=sys.stderr, flush=True)
         if self.is_writer:  # the rollout starts its first step only now, so no step's timings include start-up
             self.transport.put_record(self.transport.key("trainer", "ready"), {"ready": True})
         self.progress = tqdm(total=self.cfg.num_rollout, initial=self.first_step, desc="RL steps", unit="step",
@@ -220,7 +248,7 @@ class TrainerNode:
         with self.trainer.writer_reads():  # the restore point's copy: a sharded backend gathers it for rank 0
             self._end_step_writer(step, record)
         if self.sharded and checkpoint:
-            self.write_checkpoint(wait_s=SHARD_WAIT_S)
+            self.write_checkpoint(wait_s=SHARD_WAIT_SHARE * self.cfg.launcher.stop_grace_s)
         if self.is_writer:  # every rank is past the step's all-reduces in reduce(), so all have read its groups
             self.transport.forget_step(step, self.cfg.rollout_batch_size)
         self.spans.flush()
@@ -278,11 +306,13 @@ class TrainerNode:
 
     def stop(self, err: BaseException) -> None:
         """The run stops before its end (pipeline.run_node, any cause): rank 0 keeps every finished step, writing
-        the last one's checkpoint from the restore point, and says how the attempt ended (control/attempt.py)."""
-        if self.last_step + 1 == self.cfg.num_rollout or not (self.is_writer or self.sharded):
+        the last one's checkpoint from the restore point, and says how the attempt ended (control/attempt.py). During
+        ``finish`` too: the last step's checkpoint is written first there, and a stop before the final policy is
+        complete leaves the run to a resume that trains nothing."""
+        if self._finished or not (self.is_writer or self.sharded):
             return  # (finished: its outcome says so)
         try:
-            written = self.write_checkpoint(wait_s=SHARD_WAIT_S)
+            written = self.write_checkpoint(wait_s=SHARD_WAIT_SHARE * self.cfg.launcher.stop_grace_s)
             if not self.is_writer:
                 return
         except Exception as save_err:  # noqa: BLE001 - the stop's own cause is what the process reports
@@ -312,26 +342,32 @@ class TrainerNode:
 
         A thread still inside a c10d store call when the interpreter finalizes aborts the process when the call
         returns ("terminate called without an active exception": re-taking the GIL ends the thread with
-        pthread_exit, whose unwinding cannot cross pybind11's noexcept guard). So the watch is joined without
-        a time limit (each of its store calls is bounded by its client's timeout). The process group is
+        pthread_exit, whose unwinding cannot cross pybind11's noexcept guard). The watch's store calls run on its
+        client's own thread (control/bounded_store.py), and a process that leaves with one in flight skips the
+        finalization (launch/node.py), so the watch is joined for ``ABORT_S`` at most. The process group is
         destroyed here rather than only after the last step, and it really goes: torch.distributed.nn binds
         group.WORLD into its functions' default arguments when first imported (transformers' model code imports
         it), so imported after init_process_group it would keep the group, its gloo threads and its store
         client alive until teardown; this module imports it before any group exists."""
         self._closing.set()
         if self._watch is not None:
-            self._watch.join()
-        self.trainer.close()
-        if self.distributed:
+            self._watch.join(timeout=ABORT_S)  # (a frozen store host holds its read until its deadline)
+        if self.trainer is not None:
+            self.trainer.close()
+        if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
 
     def finish(self) -> None:
-        """After the last step: the final policy, the merged trace and W&B (rank 0), then ``trainer/done``.
+        """After the last step: its checkpoint, as every step's (unless run.checkpoint_every wrote it), so that a stop
+        from here on loses nothing and a resume trains nothing; then the final policy (control/checkpoint.py
+        ``save_final``: complete or absent), the merged trace and W&B (rank 0), the outcome, then ``trainer/done``.
 
         Every rank's last heart-beat (``Liveness.finish``) comes before ``trainer/done``: once it is written the
         rollout stops hosting the store, and a beat after that fails the rank (lost the store). The other ranks beat
         before the barrier; rank 0 after its final writes, so the rollout watches it until they are done."""
         self.progress.close()
+        self.write_checkpoint(wait_s=SHARD_WAIT_SHARE * self.cfg.launcher.stop_grace_s)  # (sharded: each rank its
+        # file, rank 0 the step)
         if not self.is_writer:
             self.transport.liveness.finish()
         if self.distributed:
@@ -339,8 +375,9 @@ class TrainerNode:
         with self.trainer.writer_reads():
             final = self.trainer.hf_model() if self.is_writer else None
         if self.is_writer:
-            save_hf_checkpoint(final, self.tokenizer, self.env.run_dir / "checkpoints" / "final")
+            save_final(final, self.tokenizer, self.env.run_dir)
             finish_run(self.env.run_dir, self.tracker)  # trace.json, lifecycle.jsonl, timeline.png, W&B
             self._write_outcome(finished=True, requeue=False, reason="every step trained; the final policy is written")
+            self._finished = True
             self.transport.liveness.finish()
             self.transport.put_record(self.transport.key("trainer", "done"), {"done": True})

@@ -6,6 +6,7 @@ The process runs ``rolloutpipe.launch.node`` as usual, except that the ``nth`` c
   node loss; with ``SIGTERM`` as the third argument it sends itself SIGTERM instead, as a preemption, ``scancel``
   or ``scontrol requeue`` does, and the process stops the way it would (the signal reaches the process before
   ``kill`` returns, so its handler raises there: the call is not made);
+- ``busy_optimizer_step`` only delays the call (``keep_busy``);
 - ``engine_crash`` raises inside an embedded engine's scheduler thread (its next decode step), which sets
   ``engine.error`` as any crash of that thread would;
 - ``engine_server_killed`` SIGKILLs the server process of the SGLang-API engine being submitted to (the
@@ -20,6 +21,7 @@ import importlib
 import os
 import signal
 import sys
+import time
 
 
 def kill_process(*args, **kwargs):
@@ -28,6 +30,13 @@ def kill_process(*args, **kwargs):
 
 def stop_process(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+def keep_busy(*args, **kwargs):
+    """The call takes $RP_TEST_BUSY_S seconds longer, and says so first in the file $RP_TEST_MARKER (which a test's
+    reward reads: tests/fixtures/dense_rewards.py ``letter_fraction_until_marked``)."""
+    open(os.environ["RP_TEST_MARKER"], "w").close()
+    time.sleep(float(os.environ["RP_TEST_BUSY_S"]))
 
 
 def crash_engine(engine, *args, **kwargs):
@@ -46,6 +55,8 @@ POINTS = {
     "mid_dispatch": ("rolloutpipe.rollout.dispatcher", "Dispatcher._publish", kill_process),
     "mid_optimizer_step": ("rolloutpipe.trainer.torch_backend", "PolicyTrainer.finish_batch", kill_process),
     "mid_checkpoint_write": ("rolloutpipe.control.checkpoint", "save_file", kill_process),
+    "hf_save": ("rolloutpipe.model", "save_hf_checkpoint", kill_process),  # a checkpoint's weights, or the final
+    "busy_optimizer_step": ("rolloutpipe.trainer.grpo_trainer", "GRPOTrainer.finish_batch", keep_busy),
     "during_weight_sync": ("rolloutpipe.rollout.engines.embedded", "EmbeddedEngine.update_weights_from_disk",
                            kill_process),
     "engine_crash": ("rolloutpipe.rollout.engines.embedded", "EmbeddedEngine._decode_step", crash_engine),

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from rolloutpipe.control.lifetime import PEER_STOPPED_EXIT
 from tests.conftest import (
     REPO,
     SMALL,
@@ -191,7 +192,7 @@ def test_killed_node_group_makes_the_other_exit_with_a_clear_error(tmp_path, vic
                  details=lambda: {k: p.communicate() for k, p in procs.items() if p.poll() is not None})
         os.kill(procs[victim].pid, signal.SIGKILL)
         _, stderr = procs[survivor].communicate(timeout=30)
-        assert procs[survivor].returncode == 1
+        assert procs[survivor].returncode == PEER_STOPPED_EXIT  # it stopped for the other: not the cause
         assert message in stderr, stderr[-2000:]
     finally:
         for p in procs.values():

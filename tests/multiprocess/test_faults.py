@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from rolloutpipe.control.lifetime import PEER_STOPPED_EXIT
 from rolloutpipe.rollout.tasks import ReversalTaskConfig, write_reversal_jsonl
 
 from ..conftest import DENSE_REWARD, SMALL, read_metrics, read_samples, run_job, start_nodes
@@ -58,7 +59,7 @@ def test_killed_and_resumed_run_trains_every_prompt_once_and_matches_the_uninter
     outputs = {role: p.communicate(timeout=180) for role, p in procs.items()}
     assert procs[victim].returncode == -9, outputs[victim][1][-2000:]
     survivor = "trainer" if victim == "rollout" else "rollout"
-    assert procs[survivor].returncode == 1, outputs[survivor][1][-2000:]
+    assert procs[survivor].returncode == PEER_STOPPED_EXIT, outputs[survivor][1][-2000:]
     assert not (run_dir / "checkpoints" / "final").exists()
 
     resumed = run_job(run_dir, *workload(data), "run.resume=auto")
@@ -144,7 +145,7 @@ def test_with_max_engine_failures_zero_a_failed_engine_stops_the_run_naming_it(t
     procs = start_nodes(run_dir, *workload(data), "rollout.num_engines=2", "rollout.max_engine_failures=0",
                         commands={"rollout": ["-m", "tests.faults.inject", "engine_crash", "3"]})
     outputs = {role: p.communicate(timeout=180) for role, p in procs.items()}
-    assert procs["rollout"].returncode == 1 and procs["trainer"].returncode == 1
+    assert procs["rollout"].returncode == 1 and procs["trainer"].returncode == PEER_STOPPED_EXIT
     assert re.search(r"engine engine\d failed: RuntimeError\('injected crash of engine engine\d'\)\. That is "
                      r"failure 1 .* rollout.max_engine_failures=0; stopping the run\. Look at engine\d runs inside "
                      r"the rollout process", outputs["rollout"][1]), outputs["rollout"][1][-3000:]

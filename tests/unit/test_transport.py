@@ -8,7 +8,7 @@ import time
 import pytest
 
 from rolloutpipe.control.liveness import Liveness
-from rolloutpipe.control.transport import HandleRejected, PeerLost, StoreAddress, Transport
+from rolloutpipe.control.transport import PeerLost, StoreAddress, Transport
 from tests.fakes import make_group
 
 
@@ -118,28 +118,53 @@ def test_the_store_listens_on_its_host_address_only(transport):
     assert listening_addresses(os.getpid()) and all(a.startswith("127.") for a in listening_addresses(os.getpid()))
 
 
-def test_tampered_payload_is_rejected(transport):
+def test_an_overwritten_payload_is_refused_until_its_writer_writes_it_back(transport, caplog):
+    """An outsider copies another group's payload over this one's: the reader refuses it (the handle's digest) and
+    waits, without stopping the run; the writer's kept values (control/kept.py: each heart-beat heals them) put the
+    genuine payload back."""
     transport.publish(make_group(), seq=0, inline_max_bytes=1 << 20)
-    other = transport.publish(make_group(group=4), seq=1, inline_max_bytes=1 << 20)
-    assert other.seq == 1
+    transport.publish(make_group(group=4), seq=1, inline_max_bytes=1 << 20)
     key = transport.key("step=0", "payload", "seq=0")
-    transport.set(key, transport.get(transport.key("step=0", "payload", "seq=1")))
-    trainer = client(transport)
-    with pytest.raises(HandleRejected, match="digest"):
-        trainer.load_group(trainer.wait_handle(step=0, seq=0, policy_version=0))
+    transport.store.set(key, transport.get(transport.key("step=0", "payload", "seq=1")))  # (an outsider's write)
+    trainer = waiting_client(transport)
+    waiting = InThread(lambda: trainer.load_group(trainer.wait_handle(step=0, seq=0, policy_version=0)))
+    time.sleep(0.5)
+    assert waiting.thread.is_alive() and "does not match the handle's digest" in caplog.text
+    assert transport.kept.heal(transport.store) == 1
+    assert waiting.join().group == make_group().group
 
 
-def test_replayed_handle_from_another_step_or_run_is_rejected(transport):
-    """A genuine handle copied to another step's or run's key is signed, so it is a bug or a replay: it stops."""
+def test_a_genuine_handle_replayed_to_another_step_or_run_is_refused_and_waited_past(transport, caplog):
+    """A genuine handle copied to another step's or run's key: signed, but not that key's; an outsider's replay,
+    refused like a forged one (it must not stop the run). The genuine handle, once written, is taken."""
     transport.publish(make_group(step=0), seq=0, inline_max_bytes=1 << 20)
     raw = transport.get(transport.key("step=0", "handle", "seq=0"))
-    transport.set(transport.key("step=1", "handle", "seq=0"), raw)
-    with pytest.raises(HandleRejected, match="step=0, expected 1"):
-        client(transport).wait_handle(step=1, seq=0, policy_version=1)
-    other_run = client(transport, run_id="run-b")
-    other_run.set(other_run.key("step=0", "handle", "seq=0"), raw)
-    with pytest.raises(HandleRejected, match="run_id='run-a', expected 'run-b'"):
-        other_run.wait_handle(step=0, seq=0, policy_version=0)
+    transport.store.set(transport.key("step=1", "handle", "seq=0"), raw)
+    waiting = InThread(lambda: waiting_client(transport).wait_handle(step=1, seq=0, policy_version=1))
+    time.sleep(0.5)
+    assert waiting.thread.is_alive() and "step=0, expected 1" in caplog.text
+    transport.publish(make_group(step=1, group=6), seq=0, inline_max_bytes=1 << 20)
+    assert waiting.join().group == 6
+    other_run = waiting_client(transport, run_id="run-b")
+    other_run.store.set(other_run.key("step=0", "handle", "seq=0"), raw)
+    waiting = InThread(lambda: other_run.wait_handle(step=0, seq=0, policy_version=0))
+    time.sleep(0.5)
+    assert waiting.thread.is_alive() and "run_id='run-a', expected 'run-b'" in caplog.text
+
+
+def test_kept_values_come_back_after_an_outsiders_overwrite_and_deleted_ones_stay_deleted(transport):
+    record, handle_key = transport.key("step=0", "rollout_stats"), transport.key("step=0", "handle", "seq=0")
+    transport.put_record(record, {"step": 0})
+    transport.publish(make_group(), seq=0, inline_max_bytes=1 << 20)
+    genuine, handle = transport.get(record), transport.get(handle_key)
+    transport.store.set(record, b"garbage")  # an outsider's writes
+    transport.store.set(handle_key, genuine)
+    assert transport.kept.heal(transport.store) == 2 and transport.kept.heal(transport.store) == 0
+    assert transport.get(record) == genuine and transport.get(handle_key) == handle
+    client(transport).forget_step(0, num_groups=1)  # the trainer deletes what it consumed, the rollout's keys too
+    transport.kept.heal(transport.store)
+    assert not transport.has(record) and not transport.has(handle_key)
+    assert transport.kept._values == {}  # nor kept any more
 
 
 def watched_peer(host: Transport, *, heartbeat_s: float, peer_timeout_s: float) -> tuple[Liveness, Transport]:
@@ -204,18 +229,24 @@ def test_a_forged_abort_is_refused_and_a_genuine_one_still_stops_the_run(transpo
         waiter.wait_get(waiter.key("never"), what="a handle")
 
 
-def test_forged_or_replayed_heart_beats_do_not_keep_a_dead_peer_alive(transport):
+def test_forged_or_replayed_heart_beats_never_read_as_missing_ones(transport):
+    """An outsider writing garbage and replayed old beats over a live peer's key, for many peer timeouts, does not
+    make it look dead; once the peer is dead and nobody writes its key, it is found lost."""
     beats, waiter = watched_peer(transport, heartbeat_s=0.05, peer_timeout_s=0.5)
-    beats.stop()
-    time.sleep(0.1)
     key = transport.key("alive", "trainer", 1)
-    replay = transport.get(key)
+    old = transport.get(key)
     forger = client(transport, secret=b"x" * 32)
+    start = time.monotonic()
+    while time.monotonic() - start < 3:  # 6 peer timeouts of writes over the peer's own
+        forger.put_record(key, {"count": 10**9}, keep=False)
+        waiter.liveness.check(waiting_for="nothing")  # no error
+        transport.store.set(key, old)
+        waiter.liveness.check(waiting_for="nothing")
+        time.sleep(0.02)
+    beats.stop()
     start = time.monotonic()
     with pytest.raises(PeerLost, match="trainer rank 1 stopped heart-beating"):
         while time.monotonic() - start < 5:
-            transport.set(key, replay)
-            forger.put_record(key, {"count": 10**9})
             waiter.liveness.check(waiting_for="nothing")
             time.sleep(0.05)
 
