@@ -275,6 +275,7 @@ def run_node(cfg: Config, env: NodeEnv) -> None:
         cfg.run = replace(cfg.run, resume=ResumeMode.auto)
     transport = open_transport(cfg, env)
     node = None
+    aborted = False
     try:
         if env.role is Role.rollout and env.rank > 0:
             EngineHost(cfg.engine_setup(), env, transport).run()  # its node's engine servers, for the manager (rank 0)
@@ -291,6 +292,7 @@ def run_node(cfg: Config, env: NodeEnv) -> None:
             raise  # an engine host stopped, its servers with it: as when it is killed, the manager decides (hosts.py)
         transport.abort(f"{who} was stopped by {err.name}" if isinstance(err, Stopped)
                         else f"{who} failed: {type(err).__name__}: {err}")
+        aborted = True
         if node is not None:  # trainer rank 0: the last finished step's checkpoint (trainer/restore.py), the attempt's
             node.stop(err)  # outcome; the rollout manager: that outcome if trainer rank 0 died without one
         if transport.is_host:  # the store stays up until every peer has seen the abort: a busy one then meets it gone
@@ -299,4 +301,4 @@ def run_node(cfg: Config, env: NodeEnv) -> None:
     finally:
         if node is not None:
             node.close()
-        transport.liveness.stop()
+        transport.liveness.stop(aborted=aborted)  # (its last beat says it saw the abort: the store host waits for it)

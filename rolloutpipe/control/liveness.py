@@ -71,12 +71,23 @@ class Liveness:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, *, aborted: bool = False) -> None:
         """Stop beating and wait for the thread (its store calls run on the client's own thread: control/
         bounded_store.py; a process that leaves with one in flight skips finalization), at most ``ABORT_S``: a beat
-        that a frozen store host never answers does not hold the stop."""
+        that a frozen store host never answers does not hold the stop. ``aborted``: this process leaves because
+        of the run's abort (pipeline.run_node); one last beat says it saw it, so the store host's ``wait_seen`` does
+        not wait ``peer_timeout_s`` for a process that left between two beats (best effort, within ``ABORT_S``)."""
         self._stop.set()
         self._thread.join(timeout=ABORT_S)
+        if not aborted or self._finished or self._thread.is_alive():
+            return
+        self._count += 1
+        key = self._key(self.me)
+        sealed = self._beat_client.seal(key, {"count": self._count, "aborted": True})
+        try:
+            self._beat_client.store.run(lambda raw: raw.set(key, sealed), what="the last heart-beat", within_s=ABORT_S)
+        except (RuntimeError, TransportError):
+            pass  # the store is gone or frozen: nobody waits on this beat then
 
     def finish(self) -> None:
         """This process is done with the run, healthy: one last beat that says so, so that peers still finishing

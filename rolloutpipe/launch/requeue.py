@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         warned_s.append(time.monotonic())
         say(f"Slurm warned of the time limit (launcher.requeue_grace_s={grace_s}): the run stops at its next "
             f"checkpoint, then the job is requeued (requeue {restarts + 1} of launcher.max_requeues={max_requeues})")
-        threading.Thread(target=ask_to_stop, args=(step, key), name="ask-to-stop", daemon=True).start()
+        threading.Thread(target=ask_to_stop, args=(step, key, warned_s[0]), name="ask-to-stop", daemon=True).start()
 
     stopped: list[int] = []  # SIGTERM or SIGINT from outside: Slurm (a preemption) or the user decides, never us
 
@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
             break
         time.sleep(0.2)
     code = step.poll()
+    if warned_s and code is not None:
+        say(f"the step ended {time.monotonic() - warned_s[0]:.1f} s after the warning (the wrapper would requeue "
+            f"at {grace_s - requeue_margin_s(grace_s):.1f} s)")
     outcome = None if code is None else read_outcome(Path(os.environ["RP_RUN_DIR"]), key, restarts)
     if outcome is not None and outcome.finished:
         if code != 0:
@@ -113,9 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     return step.wait() if code is None else code
 
 
-def ask_to_stop(step: subprocess.Popen, key: bytes) -> None:
+def ask_to_stop(step: subprocess.Popen, key: bytes, warned_s: float) -> None:
     """Put the ``requeue`` record, sealed with the attempt's ``key``, into the run's store, trying until it is up or
-    the step has ended."""
+    the step has ended. It says how long ago the warning came (``warned_s``, this process's monotonic clock), so
+    trainer rank 0 counts the grace period from the warning, not from reading the record: a slow start of this
+    process, a store not up yet or a loaded machine do not eat the margin the tasks have to stop in."""
     from rolloutpipe.control.env import expand_hostlist, slurm_store_port
     from rolloutpipe.control.transport import StoreAddress, Transport
 
@@ -127,7 +132,8 @@ def ask_to_stop(step: subprocess.Popen, key: bytes) -> None:
                 address=StoreAddress(host=host, port=port, hosted_by="rollout rank 0"), is_host=False,
                 run_id=os.environ["RP_RUN_ID"], secret=key,
                 run_dir=Path(os.environ["RP_RUN_DIR"]), connect_timeout_s=5.0)
-            transport.put_record(transport.key("requeue"), {"requested": True})
+            transport.put_record(transport.key("requeue"),
+                                 {"requested": True, "warned_s_ago": time.monotonic() - warned_s})
             return
         except Exception as err:  # noqa: BLE001 - the store is not up yet (or already gone): try again
             say(f"the run's store at {host}:{port} does not answer yet ({type(err).__name__}); trying again")

@@ -34,6 +34,7 @@ Requeue watch (rank 0, a thread of its own: ``_requeue_watch``)
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import threading
@@ -205,21 +206,24 @@ class TrainerNode:
         transport = self.transport.connect_another()
         key = transport.key("requeue")
         try:
-            while transport.read_record(key) is None:
+            while (record := transport.read_record(key)) is None:
                 if self._closing.wait(0.5):
                     return
         except TransportError:
             return  # the store is gone: the run is over
-        self._requeue_requested_s = signalled = time.monotonic()
         grace = self.cfg.launcher.requeue_grace_s
+        ago = record.get("warned_s_ago")  # (the grace period counts from Slurm's warning, not from this read)
+        ago = min(max(float(ago), 0.0), grace) if isinstance(ago, int | float) and math.isfinite(ago) else 0.0
+        self._requeue_requested_s = signalled = time.monotonic() - ago
         written = self.write_checkpoint()  # (sharded: complete only once the other ranks stop or end the step)
         kept = f"step {written}'s checkpoint is written" if written is not None else (
             f"the last finished step ({self.restore.on_disk}) is on disk" if self.restore.on_disk >= 0
             else "no step has finished yet" if self.restore.step is None
             else f"step {self.restore.step}'s checkpoint waits for the other ranks' shards")
-        print(f"[trainer rank 0] Slurm warned of the time limit: {kept}; stopping after the step in progress and its "
-              f"checkpoint if it ends within {grace - 2 * requeue_margin_s(grace):.0f}s (launcher.requeue_grace_s="
-              f"{grace:g}), else dropping it", file=sys.stderr, flush=True)
+        print(f"[trainer rank 0] Slurm warned of the time limit {ago:.0f}s before it read the record: {kept}; stopping "
+              f"after the step in progress and its checkpoint if it ends within {grace - 2 * requeue_margin_s(grace):.0f}s"
+              f" of the warning (launcher.requeue_grace_s={grace:g} less two margins), else dropping it",
+              file=sys.stderr, flush=True)
         while time.monotonic() < signalled + grace - 2 * requeue_margin_s(grace):
             if self._stopping or self._closing.wait(0.5):  # the stop at a checkpoint is under way
                 return

@@ -73,10 +73,12 @@ def test_cancelled_job_is_reported_as_cancelled(job_dir):
 
 
 def test_trainer_death_makes_the_rollout_exit_with_a_clear_error(job_dir):
+    """A lost node, which a requeue could fix (the rollout manager writes the outcome in trainer rank 0's place:
+    tests/multiprocess/test_outages.py); launcher.max_requeues=0 here, so the job ends and says how."""
     run_dir = job_dir("kill-trainer")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     launcher = launch(run_dir, *SMALL, "num_rollout=1000", "pipeline.peer_timeout_s=3", "run.id=kill-trainer",
-                      "wandb.mode=offline", wait=False)  # W&B's files are scanned for the secret too
+                      "launcher.max_requeues=0", "wandb.mode=offline", wait=False)  # W&B's files are scanned too
     try:
         job_id = job_id_of(run_dir)
         wait_for_first_step(run_dir, launcher)

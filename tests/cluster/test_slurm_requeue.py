@@ -119,7 +119,8 @@ def test_a_job_warned_in_a_long_step_requeues_itself_keeping_every_finished_step
     assert "[requeue] Slurm warned of the time limit" in batch and "[requeue] requeueing job" in batch, batch
     assert "did not end before the time limit's margin" not in batch, "srun ended: the outcome decides"
     trainer = (run_dir / "slurm" / f"{job_id}_2_log.err").read_text()  # task 2: trainer rank 0
-    assert re.search(r"Slurm warned of the time limit: step \d+'s checkpoint is written", trainer), trainer[-3000:]
+    assert re.search(r"Slurm warned of the time limit \d+s before it read the record: step \d+'s checkpoint is "
+                     r"written", trainer), trainer[-3000:]
     # (the warning may land in a step's last seconds, and that step then ends in time: both ways keep every step)
     metrics = assert_resumed_to_the_uninterrupted_run(
         run_dir, uninterrupted(TIME_LIMIT_STEPS, *HOSTS), TIME_LIMIT_STEPS, stdout)

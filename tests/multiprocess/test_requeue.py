@@ -132,13 +132,15 @@ def test_a_warning_during_a_step_longer_than_the_grace_period_loses_no_finished_
     procs = start_nodes(split, *overrides, port=port, environ=LONG_STEPS)
     wait_for(lambda: (split / "metrics.jsonl").exists() and len(read_metrics(split)) >= 2, "two steps",
              running=procs.values(), details=lambda: {r: p.communicate()[1][-2000:] for r, p in procs.items()})
-    store_client(port, split).put_record("rp/bytest/requeue", {"requested": True})  # what launch/requeue.py puts
+    store_client(port, split).put_record("rp/bytest/requeue", {"requested": True, "warned_s_ago": 2.0})  # what
+    # launch/requeue.py puts: the grace period counts from Slurm's warning, 2 s before
     outputs = {role: p.communicate(timeout=120) for role, p in procs.items()}
     for role, p in procs.items():
         assert p.returncode == REQUEUE_EXIT, outputs[role][1][-3000:]
     kept = (split / "metrics.jsonl").read_text().splitlines()
     last = len(kept) - 1
-    assert f"Slurm warned of the time limit: step {last}'s checkpoint is written" in outputs["trainer"][1]
+    assert f"Slurm warned of the time limit 2s before it read the record: step {last}'s checkpoint is written" in \
+        outputs["trainer"][1]
     assert "the step in progress did not end within launcher.requeue_grace_s=10s" in outputs["trainer"][1]
     assert latest_checkpoint(split).step == last, "the last finished step is on disk"
 

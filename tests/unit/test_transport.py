@@ -213,6 +213,20 @@ def test_abort_reason_reaches_every_waiter(transport):
         waiter.wait_get(waiter.key("never"), what="a handle")
 
 
+@pytest.mark.timeout(60)
+def test_a_peer_that_leaves_after_an_abort_between_two_beats_is_not_waited_for(transport):
+    """After an abort the store host keeps the store up until every peer's beat says it saw it (``wait_seen``). A
+    peer that leaves before its next beat (trainer rank 0 right after its own abort, which ends a step) says so in a
+    last beat: the host does not wait ``peer_timeout_s`` for its beats to go stale (a Slurm job then missed the margin
+    its tasks have to stop in before the time limit)."""
+    beats, waiter = watched_peer(transport, heartbeat_s=0.1, peer_timeout_s=600)
+    beats.heartbeat_s = 600  # (from its next wait on: no beat after the abort)
+    time.sleep(0.3)
+    transport.abort("trainer rank 0 stopped the run")
+    beats.stop(aborted=True)
+    assert waiter.read_record(transport.key("alive", "trainer", 1))["aborted"] is True
+    waiter.liveness.wait_seen(timeout_s=600)  # returns: seen (pytest's timeout fails it otherwise)
+
 
 def test_a_forged_abort_is_refused_and_a_genuine_one_still_stops_the_run(transport, caplog):
     waiter = waiting_client(transport)
