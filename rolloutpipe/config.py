@@ -147,6 +147,15 @@ class Config:
                 "in-process embedded engine verifies drafts; SGLang's API cannot verify one exactly against its "
                 "seeded sampler (docs/speculative.md says what it lacks). Set rollout.speculative=false."
             )
+        if self.rollout.batch_invariant is None:  # (speculation is exact only batch invariant: engines/verify.py)
+            self.rollout.batch_invariant = self.rollout.speculative
+        if self.rollout.speculative and not self.rollout.batch_invariant:
+            raise ValueError(
+                f"rollout.speculative=true with rollout.batch_invariant=false: in {self.model.dtype.value} a padded "
+                "prefill verifies a draft with other bits than decoding gives, so tokens and log-probs could differ "
+                "from the run without drafts; drop rollout.batch_invariant=false (null turns it on with speculation; "
+                "docs/speculative.md)."
+            )
         if self.rollout.speculative and self.pipeline.mode is PipelineMode.async_one_step:
             raise ValueError(
                 "rollout.speculative=true with pipeline.mode=async_one_step: that mode already generates step k+1 "

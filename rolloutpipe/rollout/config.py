@@ -51,18 +51,19 @@ class RolloutConfig:
     RolloutPipe starts always get a key of the run's own (derived from the run's secret)."""
     sglang_launch_args: list[str] = field(default_factory=list)
     """Extra arguments for every ``sglang.launch_server``, e.g. ``[--mem-fraction-static, "0.8"]``."""
-    batch_invariant: bool = False
+    batch_invariant: bool | None = None
     """The embedded engine (embedded, embedded_http): a request's logits, tokens and log-probs are the same bits
     whatever its batch-mates and row, in every dtype (attention per row, matmuls by blocks of rows:
     engines/row_attention.py), so sync and cgp sample identically in float32 and bfloat16 too. It costs decode
     throughput: 0.63-0.86 of the padded path's at concurrency 32-64 on a 2-core CPU (bench/batch_invariance.py).
-    False: one padded attention call per layer, equal up to float rounding (exact in float64)."""
+    False: one padded attention call per layer, equal up to float rounding (exact in float64). Null: true with
+    ``speculative`` (only this engine verifies a draft to the bit: engines/verify.py), else false."""
     speculative: bool = False
     """Speculative next-step rollout (rollout/drafts.py): once a step's rollout is done, the engines draft the next
     step's first requests under the current policy while the trainer trains; the next step's engine keeps of each
     draft only the prefix its own seeded sampler reproduces under the new policy, so every sample is exactly the
-    one it makes without drafts. Embedded engine only (SGLang lacks per-position seeded verification:
-    docs/speculative.md)."""
+    one it makes without drafts, to the bit in float64, float32 and bfloat16 (with ``batch_invariant``, which it
+    turns on). Embedded engine only (SGLang lacks per-position seeded verification: docs/speculative.md)."""
     sglang_deterministic_inference: bool = True
     """Start SGLang servers with ``--enable-deterministic-inference``: only with it does SGLang honour each request's
     ``sampling_seed`` (its per-request seeded sampler), which makes samples reproducible: the same seed gives the same

@@ -55,7 +55,7 @@ def request(i: int, *, prompt_len: int = 6, max_new_tokens: int = 16, temperatur
 
 
 def run_all(model, requests, *, concurrency: int, on_result=None, policy_version: int = 0, ignore_eos: bool = False,
-            batch_invariant: bool = True) -> dict[str, GenerationResult]:
+            batch_invariant: bool = True, timeout_s: float = 60.0) -> dict[str, GenerationResult]:
     """With ``ignore_eos`` every request runs to max_new_tokens (the tiny model samples its EOS id about 2% of the
     time, so a long request would otherwise end wherever its seed happens to pick it)."""
     results = Results(on_result)
@@ -64,6 +64,6 @@ def run_all(model, requests, *, concurrency: int, on_result=None, policy_version
     try:
         for r in requests:
             engine.submit(r, ignore_eos=ignore_eos)
-        return results.wait_for(len(requests))
+        return results.wait_for(len(requests), timeout_s)
     finally:
         engine.shutdown()

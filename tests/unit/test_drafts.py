@@ -31,16 +31,20 @@ def requests(n: int = 12):
     return [request(i, prompt_len=3 + i % 5, max_new_tokens=8 + 3 * (i % 4), stop_token_ids=[1]) for i in range(n)]
 
 
-@pytest.mark.parametrize("batch_invariant", [True, False], ids=["batch-invariant", "padded"])
+@pytest.mark.parametrize(("batch_invariant", "dtype"), [
+    (True, DType.float64), (True, DType.float32), (True, DType.bfloat16), (False, DType.float64)],
+    ids=["batch-invariant-float64", "batch-invariant-float32", "batch-invariant-bfloat16", "padded-float64"])
 @pytest.mark.parametrize("drafter", ["near", "unrelated", "own-output-edited"])
-def test_a_draft_from_another_policy_yields_exactly_the_result_made_without_it(batch_invariant, drafter):
-    model = tiny_model(DType.float64)
+def test_a_draft_from_another_policy_yields_exactly_the_result_made_without_it(batch_invariant, dtype, drafter):
+    """Batch invariant (what rollout.speculative runs), every dtype: the same bits. Padded (which the config refuses
+    with speculation): float64, equal to rounding."""
+    model = tiny_model(dtype)
     plain = run_all(model, requests(), concurrency=4, batch_invariant=batch_invariant)
     if drafter == "own-output-edited":  # the policy's own outputs, each with one token changed: kept up to it
         drafts = {rid: r.output_ids[: len(r.output_ids) // 2] + [(r.output_ids[len(r.output_ids) // 2] + 1) % 50]
                   + r.output_ids[len(r.output_ids) // 2 + 1:] for rid, r in plain.items()}
     else:  # a policy one small update away, or another initialisation
-        other = perturbed(model, 0.02) if drafter == "near" else tiny_model(DType.float64, init_seed=1)
+        other = perturbed(model, 0.02) if drafter == "near" else tiny_model(dtype, init_seed=1)
         drafted = run_all(other, requests(), concurrency=4, batch_invariant=batch_invariant)
         drafts = {rid: r.output_ids for rid, r in drafted.items()}
     # some requests without a draft, some with a partial one (an aborted draft), among each other
@@ -65,6 +69,25 @@ def test_a_draft_from_another_policy_yields_exactly_the_result_made_without_it(b
         assert kept > 0.5 * drafted_tokens
     else:  # some kept, some rejected: both paths ran
         assert 0 < kept < drafted_tokens
+
+
+@pytest.mark.parametrize("dtype", [DType.float64, DType.float32, DType.bfloat16], ids=lambda d: d.value)
+def test_requests_verifying_their_own_outputs_keep_every_token_with_the_bits_of_decoding(dtype):
+    """1,024 requests x 48 tokens, each offered its own output as its draft (a draft under an unchanged policy): every
+    draft token is kept, and every token and log-prob is the bits of the run without drafts, in each dtype: a draft's
+    positions attend as the decode steps that feed them do (verify.py). Prompts of 3 to 13 tokens, top_p 1 and 0.9,
+    temperatures 1 and 0.7."""
+    model = tiny_model(dtype)
+    wanted = [request(i, prompt_len=3 + i % 11, max_new_tokens=48, top_p=0.9 if i % 2 else 1.0,
+                      temperature=0.7 if i % 3 == 0 else 1.0) for i in range(1024)]
+    plain = run_all(model, wanted, concurrency=64, ignore_eos=True, timeout_s=600)  # (~10-20 s each, idle)
+    offered = [replace(r, draft_ids=plain[r.request_id].output_ids) for r in wanted]
+    verified = run_all(model, offered, concurrency=64, ignore_eos=True, timeout_s=600)
+    other_tokens = [r.request_id for r in wanted if verified[r.request_id].output_ids != plain[r.request_id].output_ids]
+    other_logprobs = [r.request_id for r in wanted
+                      if verified[r.request_id].output_logprobs != plain[r.request_id].output_logprobs]
+    assert (len(other_tokens), len(other_logprobs)) == (0, 0), (other_tokens[:5], other_logprobs[:5])
+    assert all(verified[r.request_id].num_draft_kept == 48 for r in wanted)
 
 
 def test_a_draft_longer_than_the_budget_is_refused_before_it_runs():
@@ -108,4 +131,8 @@ def test_speculation_is_refused_at_start_where_it_cannot_run():
         load_config({"rollout": {"speculative": True, "engine": "sglang"}})
     with pytest.raises(ConfigError, match="no tail to draft in"):
         load_config({"rollout": {"speculative": True}, "pipeline": {"mode": "async_one_step"}})
-    assert load_config({"rollout": {"speculative": True}}).rollout.speculative
+    with pytest.raises(ConfigError, match=r"rollout.batch_invariant=false: in bfloat16 .*docs/speculative.md"):
+        load_config({"rollout": {"speculative": True, "batch_invariant": False}, "model": {"dtype": "bfloat16"}})
+    cfg = load_config({"rollout": {"speculative": True}})
+    assert cfg.rollout.speculative and cfg.rollout.batch_invariant  # (null: on with speculation, else off)
+    assert load_config({}).rollout.batch_invariant is False

@@ -323,8 +323,9 @@ class EmbeddedEngine:
         attention_mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], dtype=torch.long)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         cache = _hf_cache(self._model, None)
-        if self._batch_invariant:
-            logits = self._forward(input_ids, None, position_ids, cache, keep, row_key_lengths=lengths)
+        if self._batch_invariant:  # (a draft's positions as decode computes them: verify.py)
+            logits = self._forward(input_ids, None, position_ids, cache, keep, row_key_lengths=lengths,
+                                   row_decode_queries=[len(s.request.draft_ids) for s in joiners])
         else:
             logits = self._forward(input_ids, attention_mask, position_ids, cache, keep)
         for state, n in zip(joiners, lengths):

@@ -37,12 +37,16 @@ ROW_BLOCK = 4
 
 
 def row_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                          row_key_lengths: list[int] | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                          row_key_lengths: list[int] | None = None, row_decode_queries: list[int] | None = None,
+                          **kwargs) -> tuple[torch.Tensor, None]:
     """Attention row by row when the engine passes ``row_key_lengths``, else transformers' sdpa unchanged.
 
     query [B, H, q, D]; key, value [B, H_kv, W, D], left padded: row r's keys are its last ``n = row_key_lengths[r]``
     columns (0: a dummy row). Decoding, q is 1; prefilling, q is W and the row's queries are its last n (causal).
-    Padding queries get zeros. Returns [B, q, H, D], as transformers' attention functions do.
+    ``row_decode_queries[r]`` (prefilling a draft: verify.py): the row's last that many queries are each computed as
+    a decode step computes its one query, over the keys up to its own, and the others as the prefill of them alone
+    would: the same calls, so the same bits, as the run without the draft. Padding queries get zeros. Returns
+    [B, q, H, D], as transformers' attention functions do.
     """
     if row_key_lengths is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -50,13 +54,24 @@ def row_attention_forward(module, query, key, value, attention_mask, dropout: fl
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     out = query.new_zeros(query.shape)
-    q_len = query.shape[2]
+    q_len, width = query.shape[2], key.shape[2]
+
+    def attend(first_query: int, last_query: int, last_key: int) -> None:
+        """Row ``row``'s queries [first_query, last_query) over its keys up to column ``last_key`` (exclusive)."""
+        out[row:row + 1, :, first_query:last_query] = F.scaled_dot_product_attention(
+            query[row:row + 1, :, first_query:last_query], key[row:row + 1, :, width - n:last_key],
+            value[row:row + 1, :, width - n:last_key], is_causal=last_query - first_query > 1, scale=scaling,
+            enable_gqa=True)
+
     for row, n in enumerate(row_key_lengths):
-        if n:
-            num_queries = min(q_len, n)
-            out[row:row + 1, :, q_len - num_queries:] = F.scaled_dot_product_attention(
-                query[row:row + 1, :, q_len - num_queries:], key[row:row + 1, :, -n:], value[row:row + 1, :, -n:],
-                is_causal=num_queries > 1, scale=scaling, enable_gqa=True)
+        if not n:
+            continue
+        num_queries = min(q_len, n)
+        singles = row_decode_queries[row] if row_decode_queries is not None else 0
+        if num_queries > singles:  # (prefilling a draft: the prompt's queries, as its prefill alone has them)
+            attend(q_len - num_queries, q_len - singles, width - singles)
+        for i in range(singles, 0, -1):  # each draft position as the decode step that feeds its token
+            attend(q_len - i, q_len - i + 1, width - i + 1)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -8,11 +8,13 @@ they equal the draft; the first that differs (or the one past the draft) is the 
 goes on from there. So every output token is the one the serving policy samples at its position with the request's
 seed: a draft decides only how many tokens one forward pass yields, never which.
 
-The logits of a draft position come from the prefill, not from a decode step. In float64 the two agree to rounding
-(a differing token would need a Gumbel-max near-tie within ~1e-15), and with rollout.batch_invariant the log-probs
-came out bit-equal (tests/unit/test_drafts.py). In float32 and bfloat16 they differ in the last bits even with it
-(measured), so a near-tie may resolve as a prefill rather than a decode resolves it: the token is still the serving
-policy's sample, as an SGLang prefill's is.
+The logits of a draft position are the bits a decode step gives, in every dtype, when the engine is batch invariant
+(what rollout.speculative runs): the prefill's attention is split as the run without the draft computes it
+(row_attention.py ``row_decode_queries``: the prompt's queries over the prompt alone, as its own prefill, then each
+draft position as the decode step that feeds its token, one query over the keys up to its own), and the rest of the
+model is per row. One causal attention over prompt + draft instead gave other bits: other log-probs in float32, other
+tokens in bfloat16 (tests/unit/test_drafts.py). The padded engine verifies with one attention call, equal to
+decoding up to rounding (float64); the config refuses speculation with it.
 """
 
 from __future__ import annotations
