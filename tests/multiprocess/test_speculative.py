@@ -37,9 +37,9 @@ def test_speculative_rollout_makes_exactly_the_samples_and_weights_of_the_run_wi
 
 @pytest.mark.parametrize("setting", [
     ["model.dtype=float32", "grpo.rollout_correction=token_tis"],
-    ["model.dtype=bfloat16"],
     ["model.dtype=bfloat16", "rollout_top_p=0.9", "trainer.old_logprobs=engine"],
-], ids=["float32-token_tis", "bfloat16", "bfloat16-top_p-engine_logprobs"])
+], ids=["float32-token_tis", "bfloat16-top_p-engine_logprobs"])  # (bfloat16 at top_p 1 also passed with the
+# verify this test guards against: no near-tie in its 10 steps)
 def test_cgp_fgd_with_speculation_trains_the_bits_of_sync_in_float32_and_bfloat16(job_dir, setting):
     """10 steps of sync against cgp+fgd with speculation, batch invariant with exact accumulation (the same bits in any
     order): the same samples (tokens, rewards, advantages) and the same weights at every step, which the engine's
