@@ -10,36 +10,40 @@ Workload: one training batch of --groups GRPO groups of --samples samples (rando
 group one --prompt-tokens prompt, responses of 32 to 64 tokens, random advantages), on a Qwen3 built as
 model.load_model builds the embedded one (ModelConfig.tiny: --hidden, --layers, MLP 2 x hidden, hidden / 64 heads
 but at least 4, half as many key/value heads; the tiny tokenizer's vocabulary), through PolicyTrainer as
-tests/unit/test_exact_sum.py builds it. Three variants, each with its own trainer:
+tests/unit/test_exact_sum.py builds it. Four variants, each with its own trainer:
 
     float 32/mb     the float path with micro-batches of --micro-batch-size samples across groups (the default)
     float group/mb  the float path with micro-batches of one group each: the micro-batch-size effect alone
-    exact group/mb  trainer.exact_accumulation (sum_exactly): one group per micro-batch, gradients summed in int64
+    grid group/mb   the former exact path, for comparison only (``GridGradientSum`` here): each micro-batch's
+                    gradient rounded to a fixed grid of 2^-31 (at 128 samples) into one int64 (torch backend only)
+    exact group/mb  trainer.exact_accumulation (sum_exactly, exact_sum.py): one group per micro-batch, gradients
+                    summed exactly in int64 bins
 
 Time table: seconds per training batch (every micro-batch's forward/backward, then finish_batch: the normaliser,
 clipping and the AdamW step), after one warm-up batch per variant. The variants alternate within each repeat, in
 a rotating order, so machine noise hits all alike; cells are medians of --repeats and the ratio is to the float
-32/mb median. "add+take" is the time spent in ExactGradientSum.add (each micro-batch's rounding into int64) and
-take (back to floating point), timed by a subclass patched in here only, as a share of the exact variant's batch.
+32/mb median. "add+take" is the time spent in the sum's add (each micro-batch's gradient into the integers) and
+take (back to floating point), timed by a subclass patched in here only, as a share of that variant's batch.
 That share scales with parameters x micro-batches while the forward/backward scales with parameters x tokens: it
 shrinks as groups get longer. ``--backend fsdp --ranks N``: FSDPTrainer on N gloo ranks (processes on this
 machine), each training its 1/N of the micro-batches in lockstep, rank 0's seconds; the exact variant reduce-
-scatters int64 (twice float32's bytes) and gathers whole gradients for the clip norm (fsdp_exact.py). There
+scatters the int64 bins and gathers whole gradients for the clip norm (fsdp_exact.py). There
 add+take is not timed and the memory tables are not made (the torch backend's layout). ``--backend megatron
---ranks N``: MegatronTrainer data parallel over N gloo ranks the same way; the exact variant all-reduces int64
+--ranks N``: MegatronTrainer data parallel over N gloo ranks the same way; the exact variant all-reduces its bins
 and writes the sums into rank 0's DDP buffers before Megatron's float reduction (megatron/trainer.py).
 
 On a shared machine pass --threads 1: with other jobs on the cores, torch's default threads oversubscribe them and
 a batch's time varies several-fold between repeats.
 
-Memory table: bytes computed from the model's trainable parameters (the int64 accumulator is numel x 8 against
-parameters, gradients, float32 master copies of a 16-bit model, and AdamW's two float32 moments), then the
-measured peak RSS growth of each variant in a fresh process: VmRSS after the trainer is built, the peak reset
-(/proc/self/clear_refs 5), sum_exactly for the exact variant, --rss-batches training batches, then VmHWM, with
-glibc's mmap threshold fixed (MALLOC_ENV). The growth holds gradients, AdamW state (allocated by the first step),
-activations and the accumulator. The exact path keeps no .grad between micro-batches (add frees it), so its peak
-excess over float group/mb is expected near the accumulator minus one gradient, (8 - itemsize) bytes per parameter,
-not the accumulator's 8.
+Memory table: bytes computed from the model's trainable parameters (the exact sums are numel x
+exact_sum.BYTES_PER_ELEMENT, the former grid's numel x 8, against parameters, gradients, float32 master copies of a
+16-bit model, and AdamW's two float32 moments), then the measured peak RSS growth of each variant in a fresh
+process: VmRSS after the trainer is built, the peak reset (/proc/self/clear_refs 5), sum_exactly for the grid and
+exact variants, --rss-batches training batches, then VmHWM, with glibc's mmap threshold fixed (MALLOC_ENV). The
+growth holds gradients, AdamW state (allocated by the first step), activations and the accumulator. The integer
+paths keep no .grad between micro-batches (add frees it), so their peak excess over float group/mb is expected near
+the accumulator minus one gradient, (bytes - itemsize) per parameter, plus add's float64 temporaries of the largest
+parameter.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import socket
 import statistics
@@ -67,12 +72,13 @@ from rolloutpipe.model import DType, ModelConfig, TinyModelConfig, build_tiny_to
 from rolloutpipe.trainer import torch_backend
 from rolloutpipe.trainer.backend import PolicyBackend, trainer_class
 from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerBackend, TrainerConfig
-from rolloutpipe.trainer.exact_sum import ExactGradientSum
+from rolloutpipe.trainer.exact_sum import BYTES_PER_ELEMENT, ExactGradientSum
 from rolloutpipe.trainer.grpo_trainer import TrainSample
 from rolloutpipe.trainer.torch_backend import PolicyTrainer
 
 VOCAB_SIZE = len(build_tiny_tokenizer())
-VARIANTS = ("float 32/mb", "float group/mb", "exact group/mb")
+VARIANTS = ("float 32/mb", "float group/mb", "grid group/mb", "exact group/mb")
+FLOAT, GRID, EXACT = VARIANTS[0], VARIANTS[2], VARIANTS[3]
 MIB = 1 << 20
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 """For the peak-RSS processes: glibc serves every allocation over 64 KiB by mmap and unmaps it when freed, so RSS
@@ -80,12 +86,37 @@ follows the live tensors; with its default (a threshold that rises after the fir
 stay resident and hid the accumulator (measured: the exact variant 6.6 MiB *below* float group/mb at hidden 256)."""
 
 
-class TimedExactGradientSum(ExactGradientSum):
-    """ExactGradientSum with the seconds spent in add and take (the bench's own; the trainer's is untimed)."""
+class GridGradientSum:
+    """The former trainer.exact_accumulation, kept here only to measure against: each micro-batch's gradient
+    rounded once to a fixed grid of 2^-(62 - 24 - ceil(log2 samples)) into one int64 per element. It flushed
+    elements below half the grid to zero and refused |g| >= 2^24; exact_sum.py replaced it."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.seconds = 0.0
+    def __init__(self, params: list[torch.Tensor], *, num_samples_per_batch: int) -> None:
+        self.params = params
+        self._scale = float(2 ** (62 - 24 - math.ceil(math.log2(max(num_samples_per_batch, 1)))))
+        self._sums = [torch.zeros(p.shape, dtype=torch.int64, device=p.device) for p in params]
+        self.num_unrepresented = 0  # (never counted: the grid's flush was silent)
+
+    def add(self) -> None:
+        for p, total in zip(self.params, self._sums, strict=True):
+            if p.grad is not None:
+                total.add_(p.grad.double().mul_(self._scale).round_().long())
+                p.grad = None
+
+    def reduce(self, all_reduce) -> None:
+        assert all_reduce is None, "the grid variant runs on the torch backend, one process"
+
+    def take(self, dtype: torch.dtype, *, scale: float) -> list[torch.Tensor]:
+        grads = [s.double().mul_(scale / self._scale).to(dtype) for s in self._sums]
+        for s in self._sums:
+            s.zero_()
+        return grads
+
+
+class Timed:
+    """A sum with the seconds spent in add and take (the bench's own; the trainer's is untimed)."""
+
+    seconds = 0.0
 
     def add(self) -> None:
         start = time.perf_counter()
@@ -97,6 +128,19 @@ class TimedExactGradientSum(ExactGradientSum):
         grads = super().take(dtype, scale=scale)
         self.seconds += time.perf_counter() - start
         return grads
+
+
+class TimedExactGradientSum(Timed, ExactGradientSum):
+    pass
+
+
+class TimedGridGradientSum(Timed, GridGradientSum):
+    pass
+
+
+def variants(args) -> tuple[str, ...]:
+    """The grid variant on the torch backend only (FSDP's and Megatron's integer paths are exact_sum.py's)."""
+    return VARIANTS if args.backend == "torch" else tuple(v for v in VARIANTS if v != GRID)
 
 
 def model_config(args) -> ModelConfig:
@@ -125,13 +169,14 @@ def build_trainer(args) -> PolicyBackend:
             process_group_active=backend is not TrainerBackend.torch, old_logprobs=OldLogprobSource.trainer)
 
 
-def sum_exactly(policy: PolicyBackend, num_samples: int) -> TimedExactGradientSum | None:
-    """policy.sum_exactly, with the timed accumulator in place of the torch backend's (the others' are not
-    timed)."""
+def sum_exactly(policy: PolicyBackend, num_samples: int, variant: str) -> Timed | None:
+    """policy.sum_exactly, with the timed accumulator of ``variant`` (the grid or the exact sum) in place of the
+    torch backend's (the others' are not timed)."""
     if not isinstance(policy, PolicyTrainer):
         policy.sum_exactly(num_samples)
         return None
-    with mock.patch.object(torch_backend, "ExactGradientSum", TimedExactGradientSum):
+    timed = TimedGridGradientSum if variant == GRID else TimedExactGradientSum
+    with mock.patch.object(torch_backend, "ExactGradientSum", timed):
         policy.sum_exactly(num_samples)
     return policy._exact
 
@@ -152,7 +197,7 @@ def training_batch(args) -> list[list[TrainSample]]:
 
 def micro_batches(variant: str, batch: list[list[TrainSample]], micro_batch_size: int) -> list[list[TrainSample]]:
     """One group each, or micro_batch_size samples in arrival (group) order across groups."""
-    if variant != VARIANTS[0]:
+    if variant != FLOAT:
         return batch
     flat = [s for group in batch for s in group]
     return [flat[i : i + micro_batch_size] for i in range(0, len(flat), micro_batch_size)]
@@ -170,35 +215,37 @@ def train(policy: PolicyBackend, micro: list[list[TrainSample]]) -> float:
 def time_rows(args, rank: int = 0) -> tuple[list[list[str]], int]:
     batch = training_batch(args)
     num_samples = args.groups * args.samples
-    policies = {v: build_trainer(args) for v in VARIANTS}
-    exact = sum_exactly(policies[VARIANTS[2]], num_samples)
-    micro = {v: micro_batches(v, batch, args.micro_batch_size)[rank :: args.ranks] for v in VARIANTS}
-    seconds = {v: [] for v in VARIANTS}
-    exact_seconds = []
-    for v in VARIANTS:  # warm-up
+    names = variants(args)
+    policies = {v: build_trainer(args) for v in names}
+    summed = {v: sum_exactly(policies[v], num_samples, v) for v in names if v in (GRID, EXACT)}
+    micro = {v: micro_batches(v, batch, args.micro_batch_size)[rank :: args.ranks] for v in names}
+    seconds = {v: [] for v in names}
+    sum_seconds = {v: [] for v in summed}
+    for v in names:  # warm-up
         train(policies[v], micro[v])
     for r in range(args.repeats):
-        for v in VARIANTS[r % 3:] + VARIANTS[: r % 3]:
-            if exact is not None:
-                exact.seconds = 0.0
+        for v in names[r % len(names):] + names[: r % len(names)]:
+            if summed.get(v) is not None:
+                summed[v].seconds = 0.0
             seconds[v].append(train(policies[v], micro[v]))
-            if v == VARIANTS[2] and exact is not None:
-                exact_seconds.append(exact.seconds)
-        print(f"  repeat {r + 1}/{args.repeats}: " + ", ".join(f"{v} {seconds[v][-1]:.3f} s" for v in VARIANTS),
+            if summed.get(v) is not None:
+                sum_seconds[v].append(summed[v].seconds)
+        print(f"  repeat {r + 1}/{args.repeats}: " + ", ".join(f"{v} {seconds[v][-1]:.3f} s" for v in names),
               file=sys.stderr, flush=True)
-    base = statistics.median(seconds[VARIANTS[0]])
+    base = statistics.median(seconds[FLOAT])
     num_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for group in batch for s in group)
     rows = [["variant", "micro-batches", "s/batch (median)", "min", "max", "ratio to float 32/mb", "tokens/s",
              "add+take s", "add+take share"]]
-    for v in VARIANTS:
+    for v in names:
         median = statistics.median(seconds[v])
         share = ["-", "-"]
-        if v == VARIANTS[2] and exact_seconds:
-            overhead = statistics.median(exact_seconds)
-            share = [f"{overhead:.4f}", f"{statistics.median(e / s for e, s in zip(exact_seconds, seconds[v])):.1%}"]
-        rows.append([v, str(len(micro[v]) * args.ranks), f"{median:.3f}", f"{min(seconds[v]):.3f}", f"{max(seconds[v]):.3f}",
-                     f"{median / base:.3f}", f"{num_tokens / median:.0f}", *share])
-    numel = sum(p.numel() for p in policies[VARIANTS[0]]._policy().parameters() if p.requires_grad)
+        if sum_seconds.get(v):
+            overhead = statistics.median(sum_seconds[v])
+            share = [f"{overhead:.4f}",
+                     f"{statistics.median(e / s for e, s in zip(sum_seconds[v], seconds[v])):.1%}"]
+        rows.append([v, str(len(micro[v]) * args.ranks), f"{median:.3f}", f"{min(seconds[v]):.3f}",
+                     f"{max(seconds[v]):.3f}", f"{median / base:.3f}", f"{num_tokens / median:.0f}", *share])
+    numel = sum(p.numel() for p in policies[FLOAT]._policy().parameters() if p.requires_grad)
     return rows, numel
 
 
@@ -224,7 +271,7 @@ def ranked_time_rows(args) -> tuple[list[list[str]], int]:
             return time_rows(args)
         finally:
             dist.destroy_process_group()
-    for v in VARIANTS:
+    for v in variants(args):
         count = len(micro_batches(v, training_batch(args), args.micro_batch_size))
         if count % args.ranks:
             raise SystemExit(f"{v}: {count} micro-batches do not split evenly over --ranks {args.ranks}: the ranks run "
@@ -250,16 +297,18 @@ def computed_rows(args, numel: int) -> list[list[str]]:
     if sixteen_bit:
         items += [("float32 master copies", 4, "mixed precision: what AdamW steps"),
                   ("float32 gradients at the step", 4, "on the master copies, both paths")]
-    items += [("AdamW exp_avg + exp_avg_sq", 8, "float32"),
-              ("int64 accumulator (exact only)", 8, "numel x 8")]
-    float_total = sum(b for name, b, _ in items if "int64" not in name)
+    items += [("AdamW exp_avg + exp_avg_sq", 8, "float32")]
+    float_total = sum(b for _, b, _ in items)
+    sums = [("former grid (int64)", 8, "numel x 8, grid only"),
+            ("exact sums (int64 bins, int8 indices)", BYTES_PER_ELEMENT, f"numel x {BYTES_PER_ELEMENT}, exact only")]
     rows = [["memory (computed)", "MiB", "bytes/param", "note"]]
-    rows += [[name, f"{numel * b / MIB:.1f}", str(b), note] for name, b, note in items]
+    rows += [[name, f"{numel * b / MIB:.1f}", str(b), note] for name, b, note in items + sums]
     rows.append(["float path total", f"{numel * float_total / MIB:.1f}", str(float_total), "excluding activations"])
-    rows.append(["exact - float, between micro-batches", f"{numel * (8 - size) / MIB:.1f}", str(8 - size),
-                 "accumulator minus the .grad the float path keeps"])
-    rows.append(["exact path total", f"{numel * (float_total + 8) / MIB:.1f}", str(float_total + 8),
-                 f"accumulator = +{8 / float_total:.0%}"])
+    for name, b in (("grid", 8), ("exact", BYTES_PER_ELEMENT)):
+        rows.append([f"{name} - float, between micro-batches", f"{numel * (b - size) / MIB:.1f}", str(b - size),
+                     "accumulator minus the .grad the float path keeps"])
+        rows.append([f"{name} path total", f"{numel * (float_total + b) / MIB:.1f}", str(float_total + b),
+                     f"accumulator = +{b / float_total:.0%}"])
     return rows
 
 
@@ -271,8 +320,8 @@ def rss_of(variant: str, args) -> dict:
     resident = status_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:  # the peak (VmHWM) restarts from what is resident now
         f.write("5")
-    if variant == VARIANTS[2]:
-        policy.sum_exactly(args.groups * args.samples)
+    if variant in (GRID, EXACT):
+        sum_exactly(policy, args.groups * args.samples, variant)
     for _ in range(args.rss_batches):
         train(policy, micro)
     return {"resident_kib": resident, "growth_kib": status_kib("VmHWM") - resident}
@@ -285,7 +334,7 @@ def status_kib(key: str) -> int:
 
 def measured_rows(args, numel: int) -> list[list[str]]:
     growth = {}
-    for v in VARIANTS:
+    for v in variants(args):
         out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--rss-of", v], check=False,
                              cwd=REPO, capture_output=True, text=True, env={**os.environ, **MALLOC_ENV})
         if out.returncode != 0:
@@ -293,7 +342,7 @@ def measured_rows(args, numel: int) -> list[list[str]]:
             return [["peak RSS growth", "not measured (see stderr); the table above is computed"]]
         growth[v] = json.loads(out.stdout.strip().splitlines()[-1])["growth_kib"] * 1024
     rows = [["peak RSS growth (measured)", "MiB", "bytes/param", "minus float group/mb MiB", "minus, bytes/param"]]
-    for v in VARIANTS:
+    for v in variants(args):
         excess = growth[v] - growth[VARIANTS[1]]
         rows.append([v, f"{growth[v] / MIB:.1f}", f"{growth[v] / numel:.1f}", f"{excess / MIB:+.1f}",
                      f"{excess / numel:+.1f}"])
@@ -311,7 +360,7 @@ def main() -> int:
     parser.add_argument("--micro-batch-size", type=int, default=32, help="samples per micro-batch, float 32/mb")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rss-batches", type=int, default=2, help="training batches per peak-RSS process")
-    parser.add_argument("--no-rss", action="store_true", help="skip the measured peak RSS (three more processes)")
+    parser.add_argument("--no-rss", action="store_true", help="skip the measured peak RSS (four more processes)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--backend", choices=[b.value for b in TrainerBackend], default="torch")
     parser.add_argument("--ranks", type=int, default=1, help="data-parallel ranks (processes; not --backend torch)")

@@ -209,6 +209,7 @@ def train_step(node: TrainerNode, step: int) -> TrainStats:
             optimizer_s = time.time() - start
             stats.losses.append(result.loss)
             stats.grad_norms.append(result.grad_norm)
+            stats.num_exact_sum_unrepresented += result.num_exact_sum_unrepresented
             stats.num_tokens += result.num_tokens  # both over every data-parallel rank
             num_clipped += result.num_clipped_tokens
             stats.entropy_sum += result.entropy_sum

@@ -8,7 +8,7 @@ Pure arithmetic over the model's shape and the typed Config; nothing here touche
 Trainer rank (all ranks alike: data-parallel replicas, or tensor-parallel shards of equal size)
   weights, gradients, optimizer   per parameter of the rank's shard. Torch backend, bf16: bf16 weights and
                                   gradients, fp32 master weights, fp32 Adam m and v; at the optimizer step a float32
-                                  copy of the gradients too; trainer.exact_accumulation: an int64 sum, 8 B (FSDP: /n).
+                                  copy of the gradients too; trainer.exact_accumulation: integer bins, 26 B (FSDP: /n).
                                   Megatron: bf16 weights, DDP's fp32 gradients, fp32 master weights, Adam m and v (the
                                   last two / data-parallel size with trainer.megatron.distributed_optimizer, null: on,
                                   a plan is for GPUs). FSDP: ``fsdp_state_terms``, ``fsdp_unsharded_terms``.
@@ -185,10 +185,10 @@ def trainer_estimate(cfg: Config, shape: ModelShape, *, capacity_bytes: int,
     if not megatron and not fsdp and d < 4:
         terms.append(Term(name="fp32 gradients", num_bytes=params * 4, phase=Phase.optimizer_step,
                           how="the gradients in float32 for the master weights", knob=more_tp))
-    if tr.exact_accumulation:  # FSDP: the shards' sums, and one int64 reduce-scatter shard (fsdp_exact.py)
+    if tr.exact_accumulation:  # exact_sum.BYTES_PER_ELEMENT, written out (no torch here); FSDP: + a scatter's shard
         summed = params + (fsdp_root_and_layer(shape)[0] if fsdp else 0)  # the root: its largest reduce-scatter
-        terms.append(Term(name="exact gradient sum", num_bytes=summed * 8 // n, phase=Phase.always,
-                          how="int64, 8 B/param" + (f" / {n} ranks, + the root's shard" if fsdp else ""),
+        terms.append(Term(name="exact gradient sum", num_bytes=summed * 26 // n, phase=Phase.always,
+                          how="int64 bins, 26 B/param" + (f" / {n} ranks, + the root's shard" if fsdp else ""),
                           knob="trainer.exact_accumulation=false"))
     if cfg.num_steps_per_rollout > 1 and tr.old_logprobs is OldLogprobSource.trainer:
         terms.append(Term(name="policy snapshot", num_bytes=params * master // n if fsdp else params * d,

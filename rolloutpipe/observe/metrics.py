@@ -286,6 +286,9 @@ class TrainStats:
     TrainerNode.reduce has summed them."""
     num_padding_tokens: int = 0
     """The slots of ``num_padded_tokens`` that hold padding, summed the same way."""
+    num_exact_sum_unrepresented: int = 0
+    """trainer.exact_accumulation: gradient elements whose values spanned more than the exact sum's window, summed
+    over the step's batches (trainer/exact_sum.py; the same on every rank and in every order)."""
     weight_sync_s: float = 0.0
     weights_digest: str = ""
     """Rank 0: ``train/weights_digest`` of the policy this step made (pipeline.sync_weights); "" elsewhere."""
@@ -329,6 +332,7 @@ def reduce_step(rollout: RolloutStats, train: TrainStats, *, mean_compute_s: flo
         "train/clip_fraction": train.clip_fraction,
         "train/entropy": train.entropy_sum / max(train.num_tokens, 1),
         "train/num_tokens": train.num_tokens,
+        "train/exact_sum_unrepresented": train.num_exact_sum_unrepresented,
         "train/lr": lr,
         "perf/rollout_s": rollout_s,
         "perf/first_group_s": rollout.first_group_s - rollout.start_s,

@@ -8,7 +8,7 @@
     grpo_trainer.py   GRPOTrainer: the GRPO micro-batch body and the batch's update, once for every backend
     torch_backend.py  PolicyTrainer: the HF model, torch AdamW, data parallel over gloo
     fsdp_backend.py   FSDPTrainer: the HF model sharded with FSDP2 (parameters, gradients, AdamW state)
-    exact_sum.py      trainer.exact_accumulation: the batch's gradient as an int64 sum, the same in any order
+    exact_sum.py      trainer.exact_accumulation: the batch's gradient summed exactly in int64 bins, in any order
     fsdp_exact.py     the same on FSDP2: integer reduce-scatters, sums of the shards
     lead.py           reads that rank 0 leads and the other ranks join (a sharded backend's gathers)
     logprobs.py       pure torch: log-probs and entropy from hidden states by chunks, vocabulary parallel

@@ -63,9 +63,9 @@ class TrainerConfig:
     itself (trainer/packing.py), instead of right-padded rows: no compute on padding. null: on a GPU. Needs the
     log-prob chunks (trainer.logprob_chunk_tokens > 0, a model whose logits are its head's output)."""
     exact_accumulation: bool = False
-    """Sum each training batch's gradient exactly (int64 fixed point, exact_sum.py), with micro-batches made of one
+    """Sum each training batch's gradient exactly (int64 bins, exact_sum.py), with micro-batches made of one
     group each: the update is then the same bits in any arrival order and on any number of ranks (sync, cgp, cgp+FGD;
-    with rollout.batch_invariant the runs are bit-identical). Costs an int64 per parameter (per shard element on
+    with rollout.batch_invariant the runs are bit-identical). Costs 26 bytes per parameter (per shard element on
     FSDP) and smaller micro-batches. Every backend (Megatron: over data-parallel ranks at a fixed tensor-parallel
     size, whose own float reductions do not depend on arrival)."""
 

@@ -80,6 +80,9 @@ class BatchResult:
     """Sum over the batch's response tokens of the policy's entropy (train/entropy is its mean)."""
     totals: BatchTotals | None = None
     """Every sum of the batch over the data-parallel ranks (KL, rollout correction statistics)."""
+    num_exact_sum_unrepresented: int = 0
+    """trainer.exact_accumulation: gradient elements whose exact sum dropped bits below its window (exact_sum.py;
+    train/exact_sum_unrepresented), over all ranks."""
 
 
 class GRPOTrainer(abc.ABC):
@@ -148,7 +151,7 @@ class GRPOTrainer(abc.ABC):
             sums.entropy_sum = float((entropy.detach() * mask).sum())
             # into the backend's gradients (Megatron: DDP's buffers); nothing is communicated until finish_batch
             sums.loss.backward()
-            if self._exact is not None:  # this micro-batch's gradient, rounded once, into the integer sum
+            if self._exact is not None:  # this micro-batch's gradient, exactly, into the integer sums
                 self._exact.add()
         self._totals.add(sums)
         return sums
@@ -161,7 +164,8 @@ class GRPOTrainer(abc.ABC):
             grad_norm = self._optimizer_step(scale)
         self._totals = BatchTotals()
         return BatchResult(loss=total.loss * scale, grad_norm=grad_norm, num_tokens=total.num_tokens,
-                           num_clipped_tokens=total.num_clipped_tokens, entropy_sum=total.entropy_sum, totals=total)
+                           num_clipped_tokens=total.num_clipped_tokens, entropy_sum=total.entropy_sum, totals=total,
+                           num_exact_sum_unrepresented=0 if self._exact is None else self._exact.num_unrepresented)
 
     def load_reference(self, model: torch.nn.Module) -> None:
         """Keep ``model`` (an HF model: the initial policy, or trainer.ref_model_path) as the frozen reference of

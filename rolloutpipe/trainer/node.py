@@ -113,7 +113,7 @@ class TrainerNode:
             old_logprobs=OldLogprobSource.engine if cfg.pipeline.mode is PipelineMode.async_one_step
             else cfg.trainer.old_logprobs,
         )
-        if cfg.trainer.exact_accumulation:  # the grid of the integer sum is chosen from the batch's size
+        if cfg.trainer.exact_accumulation:  # the exact sum's bins are sized by the batch's sample count
             self.trainer.sum_exactly(cfg.global_batch_size)
         if cfg.grpo.kl_loss_coef > 0:  # the initial policy, also on resume: model.path, not the checkpoint
             reference = replace(cfg.model, path=cfg.trainer.ref_model_path or cfg.model.path)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-import itertools
 import json
+import math
+import random
+import threading
 
 import pytest
 import torch
@@ -12,53 +14,169 @@ from rolloutpipe.control.checkpoint import latest_checkpoint, load_optimizer, sa
 from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
 from rolloutpipe.trainer.backend import PolicyBackend, trainer_class
 from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerBackend, TrainerConfig
-from rolloutpipe.trainer.exact_sum import RANGE_BITS, ExactGradientSum, fraction_bits
+from rolloutpipe.trainer.exact_sum import BYTES_PER_ELEMENT, ExactGradientSum
 from rolloutpipe.trainer.fsdp_backend import FSDPTrainer
 from rolloutpipe.trainer.grpo_trainer import TrainSample
 from rolloutpipe.trainer.torch_backend import PolicyTrainer
 from tests.conftest import needs_extra
 
+NUM_MICRO_BATCHES = 7
+SPANS = {  # log2 of |value|: each column's micro-batch values lie in one span (the spread one element may have)
+    torch.float32: [(-40, 27), (-149, -100), (100, 128)],  # 1e-12..1e8, float32's subnormals, up to its largest
+    torch.bfloat16: [(-40, 27), (-133, -100), (100, 128)],
+    torch.float16: [(-24, 16)],  # its subnormals to its largest
+}
+ROUNDING_COLUMNS = [  # float64 ties and near-ties of the rounding from the integer sum: (values, then zeros)
+    [1.0, 2.0**-53], [1.0, 2.0**-53, 2.0**-80], [1.0 + 2.0**-23, 2.0**-52, 2.0**-53], [-1.0, -(2.0**-53), -(2.0**-80)],
+    [2.0**100, -(2.0**100), 2.0**-30], [3.0e38, 1.0e9], [-(2.0**-149), 2.0**-149, 2.0**-149],
+]
 
-def micro_batch_gradients(count: int, *, seed: int = 0) -> list[torch.Tensor]:
-    """float32 gradients spread over nine decades, so that float sums round differently in other orders."""
+
+def micro_batch_gradients(dtype: torch.dtype, *, columns: int = 200, seed: int = 0) -> list[torch.Tensor]:
+    """NUM_MICRO_BATCHES gradients in ``dtype``: for each span of SPANS, ``columns`` elements whose values have random
+    signs and magnitudes across the span (float sums of them round differently in other orders); then (float32)
+    ROUNDING_COLUMNS."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(257, generator=g) * 10.0 ** torch.randint(-6, 3, (257,), generator=g) for _ in range(count)]
+    grads = []
+    for _ in range(NUM_MICRO_BATCHES):
+        parts = []
+        for lo, hi in SPANS[dtype]:
+            exponent = torch.randint(lo, hi, (columns,), generator=g).double()
+            mantissa = 1.0 + torch.rand(columns, generator=g, dtype=torch.float64)
+            sign = torch.randint(0, 2, (columns,), generator=g).double() * 2 - 1
+            parts.append((sign * mantissa * 2.0**exponent).to(dtype))  # (rounded: within the dtype's range)
+        grads.append(torch.cat(parts))
+    if dtype is torch.float32:
+        rows = [[column[i] if i < len(column) else 0.0 for column in ROUNDING_COLUMNS]
+                for i in range(NUM_MICRO_BATCHES)]
+        grads = [torch.cat([grad, torch.tensor(row, dtype=dtype)]) for grad, row in zip(grads, rows)]
+    return grads
 
 
-def exact_sum(grads: list[torch.Tensor], order: list[int], *, num_ranks: int = 1) -> torch.Tensor:
-    """The sum over ``num_ranks`` ranks, micro-batch i on rank i % num_ranks in ``order``, reduced as integers."""
-    param = torch.zeros(257, requires_grad=True)
-    ranks = [ExactGradientSum([param], num_samples_per_batch=len(grads)) for _ in range(num_ranks)]
-    for position, i in enumerate(order):
-        param.grad = grads[i].clone()
-        ranks[position % num_ranks].add()
-        assert param.grad is None
-    for rank in ranks:  # every rank all-reduces: each sees the integer sum of all
-        rank.reduce(lambda flat: flat.copy_(sum(r._sums[0] for r in ranks)))
-    return ranks[0].take(torch.float32, scale=1.0)[0]
+def reference(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The exact sum of each element rounded once to float64 (math.fsum)."""
+    columns = torch.stack(grads).double().T.tolist()
+    return torch.tensor([math.fsum(column) for column in columns], dtype=torch.float64)
 
 
-def test_the_exact_sum_is_the_same_bits_in_any_order_and_rank_split_where_a_float_sum_is_not():
-    grads = micro_batch_gradients(6)
-    orders = [list(p) for p in itertools.islice(itertools.permutations(range(6)), 0, 720, 97)]
-    results = {exact_sum(grads, order, num_ranks=ranks).numpy().tobytes()
-               for order in orders for ranks in (1, 2, 3)}
+class SimulatedRanks:
+    """``num_ranks`` ranks as threads, and an all-reduce among them (sum or max, what dist.all_reduce computes)."""
+
+    def __init__(self, num_ranks: int) -> None:
+        self.barrier = threading.Barrier(num_ranks)
+        self.inputs: list[torch.Tensor | None] = [None] * num_ranks
+
+    def all_reduce(self, rank: int):
+        def reduce(flat: torch.Tensor, op=torch.distributed.ReduceOp.SUM) -> None:
+            self.inputs[rank] = flat.clone()
+            self.barrier.wait()
+            stacked = torch.stack(self.inputs)
+            result = stacked.sum(0) if op == torch.distributed.ReduceOp.SUM else stacked.amax(0)
+            self.barrier.wait()
+            flat.copy_(result)
+
+        return reduce
+
+
+def exact_sums(grads: list[torch.Tensor], order: list[int], *, num_ranks: int = 1,
+               dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, int]:
+    """The sum (in ``dtype``) and the count of elements that lost bits, over ``num_ranks`` ranks: micro-batch
+    ``order[k]`` on rank k % num_ranks, reduced as the trainer reduces them (``SimulatedRanks``)."""
+    params = [torch.zeros(grads[0].shape, dtype=grads[0].dtype, requires_grad=True) for _ in range(num_ranks)]
+    sums = [ExactGradientSum([p], num_samples_per_batch=len(grads)) for p in params]
+    for k, i in enumerate(order):
+        params[k % num_ranks].grad = grads[i].clone()
+        sums[k % num_ranks].add()
+        assert params[k % num_ranks].grad is None
+    if num_ranks > 1:
+        ranks = SimulatedRanks(num_ranks)
+        threads = [threading.Thread(target=s.reduce, args=(ranks.all_reduce(r),)) for r, s in enumerate(sums)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    taken = [s.take(dtype, scale=1.0)[0] for s in sums]
+    assert all(torch.equal(t.view(torch.uint8), taken[0].view(torch.uint8)) for t in taken), "every rank alike"
+    assert len({s.num_unrepresented for s in sums}) == 1
+    return taken[0], sums[0].num_unrepresented
+
+
+def shuffled(count: int, seed: int) -> list[int]:
+    order = list(range(count))
+    random.Random(seed).shuffle(order)
+    return order
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_exact_sum_is_the_exact_sum_rounded_once_in_any_order_and_rank_split(dtype):
+    """100 orders x 1, 2 and 3 ranks: one set of bits, the exact sum rounded once to float64 (then to ``dtype``),
+    from float32's subnormals to its largest values, where a float sum depends on the order."""
+    grads = micro_batch_gradients(dtype)
+    orders = [shuffled(NUM_MICRO_BATCHES, seed) for seed in range(100)]
+    results = set()
+    for k, order in enumerate(orders):
+        total, num_unrepresented = exact_sums(grads, order, num_ranks=1 + k % 3)
+        assert num_unrepresented == 0
+        results.add(total.numpy().tobytes())
     assert len(results) == 1
-    float_sums = {sum((grads[i] for i in order), torch.zeros(257)).numpy().tobytes() for order in orders}
+    expected = reference(grads)
+    assert torch.equal(total, expected)
+    in_dtype, _ = exact_sums(grads, orders[0], num_ranks=2, dtype=dtype)
+    assert torch.equal(in_dtype.view(torch.uint8), expected.to(dtype).view(torch.uint8))
+    float_sums = {sum((grads[i].float() for i in order), torch.zeros_like(grads[0], dtype=torch.float32))
+                  .numpy().tobytes() for order in orders[:10]}
     assert len(float_sums) > 1, "the workload must be one where the float sum depends on the order"
-    reference = sum((g.double() for g in grads), torch.zeros(257, dtype=torch.float64))
-    grid = len(grads) * 2.0 ** -fraction_bits(len(grads))
-    exact = exact_sum(grads, list(range(6))).double()
-    assert ((exact - reference).abs() <= grid + reference.abs() * 2.0**-24).all()  # the grid, then float32's rounding
 
 
-def test_a_micro_batch_gradient_out_of_range_or_not_finite_is_an_error_that_names_the_setting():
+def test_values_far_below_their_elements_largest_are_dropped_alike_in_any_order_and_counted():
+    """1e38 and 1e-40 in one element: the window keeps 110+ bits below the top bin's, so the 1e-40 is dropped; the
+    same bits in any order and rank split, and the element counted, alone."""
+    grads = micro_batch_gradients(torch.float32, columns=20)
+    for grad in grads:
+        grad[:2] = 0.0
+    grads[0][0], grads[3][0], grads[4][0] = 1e38, -1e38, 1e-40  # the exact sum is the 1e-40, which is dropped
+    grads[5][1], grads[6][1] = 3e38, 1e-3  # the 1e-3 loses its lowest bits (below 2^-31, at 7 micro-batches)
+    results = set()
+    for k in range(30):
+        total, num_unrepresented = exact_sums(grads, shuffled(NUM_MICRO_BATCHES, k), num_ranks=1 + k % 3)
+        results.add(total.numpy().tobytes())
+        assert num_unrepresented == 2
+    assert len(results) == 1
+    expected = reference(grads)
+    assert torch.equal(total[1:], expected[1:]), "(element 1: what is dropped is below float64's rounding here)"
+    assert total[0] == 0.0 and expected[0] != 0.0
+
+
+def test_a_huge_finite_gradient_is_summed_not_an_error():
+    """What the fixed-point grid refused (|g| >= 2^24), and what a resume would hit again."""
+    grads = [torch.tensor([1e9, 3e38, -3e38, 1e-40]), torch.tensor([2e9, 0.0, 1e38, 1e-45])]
+    total, num_unrepresented = exact_sums(grads, [0, 1], dtype=torch.float32)
+    assert num_unrepresented == 0
+    assert torch.equal(total, reference(grads).float())
+
+
+def test_a_parameter_summed_by_chunks_gives_the_bits_of_one_chunk(monkeypatch):
+    """``fold`` and ``take`` bound their temporaries by working on CHUNK_ELEMENTS at a time: ragged chunks of 7."""
+    grads = [grad[:64].view(8, 8) for grad in micro_batch_gradients(torch.float32, columns=20)]
+    whole, _ = exact_sums(grads, list(range(NUM_MICRO_BATCHES)), num_ranks=2)
+    monkeypatch.setattr("rolloutpipe.trainer.exact_sum.CHUNK_ELEMENTS", 7)
+    chunked, _ = exact_sums(grads, list(range(NUM_MICRO_BATCHES)), num_ranks=2)
+    assert torch.equal(whole, chunked) and torch.equal(whole.view(-1), reference([g.view(-1) for g in grads]))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_gradient_that_is_not_finite_is_an_error_that_names_the_batch_and_micro_batch(bad):
     param = torch.zeros(3, requires_grad=True)
     total = ExactGradientSum([param], num_samples_per_batch=8)
-    for bad in (2.0**RANGE_BITS, float("nan"), float("inf")):
-        param.grad = torch.tensor([1.0, bad, 0.0])
-        with pytest.raises(FloatingPointError, match="trainer.exact_accumulation=false"):
-            total.add()
+    param.grad = torch.ones(3)
+    total.add()
+    total.take(torch.float32, scale=1.0)
+    for _ in range(2):
+        param.grad = torch.ones(3)
+        total.add()
+    param.grad = torch.tensor([1.0, bad, 0.0])
+    with pytest.raises(FloatingPointError, match="micro-batch 2 of training batch 1 .* 1 of the 3 elements"):
+        total.add()
 
 
 def trainer(dtype: DType, *, exact: bool, backend: TrainerBackend = TrainerBackend.torch,
@@ -163,7 +281,7 @@ def test_a_bfloat16_torch_policy_resumes_from_its_float32_master_weights_to_the_
     assert json.loads((checkpoint.directory / "state.json").read_text())["step"] == 0
 
 
-def test_the_memory_plan_counts_the_int64_sum_and_micro_batches_of_one_group():
+def test_the_memory_plan_counts_the_exact_sums_bytes_and_micro_batches_of_one_group():
     from rolloutpipe.config import load_config
     from rolloutpipe.launch.memory_plan import ModelShape, micro_batch_rows, trainer_estimate
 
@@ -176,4 +294,4 @@ def test_the_memory_plan_counts_the_int64_sum_and_micro_batches_of_one_group():
         plans[exact] = (micro_batch_rows(cfg), {t.name: t.num_bytes for t in terms})
     assert (plans[False][0], plans[True][0]) == (32, 8)
     assert "exact gradient sum" not in plans[False][1]
-    assert plans[True][1]["exact gradient sum"] == 8 * shape.num_params()
+    assert plans[True][1]["exact gradient sum"] == BYTES_PER_ELEMENT * shape.num_params()

@@ -12,7 +12,7 @@ pipelined update equals the synchronous one here as well. With ``trainer.megatro
 buffers instead, each rank steps its 1/N of the master weights and moments, and the step all-gathers the
 parameters (optimizer.py); checkpoints are then sharded as FSDP's are (``sharded_checkpoint``: every rank copies and
 writes its own shards, nothing gathered). With ``trainer.exact_accumulation`` each
-micro-batch's gradient is taken from DDP's buffers into an int64 sum (exact_sum.py), and the reduced sum goes
+micro-batch's gradient is taken from DDP's buffers into an exact integer sum (exact_sum.py), and the reduced sum goes
 back into data-parallel rank 0's buffers before finalize_model_grads (``_optimizer_step``).
 
 Parallelism. Trainer ranks form tensor-parallel groups of ``trainer.megatron.tensor_parallel_size``
@@ -250,9 +250,10 @@ class _BufferSum(ExactGradientSum):
     buffer), not ``.grad``: the exact sum folds it from there and clears the buffer."""
 
     def add(self) -> None:
-        for p, total in zip(self.params, self._sums, strict=True):
-            total.add_(self.to_grid(p.main_grad))
+        for i, p in enumerate(self.params):
+            self.fold(i, p.main_grad)
             p.main_grad.zero_()
+        self.num_micro_batches += 1
 
 
 def _no_gradient_through(padding_idx: int):
