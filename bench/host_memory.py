@@ -8,7 +8,7 @@ Each case is real processes (gloo, torch.multiprocessing.spawn) of one trainer b
 it (rolloutpipe.model.load_model: from_pretrained on the CPU), one training step, then the step's end as
 trainer/node.py and weight sync make it: every rank's restore point copies its own shards (FSDP, Megatron's
 distributed optimizer), rank 0 copies the policy (and a replicated backend's whole optimizer state) and writes the
-weights file disk weight sync sends (``save_weights``). Each rank measures, in MiB, with glibc returning freed
+weights file disk weight sync sends (``write_weights``). Each rank measures, in MiB, with glibc returning freed
 blocks over 1 MiB (``MALLOC_MMAP_THRESHOLD_``):
 
     start      peak RSS while the model loads and the backend is built, over the RSS before (the process's imports)
@@ -76,6 +76,7 @@ def rank_main(rank: int, world: int, port: int, case: str, model_dir: str, out_d
     import torch
     import torch.distributed as dist
 
+    from rolloutpipe.control.weights.disk import write_weights
     from rolloutpipe.model import ModelConfig, load_model
     from rolloutpipe.trainer.backend import trainer_class
     from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource
@@ -120,7 +121,8 @@ def rank_main(rank: int, world: int, port: int, case: str, model_dir: str, out_d
         with trainer.writer_reads():
             if rank == 0:
                 point.capture(step, model=trainer.hf_model(), optimizer=trainer.optimizer, source_state={})
-                trainer.save_weights(Path(out_dir) / "weights.safetensors")  # disk weight sync's file
+                write_weights(Path(out_dir) / "weights.safetensors", *trainer.hf_buckets(), b"k" * 32)  # disk
+                # weight sync's file
         after = rss_bytes()
         measured["held" if step == 0 else "step_end"] = (after - before) if step == 0 else rss_bytes("VmHWM") - before
     results[rank] = measured

@@ -1,29 +1,34 @@
-"""Weight sync's transports on this machine for a Qwen3-1.7B-shaped bfloat16 policy (3.4 GB), against the
-memory-copy bandwidth, the physical floor of moving those bytes once.
+"""Weight sync's transports on this machine for a Qwen3-1.7B-shaped bfloat16 policy (3.4 GB), each against its own
+floor, in one invocation.
 
-    python bench/weight_sync.py                 # about a minute on 2 CPU cores, ~12 GB of memory
-    python bench/weight_sync.py --repeats 3 --bucket-mb 512
+    python bench/weight_sync.py                          # about two minutes on 2 CPU cores, ~11 GB of memory
+    python bench/weight_sync.py --bucket-mb 128 512 --dir /path/on/the/run/file/system
 
 Rows (each the best of ``--repeats``):
-    memory copy     one copy of every tensor (torch ``copy_``): the floor
-    disk            what ``pipeline.weight_sync=disk`` does on the trainer and the rollout side: the safetensors file
-                    written by buckets as the FSDP backend streams it (run_dir's file system, page cache included),
-                    its sha256 (the sealed record's digest, computed by the trainer and checked by the rollout), and
-                    one engine reading it back (safetensors ``load_file``, every tensor copied once)
-    broadcast       ``pipeline.weight_sync=distributed`` over gloo: trainer rank 0 broadcasts every tensor of each
-                    bucket to one engine process, which receives into fresh tensors (distributed.py's calls)
+    memory copy          one copy of every tensor (torch ``copy_``): the physical floor
+    disk: write / read   the floors of the disk way: the safetensors file written bucket by bucket with nothing else
+                         (trainer), and read back by one engine (safetensors ``load_file``, every tensor copied once)
+    disk: write + MAC    what ``pipeline.weight_sync=disk`` does on trainer rank 0 (disk.py ``write_weights``): each
+                         tensor hashed (BLAKE3, every core) while it is written; the step's weights digest included
+    disk: read + check   what the rollout node does (disk.py ``Receiver.load``): one engine reads the file while the
+                         node recomputes its MAC
+    broadcast            ``pipeline.weight_sync=distributed`` over gloo to one engine process (distributed.py: a flat
+                         buffer per bucket of ``--bucket-mb``, two alternating; the engine unpacks each bucket)
+    raw broadcast        the floor of that transport: one ``torch.distributed.broadcast`` of every byte as one flat
+                         tensor, on the same process group
 
-What is not in it: an engine's own work after the bytes arrive (SGLang's load into its weight layout), the gather
-of FSDP shards (one all-gather per bucket), and a GPU (NCCL broadcasts, PCIe copies).
+The disk rows write where a one-node run does (disk.py ``Sender.place``: /dev/shm unless the working directory's
+file system is memory-backed; ``--dir`` to choose). Not in it: an engine's own work after the bytes arrive
+(SGLang's load into its weight layout), the gather of FSDP shards, and a GPU (NCCL, PCIe copies).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -31,6 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 GB = 1e9
+KEY = b"bench" * 8
 
 
 def qwen3_state(shape) -> dict:
@@ -68,22 +74,29 @@ def memory_copy(state: dict) -> None:
         t.clone()
 
 
-def disk_write(state: dict, path: Path, bucket_bytes: int) -> None:
-    import torch
-
+def by_bucket(state: dict, bucket_bytes: int):
     from rolloutpipe.control.weights.buckets import plan_buckets
-    from rolloutpipe.trainer.fsdp_backend import safetensors_header
 
+    buckets = plan_buckets(state, bucket_bytes)
+    return buckets, ({name: state[name] for name in bucket.names} for bucket in buckets)
+
+
+def plain_write(state: dict, path: Path, bucket_bytes: int) -> None:
+    from rolloutpipe.control.weights.digest import tensor_bytes
+    from rolloutpipe.control.weights.disk import safetensors_header
+
+    buckets, tensors = by_bucket(state, bucket_bytes)
     with path.open("wb") as f:
-        f.write(safetensors_header({k: (v.dtype, tuple(v.shape)) for k, v in state.items()}))
-        for bucket in plan_buckets(state, bucket_bytes):
-            for name in bucket.names:
-                f.write(state[name].view(-1).view(torch.uint8).numpy().tobytes())
+        f.write(safetensors_header(buckets))
+        for bucket_state in tensors:
+            for tensor in bucket_state.values():
+                f.write(tensor_bytes(tensor))
 
 
-def digest(path: Path) -> None:
-    with path.open("rb") as f:
-        hashlib.file_digest(f, "sha256")
+def one_pass_write(state: dict, path: Path, bucket_bytes: int) -> str:
+    from rolloutpipe.control.weights.disk import file_key, write_weights
+
+    return write_weights(path, *by_bucket(state, bucket_bytes), file_key(KEY)).mac
 
 
 def engine_read(path: Path) -> None:
@@ -93,72 +106,108 @@ def engine_read(path: Path) -> None:
         t.clone()
 
 
-def broadcast_rank(rank: int, port: int, shapes: dict, bucket_bytes: int, repeats: int, results) -> None:
+def read_and_check(path: Path, mac: str) -> None:
+    from rolloutpipe.control.weights.disk import file_key, file_mac
+
+    checked: list[str] = []
+    checking = threading.Thread(target=lambda: checked.append(file_mac(path, file_key(KEY))))
+    checking.start()
+    engine_read(path)
+    checking.join()
+    assert checked == [mac]
+
+
+def broadcast_rank(rank: int, port: int, shapes: dict, bucket_mbs: list[float], repeats: int, results) -> None:
     import torch
     import torch.distributed as dist
 
-    from rolloutpipe.control.weights.buckets import plan_buckets
+    from rolloutpipe.control.weights.buckets import WeightGroup, plan_buckets
+    from rolloutpipe.control.weights.distributed import Broadcaster, join_group, receive_bucket
 
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    state = ({k: torch.full(s, 0.5, dtype=torch.bfloat16) for k, s in shapes.items()} if rank == 0
-             else {k: torch.empty(s, dtype=torch.bfloat16, device="meta") for k, s in shapes.items()})
-    buckets = plan_buckets(state, bucket_bytes)
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        for bucket in buckets:
-            if rank == 0:
-                works = [dist.broadcast(state[n], src=0, async_op=True) for n in bucket.names]
-            else:  # fresh tensors each time, as an engine's receive_bucket makes them
-                works = [dist.broadcast(torch.empty(state[n].shape, dtype=torch.bfloat16), src=0, async_op=True)
-                         for n in bucket.names]
-            for work in works:
-                work.wait()
-        dist.barrier()
-        times.append(time.perf_counter() - start)
+    group = WeightGroup(master_address="127.0.0.1", master_port=port, world_size=2)
     if rank == 0:
-        results["broadcast"] = min(times)
-    dist.destroy_process_group()
+        state = {k: torch.full(s, 0.5, dtype=torch.bfloat16) for k, s in shapes.items()}
+        sender = Broadcaster(group=group, bucket_bytes=1, timeout_s=120, check=lambda what: None)
+        pg = sender._pg
+    else:
+        state = {k: torch.empty(s, dtype=torch.bfloat16, device="meta") for k, s in shapes.items()}
+        pg = join_group(group, 1, timeout_s=120)
+    num_bytes = sum(t.numel() * t.element_size() for t in state.values())
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            dist.barrier(group=pg)
+            start = time.perf_counter()
+            fn()
+            dist.barrier(group=pg)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    whole = torch.full((num_bytes,), 7, dtype=torch.uint8) if rank == 0 else None
+    results[("raw", rank)] = best(lambda: dist.broadcast(  # into a fresh tensor, as an engine receives
+        whole if whole is not None else torch.empty(num_bytes, dtype=torch.uint8), src=0, group=pg))
+    whole = None  # (freed before the bucketed runs)
+    for mb in bucket_mbs:
+        buckets = plan_buckets(state, int(mb * 2**20))
+        if rank == 0:
+            sender._buffers = [torch.empty(0, dtype=torch.uint8) for _ in range(2)]  # grown within the first run
+            results[(mb, rank)] = best(lambda b=buckets: sender.send(state, b, 1))
+        else:  # fresh buffers each time, as an engine receives them
+            results[(mb, rank)] = best(lambda b=buckets: [receive_bucket(pg, bucket) for bucket in b])
+    dist.destroy_process_group(pg)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-shape", default="qwen3-1.7b")
-    parser.add_argument("--bucket-mb", type=float, default=512.0)
+    parser.add_argument("--bucket-mb", type=float, nargs="+", default=[64.0, 256.0, 512.0],
+                        help="bucket sizes to broadcast with (the disk file is written by the first)")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--dir", type=Path, default=None, help="where the disk row writes (default: a temp dir)")
+    parser.add_argument("--dir", type=Path, default=None, help="where the disk rows write (default: as a one-node run)")
     args = parser.parse_args()
     import torch.multiprocessing as mp
 
     from rolloutpipe.control.env import free_port
+    from rolloutpipe.control.weights.disk import SHM, memory_backed
     from rolloutpipe.launch.memory_plan import QWEN3_SHAPES
 
-    bucket_bytes = int(args.bucket_mb * 2**20)
+    where = args.dir or (Path.cwd() if memory_backed(Path.cwd()) else SHM)
+    bucket_bytes = int(args.bucket_mb[0] * 2**20)
     state = qwen3_state(QWEN3_SHAPES[args.model_shape])
     size = sum(t.numel() * t.element_size() for t in state.values())
+    wall = time.perf_counter()
     rows = {"memory copy": best(lambda: memory_copy(state), args.repeats)}
-    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+    with tempfile.TemporaryDirectory(dir=where, prefix="rolloutpipe-bench-") as tmp:
         path = Path(tmp) / "policy.safetensors"
-        rows["disk: write (trainer)"] = best(lambda: disk_write(state, path, bucket_bytes), args.repeats)
-        rows["disk: sha256 (trainer, rollout)"] = best(lambda: digest(path), args.repeats)
-        rows["disk: read (engine)"] = best(lambda: engine_read(path), args.repeats)
-    rows["disk: total (write + 2 x sha256 + read)"] = (rows["disk: write (trainer)"] + rows["disk: read (engine)"]
-                                                      + 2 * rows["disk: sha256 (trainer, rollout)"])
+        write = rows["disk: write (trainer, the floor)"] = best(lambda: plain_write(state, path, bucket_bytes),
+                                                                args.repeats)
+        read = rows["disk: read (engine, the floor)"] = best(lambda: engine_read(path), args.repeats)
+        macs: list[str] = []
+        rows["disk: write + MAC (trainer, one pass)"] = best(
+            lambda: macs.append(one_pass_write(state, path, bucket_bytes)), args.repeats)
+        rows["disk: read + check (rollout, at once)"] = best(lambda: read_and_check(path, macs[-1]), args.repeats)
+    disk_total = rows["disk: total (write + MAC, read + check)"] = (rows["disk: write + MAC (trainer, one pass)"]
+                                                                    + rows["disk: read + check (rollout, at once)"])
     shapes = {k: tuple(v.shape) for k, v in state.items()}
-    state.clear()  # the engine process allocates its own
+    state.clear()  # the broadcast processes allocate their own
     results = mp.Manager().dict()
-    mp.spawn(broadcast_rank, args=(free_port(), shapes, bucket_bytes, args.repeats, results), nprocs=2, join=True)
-    rows["broadcast (gloo, 1 engine)"] = results["broadcast"]
+    mp.spawn(broadcast_rank, args=(free_port(), shapes, args.bucket_mb, args.repeats, results), nprocs=2, join=True)
+    raw = rows["raw broadcast (gloo, one flat tensor)"] = max(results[("raw", 0)], results[("raw", 1)])
+    for mb in args.bucket_mb:
+        rows[f"broadcast (gloo, {mb:g} MiB buckets)"] = max(results[(mb, 0)], results[(mb, 1)])
     floor = rows["memory copy"]
-    print(f"{args.model_shape} bfloat16: {size / GB:.2f} GB, buckets of {args.bucket_mb:g} MiB, {os.cpu_count()} CPUs, "
-          f"best of {args.repeats}")
+    print(f"{args.model_shape} bfloat16: {size / GB:.2f} GB, {os.cpu_count()} CPUs, disk rows in {where}, "
+          f"best of {args.repeats}, {time.perf_counter() - wall:.0f} s wall")
     print("| transport | seconds | GB/s | x memory copy |")
     print("|---|---|---|---|")
     for name, seconds in rows.items():
         print(f"| {name} | {seconds:.2f} | {size / GB / seconds:.2f} | {seconds / floor:.1f} |")
+    print(f"disk total / (write + read) = {disk_total / (write + read):.2f} (goal <= 1.3)")
+    for mb in args.bucket_mb:
+        ratio = rows[f"broadcast (gloo, {mb:g} MiB buckets)"] / raw
+        print(f"broadcast with {mb:g} MiB buckets / raw broadcast = {ratio:.2f} (goal <= 1.2)")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, Omega
 
 from rolloutpipe.control.run import PipelineConfig, PipelineMode, ResumeMode, RunConfig
 from rolloutpipe.control.weights import WeightSync, WeightSyncSettings
+from rolloutpipe.control.weights import choose as choose_weight_sync
 from rolloutpipe.launch.config import LauncherConfig
 from rolloutpipe.model import ModelConfig
 from rolloutpipe.observe.tracking import WandbConfig
@@ -128,6 +129,8 @@ class Config:
             )
         if self.run.resume is ResumeMode.auto:
             self.check_resumable()
+        if self.pipeline.weight_sync is None:  # (config.yaml records the way chosen)
+            self.pipeline.weight_sync = self.weight_sync_choice()[0]
         if self.pipeline.weight_sync is WeightSync.distributed:
             if self.rollout.engine is EngineKind.embedded:
                 raise ValueError(
@@ -191,6 +194,12 @@ class Config:
                            num_hosts=self.launcher.rollout.nodes, run_dir=self.run.dir,
                            connect_timeout_s=self.pipeline.connect_timeout_s,
                            peer_timeout_s=self.pipeline.peer_timeout_s)
+
+    def weight_sync_choice(self) -> tuple[WeightSync, str]:
+        """What ``pipeline.weight_sync=null`` resolves to for this run, and why (control/weights ``choose``)."""
+        return choose_weight_sync(sglang_started=self.rollout.engine is EngineKind.sglang,
+                                  attached=bool(self.rollout.engine_urls),
+                                  overlapped=self.pipeline.mode is PipelineMode.async_one_step)
 
     def weight_sync(self) -> WeightSyncSettings:
         """What both sides of weight sync read (control/weights/), from ``pipeline.*`` and the engines' layout."""

@@ -36,9 +36,10 @@ class PipelineConfig:
     peer_timeout_s: float = 30.0
     """A process whose heart-beat stops this long is declared dead, and the run stops."""
     heartbeat_s: float = 1.0
-    weight_sync: WeightSync = WeightSync.disk
+    weight_sync: WeightSync | None = WeightSync.disk
     """How policy k+1 reaches the engines (control/weights/): ``disk`` (a safetensors file under run_dir/weights,
-    any engine) or ``distributed`` (trainer rank 0 broadcasts to the engines; HTTP engines only)."""
+    any engine) or ``distributed`` (trainer rank 0 broadcasts to the engines; HTTP engines only). Null (the GPU
+    presets): ``distributed`` where it can serve, else ``disk`` (control/weights ``choose``), resolved at load."""
     weight_sync_bucket_mb: float = 512.0
     """With ``weight_sync=distributed``: tensors per /update_weights_from_distributed call, up to this size."""
     weights_visible_timeout_s: float = 120.0

@@ -26,6 +26,7 @@ Trainer rank (launcher.trainer.tasks_per_node on a node; the first node holds ra
   step end         rank 0's transients at each step's end (weight sync, the restore point's capture): the torch
                    backend copies the policy to the host (d), Megatron maps its copy to HF tensors (d; + d/tp with
                    tensor parallelism, gathered), FSDP one bucket (pipeline.weight_sync_bucket_mb)
+  weight-sync      pipeline.weight_sync=distributed to CPU engines (gloo): two flat buffers of a bucket, kept
   samples          every rank reads every group of a step: ``SAMPLE_TOKEN_BYTES`` a token
 Rollout node (the first: the rollout manager beside its engines)
   process          the manager, a CPU process (``CPU_PROCESS_BYTES``)
@@ -47,7 +48,7 @@ import enum
 import os
 from dataclasses import dataclass, field
 
-from rolloutpipe.config import Config
+from rolloutpipe.config import Config, WeightSync
 from rolloutpipe.launch.memory_plan import GiB, ModelShape, dtype_bytes
 from rolloutpipe.launch.model_shapes import sequence_len
 from rolloutpipe.trainer.config import TrainerBackend
@@ -195,6 +196,10 @@ def trainer_processes(cfg: Config, shape: ModelShape, *, rank_0: bool) -> Proces
                               f"the policy as HF tensors on the host, {d} B/param" + (
                                   " + the tensor-parallel gather" if megatron and tp > 1 else ""),
                               knob="lower pipeline.weight_sync_bucket_mb" if fsdp else ""))
+        if (sync := cfg.weight_sync()).way is WeightSync.distributed and not sync.engines_on_gpus:
+            terms.append(HostTerm(name="weight-sync buffers", num_bytes=2 * sync.bucket_bytes, phase=HostPhase.always,
+                                  how="2 flat bucket buffers (gloo), double-buffered",
+                                  knob="lower pipeline.weight_sync_bucket_mb"))
     samples = cfg.rollout_batch_size * cfg.n_samples_per_prompt * sequence_len(cfg) * SAMPLE_TOKEN_BYTES
     terms.append(HostTerm(name="a step's samples", num_bytes=samples, phase=HostPhase.always,
                           how=f"{cfg.rollout_batch_size * cfg.n_samples_per_prompt} samples x {sequence_len(cfg)} "

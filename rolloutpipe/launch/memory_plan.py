@@ -25,14 +25,14 @@ Trainer rank (all ranks alike: data-parallel replicas, or tensor-parallel shards
                                   Forward: float32 logits and exponentials, 8 B per logit; backward: the float32
                                   softmax and its 16-bit gradient (4 + 2 B) beside the head's gradient summed in
                                   float32. The torch backend with 0: the model's own logits, 20 B per logit.
+  weight-sync buffers             pipeline.weight_sync=distributed to GPU engines: 2 x a bucket (NCCL send buffers).
 Rollout engine (SGLang)
   weights + KV cache              ``rollout.concurrency`` responses of max prompt + max response tokens, K and V
                                   of every layer's key/value heads in the model's dtype, inside SGLang's
                                   --mem-fraction-static; the rest is SGLang's reserve (activations, CUDA graphs).
 
-Validated against the CPU trainers' peak RSS (bench/memory_plan_validation.py) and live tensors
-(bench/memory_plan_tracked.py), and an H200's peaks (docs/trainer.md). ``fewest_ranks``: the fewest trainer GPUs
-that fit, where ranks shard the state.
+Validated against CPU trainers' RSS and live tensors (bench/memory_plan_validation.py, memory_plan_tracked.py) and
+an H200's peaks (docs/trainer.md). ``fewest_ranks``: the fewest trainer GPUs that fit, where ranks shard the state.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 
-from rolloutpipe.config import Config
+from rolloutpipe.config import Config, WeightSync
 from rolloutpipe.launch.model_shapes import (  # noqa: F401 (re-exported: the plan's shapes and micro-batches)
     QWEN3_SHAPES,
     ModelShape,
@@ -192,12 +192,15 @@ def trainer_estimate(cfg: Config, shape: ModelShape, *, capacity_bytes: int,
                           knob="trainer.exact_accumulation=false"))
     if cfg.num_steps_per_rollout > 1 and tr.old_logprobs is OldLogprobSource.trainer:
         terms.append(Term(name="policy snapshot", num_bytes=params * master // n if fsdp else params * d,
-                          phase=Phase.always,
-                          how="version k's weights for old log-probs", knob="trainer.old_logprobs=engine"))
+                          phase=Phase.always, how="version k's weights for old log-probs",
+                          knob="trainer.old_logprobs=engine"))
     if cfg.grpo.kl_loss_coef > 0:
         terms.append(Term(name="reference model", num_bytes=params * master // n if fsdp else params * d,
-                          phase=Phase.always,
-                          how="the frozen reference's weights for the KL term", knob="grpo.kl_loss_coef=0"))
+                          phase=Phase.always, how="the frozen reference's weights for the KL term",
+                          knob="grpo.kl_loss_coef=0"))
+    if (sync := cfg.weight_sync()).way is WeightSync.distributed and sync.engines_on_gpus:  # (rank 0's, for all)
+        terms.append(Term(name="weight-sync buffers", num_bytes=2 * sync.bucket_bytes, phase=Phase.always,
+                          how="2 flat bucket buffers, double-buffered", knob="lower pipeline.weight_sync_bucket_mb"))
 
     # GQA's keys and values repeated to every query head: Megatron's local DotProductAttention only (HF's SDPA call
     # without a mask uses enable_gqa; Transformer Engine takes grouped heads)
@@ -482,19 +485,16 @@ def format_plan(result: MemoryPlan) -> str:
         width = max(len(t.name) for t in est.terms)
         for t in est.terms:
             out.append(f"  {t.name:<{width}}  {t.num_bytes / GiB:>8.2f} GiB  {t.phase.value:<7}  {t.how}")
-        verdict = "fits" if est.fits else "DOES NOT FIT"
         out.append(f"  {'peak':<{width}}  {est.peak_bytes / GiB:>8.2f} GiB  of {est.capacity_bytes / GiB:.0f} GiB: "
-                   f"{verdict}")
+                   f"{'fits' if est.fits else 'DOES NOT FIT'}")
         out += [f"  ({note})" for note in est.notes]
         out.append("")
     if result.engine is None:
         out.append("rollout engines: not on GPUs (rollout.engine is embedded), not planned")
     if result.fewest_ranks:
         n, overrides = result.fewest_ranks
-        out.append(f"fewest trainer GPUs that fit: {n} ({' '.join(overrides)}); this config: "
-                   f"{result.trainer.count}")
+        out.append(f"fewest trainer GPUs that fit: {n} ({' '.join(overrides)}); this config: {result.trainer.count}")
     elif result.sharded:
         out.append(f"fewest trainer GPUs that fit: none up to {TRAINER_RANK_COUNTS[-1]}")
-    lines = warnings(result)
-    out += lines or ["every estimate fits"]
+    out += warnings(result) or ["every estimate fits"]
     return "\n".join(out)

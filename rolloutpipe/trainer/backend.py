@@ -8,7 +8,6 @@ batch's update are written there once), plus one ``case`` below and its value in
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -59,14 +58,11 @@ class PolicyBackend(Protocol):
         ``_reference_params``); a backend that cannot refuses here, at start."""
 
     def writer_reads(self) -> contextlib.AbstractContextManager:
-        """Every rank enters it around trainer rank 0's reads of the policy (``hf_state``, ``save_weights``,
+        """Every rank enters it around trainer rank 0's reads of the policy (``hf_state``, ``hf_buckets``,
         ``hf_model``, ``optimizer.state_dict``); a sharded backend's other ranks join rank 0's gathers inside it."""
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """The policy under HF names, full tensors on the CPU (what weight sync sends)."""
-
-    def save_weights(self, path: Path) -> float:
-        """The policy as one safetensors file, written atomically; returns seconds spent."""
 
     def hf_model(self) -> torch.nn.Module:
         """The policy as an HF model with the trained weights (checkpoints, the final policy)."""

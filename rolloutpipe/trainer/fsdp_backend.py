@@ -28,9 +28,9 @@ Reads by trainer rank 0 (weight sync, the restore point, the final policy). Full
 at a time (``pipeline.weight_sync_bucket_mb``, ``buckets.plan_buckets``): every rank all-gathers the bucket's
 parameters (``DTensor.full_tensor``), rank 0 takes a CPU copy, and the bucket is freed before the next one; so no
 rank holds more than one bucket of the unsharded model on its device. The other ranks join those gathers inside
-``writer_reads`` (trainer/node.py, pipeline.py), answering rank 0's requests until rank 0 leaves it. Disk weight
-sync streams the buckets into one safetensors file (``save_weights``), broadcast weight sync broadcasts each as it
-is gathered (``hf_buckets``): host memory holds one bucket too. The restore point and the final policy still take
+``writer_reads`` (trainer/node.py, pipeline.py), answering rank 0's requests until rank 0 leaves it. Weight sync
+takes the buckets as they are gathered (``hf_buckets``), into one safetensors file (disk) or one broadcast each
+(distributed): host memory holds one bucket too. The restore point and the final policy still take
 the whole policy, in the model's dtype, on rank 0's host (``hf_model``).
 
 KL to a reference (``grpo.kl_loss_coef``): the reference is kept as this rank's shards (``_reference_params``),
@@ -46,11 +46,7 @@ ranks reads back the rows its shards need (``load_training_shards``); a checkpoi
 from __future__ import annotations
 
 import contextlib
-import json
-import struct
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -265,20 +261,6 @@ class FSDPTrainer(GRPOTrainer):
     def hf_on_gpu(self) -> bool:
         return False  # rank 0 takes CPU copies of the gathered buckets
 
-    def save_weights(self, path: Path) -> float:
-        """The policy as one safetensors file, streamed bucket by bucket (the header first: names, dtypes and
-        shapes are known without gathering), written atomically; returns seconds spent."""
-        start = time.time()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        with tmp.open("wb") as f:
-            f.write(safetensors_header({k: (self.dtype, tuple(v.shape)) for k, v in self._names.items()}))
-            for bucket in self._lead_gather():
-                for tensor in bucket.values():
-                    f.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
-        tmp.rename(path)
-        return time.time() - start
-
     def hf_model(self) -> torch.nn.Module:
         """An HF model on rank 0's host holding the trained weights (for save_pretrained and the restore point),
         filled bucket by bucket; built once, on the meta device first."""
@@ -409,20 +391,3 @@ def _swapped(root: torch.nn.Module, params: dict[str, torch.Tensor]) -> Iterator
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-
-
-def safetensors_header(tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> bytes:
-    """The header of a safetensors file holding ``tensors`` (name -> dtype, shape) back to back in that order."""
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, (dtype, shape) in tensors.items():
-        size = torch.Size(shape).numel() * dtype.itemsize
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset,
-                                                                                                   offset + size]}
-        offset += size
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    return struct.pack("<Q", len(encoded)) + encoded

@@ -32,13 +32,10 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from rolloutpipe.control.weights.buckets import Bucket, plan_buckets
 from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
@@ -171,15 +168,6 @@ class GRPOTrainer(abc.ABC):
         """Keep ``model`` (an HF model: the initial policy, or trainer.ref_model_path) as the frozen reference of
         grpo.kl_loss_coef, on this rank, laid out and sharded as the policy (``_reference_params``)."""
         self._reference = self._reference_params(model)
-
-    def save_weights(self, path: Path) -> float:
-        """Write the policy as one safetensors file (HF names) atomically; returns seconds spent."""
-        start = time.time()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        save_file({k: v.contiguous() for k, v in self.hf_state().items()}, str(tmp), metadata={"format": "pt"})
-        tmp.rename(path)
-        return time.time() - start
 
     def close(self) -> None:
         """Release what the backend holds beyond its Python objects (Megatron: its process groups)."""

@@ -71,6 +71,7 @@ class Source:
             self.api_types = tree("sglang/api/v1/api_types.py")
             self.weight_updater = tree("sglang/srt/model_executor/model_runner_components/weight_updater.py")
             self.common_utils = tree("sglang/srt/utils/common.py")
+            self.tensor_bucket = tree("sglang/srt/weight_sync/tensor_bucket.py")
             self.server_flags = {
                 "--" + field.replace("_", "-")
                 for name in z.namelist() if name.startswith("sglang/srt/arg_groups/fields/") and name.endswith(".py")
@@ -335,6 +336,7 @@ def test_distributed_update_bodies_carry_every_field_the_broadcast_needs(sglang,
     assert required <= set(init[0]) and {"group_name", "backend"} <= set(init[0])
     assert all({"names", "dtypes", "shapes", "group_name"} <= set(b) for b in updates)
     assert [b.get("weight_version") for b in updates] == [None, "2"]
+    assert all(b["load_format"] == "flattened_bucket" for b in updates)  # one flat broadcast per bucket
     assert updates[0]["dtypes"] == ["bfloat16"] and updates[1]["shapes"] == [[2]]
 
 
@@ -347,9 +349,13 @@ def test_a_server_joins_and_receives_as_the_trainer_side_sends(sglang):
     assert "PrefixStore(group_name, store)" in group and "_new_process_group_helper(" in group
     assert "_world.pg_group_ranks[pg] = {i: i for i in range(world_size)}" in group
     receive = _method_source(sglang.weight_updater, "receive_weights_from_distributed")
-    assert "getattr(torch, dtype)" in receive  # dtypes travel as torch attribute names: "bfloat16"
-    assert "for name, dtype, shape in zip(names, dtypes, shapes)" in receive  # one broadcast per tensor, in order
-    assert "src=0" in receive
+    assert "if load_format == 'flattened_bucket':" in receive  # the load_format our bodies send
+    bucketed = _method_source(sglang.weight_updater, "_receive_bucketed_weights_from_distributed")
+    assert "FlattenedTensorBucket.empty(names, dtypes, shapes, self.device)" in bucketed  # one buffer for the bucket
+    assert "src=0" in bucketed and bucketed.count("torch.distributed.broadcast(") == 1  # one broadcast, from rank 0
+    empty = _method_source(sglang.tensor_bucket, "empty")  # its layout: buckets.pack's, tensor after tensor
+    assert "getattr(torch, dtype)" in empty  # dtypes travel as torch attribute names: "bfloat16"
+    assert "offset += size" in empty and "if offset % dtype.itemsize:" in empty  # no padding; aligned or refused
 
 
 def _method_source(module: ast.Module, method: str) -> str:

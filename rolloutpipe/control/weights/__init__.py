@@ -1,11 +1,12 @@
 """Weight sync: how policy_version k+1 reaches the engines between steps. One module per way, both sides in it.
 
-    disk.py         trainer rank 0 writes a safetensors file under run_dir/weights and publishes its digest; the
-                    rollout node checks the file and has every engine load it (any engine kind)
-    distributed.py  trainer rank 0 broadcasts the HF-named tensors in buckets to the engines, which joined its
-                    process group (SGLang's /update_weights_from_distributed; HTTP engines only)
-    buckets.py      the distributed way's wire shapes (the group's address, the bucket plan), which the engines'
-                    HTTP side reads too
+    disk.py         trainer rank 0 writes a safetensors file under run_dir/weights (/dev/shm on one node), hashing
+                    it as it writes, and publishes its MAC; every engine loads it while the rollout node checks it
+                    (any engine kind)
+    distributed.py  trainer rank 0 broadcasts the HF-named tensors to the engines, which joined its process group,
+                    a flat buffer per bucket (SGLang's /update_weights_from_distributed; HTTP engines only)
+    buckets.py      the distributed way's wire shapes (the group's address, the bucket plan, the flat layout),
+                    which the engines' HTTP side reads too
     digest.py       the weights digest of a policy (``train/weights_digest``), the same whichever way sent it
 
 Every way keeps the on-policy invariant the same way: the rollout node makes every engine call, and only between
@@ -37,10 +38,27 @@ if TYPE_CHECKING:
 
 
 class WeightSync(enum.Enum):
-    """``pipeline.weight_sync``: each value names its module in this package."""
+    """``pipeline.weight_sync``: each value names its module in this package (null: ``choose`` picks one)."""
 
     disk = "disk"
     distributed = "distributed"
+
+
+def choose(*, sglang_started: bool, attached: bool, overlapped: bool) -> tuple[WeightSync, str]:
+    """The way of ``pipeline.weight_sync=null`` (the GPU presets), and why; config.py resolves it at load, so
+    config.yaml records the way the run used. Broadcast (NCCL between GPUs) moves a policy at the wire's
+    speed, a file at the file system's: broadcast wherever the engines are SGLang servers the run starts on GPU
+    nodes. A file where the engines are CPU ones (embedded: the in-process engine cannot join a group), attached
+    servers (``rollout.engine_urls``: nobody here knows that they reach trainer rank 0), or the rollout runs
+    ahead of training (async_one_step: a broadcast would wait for the rollout's step boundary)."""
+    if overlapped:
+        return WeightSync.disk, "pipeline.mode=async_one_step runs the rollout a step ahead; a broadcast would stall it"
+    if attached:
+        return WeightSync.disk, "rollout.engine_urls attaches servers that may not reach trainer rank 0's group"
+    if not sglang_started:
+        return WeightSync.disk, "the engines run on CPU (rollout.engine is not sglang)"
+    return WeightSync.distributed, ("SGLang engines on GPU nodes: trainer rank 0 broadcasts to them, no file; a "
+                                    "failed engine then stops the run (pipeline.weight_sync=disk would replace it)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,8 +87,6 @@ class PolicyWeights(Protocol):
         """The bucket plan, and each bucket's tensors in turn (a sharded policy: gathered one bucket at a time)."""
 
     def hf_on_gpu(self) -> bool: ...
-
-    def save_weights(self, path: Path) -> float: ...
 
 
 class EngineGroup(Protocol):

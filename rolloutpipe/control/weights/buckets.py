@@ -1,11 +1,16 @@
-"""The distributed way's wire shapes: the weight-update process group's address and the bucket plan.
+"""The distributed way's wire shapes: the weight-update process group's address, the bucket plan, and a bucket's
+flat layout.
 
-Trainer rank 0 publishes both (distributed.py); the engines' HTTP side (rollout/engines: SGLang's API and the
-embedded server) reads them, so they live apart from the torch.distributed code.
+Trainer rank 0 publishes the first two (distributed.py); the engines' HTTP side (rollout/engines: SGLang's API and the
+embedded server) reads them, so they live apart from the torch.distributed code. A bucket travels as one flat uint8
+tensor: its tensors' bytes back to back in the plan's order, no padding (SGLang's ``FlattenedTensorBucket``, which
+``/update_weights_from_distributed`` receives with ``load_format="flattened_bucket"``). The disk way writes its file
+by the same plan.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,14 +44,28 @@ class Bucket:
     """torch dtype names without ``torch.`` (``bfloat16``), as SGLang's ``getattr(torch, dtype)`` wants them."""
     shapes: list[list[int]]
 
+    @property
+    def sizes(self) -> list[int]:
+        """Each tensor's bytes."""
+        import torch
+
+        return [torch.Size(shape).numel() * getattr(torch, dtype).itemsize
+                for dtype, shape in zip(self.dtypes, self.shapes, strict=True)]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(self.sizes)
+
 
 def plan_buckets(state: dict[str, torch.Tensor], bucket_bytes: int) -> list[Bucket]:
-    """Consecutive tensors of ``state``, in its order, grouped up to ``bucket_bytes`` (a larger tensor: alone)."""
+    """Consecutive tensors of ``state``, in its order, grouped up to ``bucket_bytes`` (a larger tensor: alone). A
+    tensor whose offset in the flat bucket would not be a multiple of its element size starts a new bucket (SGLang
+    refuses an unaligned one; a model in one dtype never has one)."""
     buckets: list[Bucket] = []
     size = bucket_bytes
     for name, tensor in state.items():
         num_bytes = tensor.numel() * tensor.element_size()
-        if size + num_bytes > bucket_bytes and size > 0:
+        if (size + num_bytes > bucket_bytes or size % tensor.element_size()) and size > 0:
             buckets.append(Bucket(names=[], dtypes=[], shapes=[]))
             size = 0
         buckets[-1].names.append(name)
@@ -54,3 +73,26 @@ def plan_buckets(state: dict[str, torch.Tensor], bucket_bytes: int) -> list[Buck
         buckets[-1].shapes.append(list(tensor.shape))
         size += num_bytes
     return buckets
+
+
+def pack(bucket: Bucket, state: Mapping[str, torch.Tensor], buffer: torch.Tensor) -> torch.Tensor:
+    """``bucket``'s tensors of ``state`` copied into the uint8 ``buffer`` (at least ``bucket.num_bytes`` long, on any
+    device), back to back; returns the filled part."""
+    import torch
+
+    offset = 0
+    for name, size in zip(bucket.names, bucket.sizes, strict=True):
+        buffer[offset:offset + size].copy_(state[name].detach().contiguous().reshape(-1).view(torch.uint8))
+        offset += size
+    return buffer[:offset]
+
+
+def unpack(bucket: Bucket, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The tensors of a packed ``bucket``: views into ``flat``, with the plan's names, dtypes and shapes."""
+    import torch
+
+    tensors, offset = {}, 0
+    for name, dtype, shape, size in zip(bucket.names, bucket.dtypes, bucket.shapes, bucket.sizes, strict=True):
+        tensors[name] = flat[offset:offset + size].view(getattr(torch, dtype)).reshape(shape)
+        offset += size
+    return tensors

@@ -7,7 +7,7 @@ resume. So ``tools/report.py --first-difference`` finds the first step where two
 Definition. For the policy under HF names (tied lm_head left out, as weight sync sends it), in the model's dtype:
 
     sha256 over the tensors in sorted name order (Python's ``sorted`` on the str names), each as
-        json.dumps([name, dtype, shape]) encoded as UTF-8, then b"\\n", then the 32-byte sha256 of the tensor's
+        json.dumps([name, dtype, shape]) encoded as UTF-8, then b"\\n", then the 32-byte BLAKE3 of the tensor's
         elements in row-major order as raw little-endian bytes (numel * itemsize of them)
     dtype is torch's name without ``torch.`` (``bfloat16``, ``float32``); shape is a list of ints ([] for a scalar)
     the metric is the first DIGEST_CHARS hex digits; weights_digest returns all 64
@@ -15,7 +15,9 @@ Definition. For the policy under HF names (tied lm_head left out, as weight sync
 The JSON header cannot contain a newline and is followed by exactly 32 bytes, so the stream parses one way: a
 name, a dtype or a shape change the digest as an element does. Dict and file header order do not. Each tensor is
 hashed on its own, so a policy that arrives in buckets (a sharded one, gathered bucket by bucket) is digested as it
-streams past (``Digest``), holding 32 bytes per tensor.
+streams past (``Digest``), holding 32 bytes per tensor. BLAKE3 (not sha256) hashes the bytes: it runs at memory
+speed on one core and spreads a large tensor over all of them (``tensor_hash``), and the disk way reuses each
+tensor's hash to authenticate the file it writes (disk.py), so every byte of a policy is hashed once per side.
 """
 
 from __future__ import annotations
@@ -26,11 +28,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import blake3
+
 if TYPE_CHECKING:
     import torch
 
 DIGEST_CHARS = 16
 """Hex digits of ``train/weights_digest`` (64 bits: two different policies collide with probability 2^-64)."""
+
+THREADED_BYTES = 4 << 20
+"""Tensors from this size are hashed on every core (BLAKE3 splits them; smaller ones are not worth the hand-off)."""
 
 
 class Digest:
@@ -41,7 +48,12 @@ class Digest:
 
     def update(self, tensors: Mapping[str, torch.Tensor]) -> None:
         for name, tensor in tensors.items():
-            self._tensors[name] = _tensor_line(name, tensor)
+            self.add(name, tensor, tensor_hash(tensor_bytes(tensor)))
+
+    def add(self, name: str, tensor: torch.Tensor, hashed: bytes) -> None:
+        """``tensor`` (only its dtype and shape are read) whose bytes' ``tensor_hash`` is ``hashed``."""
+        header = json.dumps([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]).encode()
+        self._tensors[name] = header + b"\n" + hashed
 
     def hexdigest(self) -> str:
         h = hashlib.sha256()
@@ -74,10 +86,16 @@ def short(digest: str) -> str:
     return digest[:DIGEST_CHARS]
 
 
-def _tensor_line(name: str, tensor: torch.Tensor) -> bytes:
-    """One tensor's part of the digest: its JSON header, a newline, the sha256 of its bytes."""
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's elements in row-major order as raw bytes, without a copy where it is a contiguous CPU tensor.
+    (x86 and arm hosts are little-endian: the in-memory bytes are the defined ones.)"""
     import torch
 
-    header = json.dumps([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]).encode() + b"\n"
-    # (x86 and arm hosts are little-endian: the in-memory bytes are the defined ones)
-    return header + hashlib.sha256(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()).digest()
+    flat = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy())
+
+
+def tensor_hash(data: memoryview | bytes) -> bytes:
+    """The 32-byte BLAKE3 of ``data``, on every core from THREADED_BYTES (it releases the GIL meanwhile)."""
+    threads = blake3.blake3.AUTO if len(data) >= THREADED_BYTES else 1
+    return blake3.blake3(data, max_threads=threads).digest()

@@ -1,24 +1,64 @@
 """Weight sync through a file (``pipeline.weight_sync=disk``, the default; every engine kind).
 
-Trainer rank 0 writes ``run_dir/weights/policy_v<k>.safetensors`` and publishes its path, size and sha256 in the
-store (a sealed record, control/transport.py); the rollout node checks that the path is that file and the file has
-that digest, then has every engine call ``update_weights_from_disk``. Meanwhile rank 0 reads the file back for the
-step's weights digest (digest.py: unlike the file's sha256, it does not depend on the header's order). Needs a file
-system both node groups see. A replacement engine (after a failure) loads the same file, so engines are replaceable.
+Trainer rank 0 writes ``run_dir/weights/policy_v<k>.safetensors`` bucket by bucket as the policy streams out of the
+backend, and publishes its path, size and MAC in the store (a sealed record, control/transport.py); the rollout node
+has every engine call ``update_weights_from_disk`` on it and checks the MAC while they read it. Each side touches each
+byte once:
+
+    trainer   each tensor is hashed (BLAKE3, every core; digest.py ``tensor_hash``) while it is written, from the same
+              memory; the tensor hashes give both the step's weights digest (digest.py) and the file's MAC, a BLAKE3
+              keyed with the attempt's key over the file's header and the tensor hashes in file order. Nothing is
+              read back.
+    rollout   once the file is there with the published size, the engines load it while the node recomputes the MAC
+              from the page cache; a mismatch stops the run before any request reaches the new weights (the node
+              admits step k+1 only after ``load`` returns), as a refused file did before.
+
+The record stays sealed like every other (it also carries the path and the size); the MAC adds no key that
+survives the attempt. Needs a file system both node groups see. A replacement engine (after a failure) loads the
+same file, so engines are replaceable.
+
+Where the file goes. On one node (the store on loopback: a local run) the run directory's file system is slower than
+memory unless it is memory-backed itself, so the files go to a private directory in ``/dev/shm`` (mode 0700, made
+per attempt, removed at exit and by the next attempt; ``run_dir/weights`` links to it) when ``/dev/shm`` is a tmpfs
+with room for SHM_COPIES policies. Otherwise, and on several nodes, they stay in ``run_dir/weights``.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
+import hmac
+import ipaddress
+import json
+import logging
+import mmap
+import shutil
+import struct
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+
+import blake3
+import torch
 
 from rolloutpipe.control.transport import Transport
 from rolloutpipe.control.weights import EngineGroup, PolicyWeights, WeightSyncSettings, weights_record_key
-from rolloutpipe.control.weights.digest import file_weights_digest
+from rolloutpipe.control.weights.buckets import Bucket
+from rolloutpipe.control.weights.digest import Digest, tensor_bytes, tensor_hash
+
+log = logging.getLogger(__name__)
 
 ENGINES_REPLACEABLE = True
+
+SHM = Path("/dev/shm")
+SHM_COPIES = 3
+"""Policies /dev/shm must have room for: the one served, the one being written, one in reserve."""
+
+_SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+                       "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
 
 
 def weights_file(version: int) -> str:
@@ -26,9 +66,113 @@ def weights_file(version: int) -> str:
     return f"weights/policy_v{version}.safetensors"
 
 
-def file_digest(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+def file_key(attempt_key: bytes) -> bytes:
+    """The 32-byte BLAKE3 key of this attempt's weights files (an earlier attempt's MAC is worthless in this one)."""
+    return hmac.new(attempt_key, b"rolloutpipe weights file", hashlib.sha256).digest()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Written:
+    size: int
+    mac: str
+    """BLAKE3 keyed with ``file_key``: the file's header, then each tensor's ``tensor_hash`` in file order."""
+    weights_digest: str
+
+
+def write_weights(path: Path, buckets: list[Bucket], tensors: Iterator[dict[str, torch.Tensor]],
+                  key: bytes) -> Written:
+    """Write the policy that ``tensors`` yields bucket by bucket as one safetensors file, atomically (the header
+    first: ``buckets`` has every name, dtype and shape). Each tensor is hashed on a second thread while this one
+    writes it; host memory holds one bucket."""
+    header = safetensors_header(buckets)
+    mac, digest = blake3.blake3(header, key=key), Digest()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with ThreadPoolExecutor(1, thread_name_prefix="weights-hash") as pool, tmp.open("wb") as f:
+        f.write(header)
+        for bucket, state in zip(buckets, tensors, strict=True):
+            hashing = []
+            for name in bucket.names:
+                data = tensor_bytes(state[name])
+                hashing.append((name, pool.submit(tensor_hash, data)))
+                f.write(data)
+            for name, hashed in hashing:
+                mac.update(hashed.result())
+                digest.add(name, state[name], hashed.result())
+    tmp.rename(path)
+    return Written(size=path.stat().st_size, mac=mac.hexdigest(), weights_digest=digest.hexdigest())
+
+
+def file_mac(path: Path, key: bytes) -> str:
+    """The MAC ``write_weights`` gave the file at ``path``, recomputed from its bytes (mapped, each read once);
+    ValueError if it is no safetensors file whose tensors cover it exactly."""
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        view = memoryview(mapped)
+        try:
+            start, ranges = _data_layout(view)
+            mac = blake3.blake3(view[:start], key=key)
+            for begin, end in ranges:
+                mac.update(tensor_hash(view[start + begin:start + end]))
+            return mac.hexdigest()
+        finally:
+            view.release()
+
+
+def safetensors_header(buckets: list[Bucket]) -> bytes:
+    """The header of a safetensors file holding ``buckets``' tensors back to back in their order."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for bucket in buckets:
+        for name, dtype, shape in zip(bucket.names, bucket.dtypes, bucket.shapes, strict=True):
+            size = torch.Size(shape).numel() * getattr(torch, dtype).itemsize
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + size]}
+            offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    return struct.pack("<Q", len(encoded)) + encoded
+
+
+def _data_layout(view: memoryview) -> tuple[int, list[tuple[int, int]]]:
+    """Where a safetensors file's data starts, and its tensors' byte ranges in file order, which must tile the rest
+    of the file exactly (no byte unhashed, none twice). The file may be anyone's: every field is checked."""
+    try:
+        (length,) = struct.unpack("<Q", view[:8])
+        if length > len(view) - 8:
+            raise ValueError("header longer than the file")
+        header = json.loads(bytes(view[8:8 + length]))
+        ranges = sorted((int(e["data_offsets"][0]), int(e["data_offsets"][1]))
+                        for name, e in header.items() if name != "__metadata__")
+    except (struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError) as err:
+        raise ValueError(f"no safetensors header ({err})") from err
+    end = 0
+    for begin, stop in ranges:
+        if begin != end or stop < begin:
+            raise ValueError(f"tensor data at {begin} where {end} was expected")
+        end = stop
+    if 8 + length + end != len(view):
+        raise ValueError(f"the tensors end at byte {8 + length + end} of {len(view)}")
+    return 8 + length, ranges
+
+
+def on_one_node(transport: Transport) -> bool:
+    """Whether every process of the run is on this node: local runs host the store on loopback."""
+    try:
+        return ipaddress.ip_address(transport.address.host).is_loopback
+    except ValueError:
+        return transport.address.host == "localhost"
+
+
+def memory_backed(path: Path) -> bool:
+    """Whether ``path`` lies on a tmpfs or ramfs (the mount with the longest matching mount point)."""
+    path = path.resolve()
+    best, kind = -1, ""
+    for line in Path("/proc/mounts").read_text().splitlines():
+        fields = line.split()
+        point = Path(fields[1].replace("\\040", " "))
+        if (path == point or point in path.parents) and len(point.parts) > best:
+            best, kind = len(point.parts), fields[2]
+    return kind in ("tmpfs", "ramfs")
 
 
 class Sender:
@@ -37,20 +181,59 @@ class Sender:
         self.transport = transport
         self.run_dir = run_dir
         self.policy = policy
+        self.placed = False
 
     def open(self) -> None:
         pass
 
     def publish(self, version: int, *, serves: bool) -> str:
-        path = self.run_dir / weights_file(version)
-        self.policy.save_weights(path)
+        buckets, tensors = self.policy.hf_buckets()
+        if not serves:  # the final policy: no engine loads it (the final checkpoint has it)
+            digest = Digest()
+            for state in tensors:
+                digest.update(state)
+            return digest.hexdigest()
+        if not self.placed:
+            self.place(sum(bucket.num_bytes for bucket in buckets))
+        written = write_weights(self.run_dir / weights_file(version), buckets, tensors,
+                                file_key(self.transport.secret))
         self.transport.put_record(weights_record_key(self.transport, version), {
-            "path": weights_file(version), "policy_version": version, "size": path.stat().st_size,
-            "sha256": file_digest(path)})
-        return file_weights_digest(path)  # read back while the engines load it: a sharded policy is not gathered again
+            "path": weights_file(version), "policy_version": version, "size": written.size, "mac": written.mac})
+        return written.weights_digest
+
+    def place(self, num_bytes: int) -> None:
+        """Point ``run_dir/weights`` at a fresh private directory in /dev/shm where that is faster and safe (the
+        module docstring); drop an earlier attempt's."""
+        self.placed = True
+        weights = self.run_dir / "weights"
+        if weights.is_symlink():
+            _remove_shm_dir(weights.resolve())
+            weights.unlink()
+        where = f"{weights} (run.dir's file system)"
+        if (not weights.exists() and on_one_node(self.transport) and not memory_backed(self.run_dir)
+                and SHM.is_dir() and memory_backed(SHM) and shutil.disk_usage(SHM).free >= SHM_COPIES * num_bytes):
+            target = Path(tempfile.mkdtemp(prefix=f"rolloutpipe-{self.transport.run_id}-", dir=SHM))  # mode 0700
+            atexit.register(_remove_shm_link, weights, target)
+            weights.parent.mkdir(parents=True, exist_ok=True)
+            weights.symlink_to(target, target_is_directory=True)
+            where = f"{target} (/dev/shm: one node, and run.dir's file system is not memory-backed)"
+        log.info("disk weight sync writes policies of %.2f GB to %s", num_bytes / 1e9, where)
 
     def retire(self, version: int) -> None:
         (self.run_dir / weights_file(version)).unlink(missing_ok=True)
+
+
+def _remove_shm_dir(path: Path) -> None:
+    if path.parent == SHM and path.name.startswith("rolloutpipe-"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove_shm_link(weights: Path, target: Path) -> None:
+    """At exit: the /dev/shm directory, and ``run_dir/weights`` with it (no link left dangling in the run directory,
+    which a copy of it, ``shutil.copytree`` or ``cp -rL``, would fail on)."""
+    _remove_shm_dir(target)
+    if weights.is_symlink() and weights.readlink() == target:
+        weights.unlink()
 
 
 class Receiver:
@@ -60,17 +243,39 @@ class Receiver:
         self.engines = engines
         self.visible_timeout_s = settings.visible_timeout_s
         self.check = check
+        self.transport = transport
 
     def open(self) -> None:
         pass
 
     def load(self, record: dict, version: int) -> None:
-        self.engines.load_weights(str(self.checked_file(record, version)), version)
+        """The engines read the file while a second thread checks its MAC: each reads the bytes once, at once."""
+        path = self.visible_file(record, version)
+        with ThreadPoolExecutor(1, thread_name_prefix="weights-check") as pool:
+            checking = pool.submit(self.check_file, path, record, version)
+            try:
+                self.engines.load_weights(str(path), version)
+            except Exception:
+                checking.result()  # a changed file is the cause to report, if it is one
+                raise
+            checking.result()
 
-    def checked_file(self, record: dict, version: int) -> Path:
-        """Policy ``version``'s file, once it is the one the trainer wrote: the run's own file, complete, with its
-        digest. A file not there yet or still short (a shared file system that lags behind the trainer's node) is
-        waited for, up to pipeline.weights_visible_timeout_s; the engines never see a path that would fail."""
+    def check_file(self, path: Path, record: dict, version: int) -> None:
+        """Raise unless ``path`` is the file the trainer wrote for ``version`` (its MAC)."""
+        try:
+            genuine = hmac.compare_digest(file_mac(path, file_key(self.transport.secret)), str(record.get("mac")))
+        except ValueError as err:
+            genuine = False
+            log.warning("%s: %s", path, err)
+        if not genuine:
+            raise RuntimeError(f"{path} does not have the MAC the trainer published for policy_version {version}: "
+                               "the file was changed after it was written; refusing it, and stopping before any "
+                               "request reaches those weights.")
+
+    def visible_file(self, record: dict, version: int) -> Path:
+        """Policy ``version``'s file once it can be the one the trainer wrote: the run's own path, complete. A file
+        not there yet or still short (a shared file system that lags behind the trainer's node) is waited for, up to
+        pipeline.weights_visible_timeout_s; the engines never see a path that is missing or short."""
         path = self.run_dir / weights_file(version)
         if record.get("path") != weights_file(version) or record.get("policy_version") != version:
             raise RuntimeError(f"the weights record of policy_version {version} names {record.get('path')!r}, not "
@@ -85,14 +290,11 @@ class Receiver:
                     "slow, or use pipeline.weight_sync=distributed.")
             self.check(f"policy_version {version}'s weights to show up complete at {path}")
             time.sleep(0.1)
-        if file_digest(path) != record.get("sha256"):
-            raise RuntimeError(f"{path} does not have the sha256 the trainer published for policy_version "
-                               f"{version}: the file was changed after it was written; refusing to load it.")
         return path
 
 
 def _not_visible_yet(path: Path, size: int | None) -> str | None:
-    """Why ``path`` cannot be the trainer's file of ``size`` bytes yet (None: it may be; its digest decides)."""
+    """Why ``path`` cannot be the trainer's file of ``size`` bytes yet (None: it may be; its MAC decides)."""
     try:
         have = path.stat().st_size
     except FileNotFoundError:

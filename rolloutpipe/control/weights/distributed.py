@@ -10,11 +10,17 @@ a multi-GPU SGLang engine), and broadcasts the HF-named tensors to them; nothing
              rollout node: read it, POST /init_weights_update_group to every engine at once (rank_offset 1, 2,
              ...); each call returns once the whole group is formed
     step k   trainer rank 0: plan buckets of at most ``pipeline.weight_sync_bucket_mb`` (names, dtypes,
-             shapes), publish the plan as ``weights/policy_version=<k+1>``, broadcast the tensors bucket by
-             bucket (one broadcast per tensor, from rank 0), then wait for ``serving/policy_version=<k+1>``
+             shapes), publish the plan as ``weights/policy_version=<k+1>``, broadcast the buckets, each as one
+             flat tensor (buckets.py ``pack``: one broadcast per bucket, SGLang's ``flattened_bucket``), then wait
+             for ``serving/policy_version=<k+1>``
              rollout node (at the step boundary): per engine, in parallel: pause -> begin_weight_update ->
              one /update_weights_from_distributed per bucket (the last one carries ``weight_version``) ->
              end_weight_update -> flush -> continue, then /model_info must report the new version
+
+Rank 0 sends at the transport's own floor: a broadcast per tensor pays a collective's fixed cost hundreds of times,
+so each bucket goes as one flat buffer, and two buffers alternate so that bucket i+1 is gathered, digested and
+packed while bucket i is on the wire (``Broadcaster.stream``). The bucket size trades those costs against memory
+(two buffers on rank 0's device); bench/weight_sync.py measures it against one raw broadcast of the same bytes.
 
 Who calls the engines: the rollout node, not the trainer. It alone knows when no request is in flight, and it
 already owns the engine list, the weight-update session and the version check. The trainer's broadcast just
@@ -33,7 +39,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -45,7 +51,7 @@ import torch.distributed as dist
 from rolloutpipe.control.env import free_port, node_address
 from rolloutpipe.control.transport import Transport
 from rolloutpipe.control.weights import EngineGroup, PolicyWeights, WeightSyncSettings, weights_record_key
-from rolloutpipe.control.weights.buckets import Bucket, WeightGroup, plan_buckets
+from rolloutpipe.control.weights.buckets import Bucket, WeightGroup, pack, plan_buckets, unpack
 from rolloutpipe.control.weights.digest import Digest
 
 ENGINES_REPLACEABLE = False
@@ -90,13 +96,6 @@ def join_group(group: WeightGroup, rank: int, *, timeout_s: float = 1800.0) -> d
     return pg
 
 
-def broadcast_bucket(pg: dist.ProcessGroup, state: dict[str, torch.Tensor], bucket: Bucket, device: str) -> list:
-    """Rank 0's side of one bucket: one broadcast per tensor, in the bucket's order (as the engines receive).
-    Returns the pending works (``wait_all``)."""
-    return [dist.broadcast(state[name].detach().to(device).contiguous(), src=0, group=pg, async_op=True)
-            for name in bucket.names]
-
-
 def wait_all(works: list, check: Callable[[], None], poll_s: float = 0.02, check_every_s: float = 0.5) -> None:
     """Wait for collective ``works``, calling ``check`` (which raises when a peer is gone) every ``check_every_s``."""
     next_check_s = time.monotonic() + check_every_s
@@ -110,13 +109,11 @@ def wait_all(works: list, check: Callable[[], None], poll_s: float = 0.02, check
 
 
 def receive_bucket(pg: dist.ProcessGroup, bucket: Bucket) -> dict[str, torch.Tensor]:
-    """An engine's side of one bucket (the embedded engine's server): the tensors rank 0 broadcasts."""
-    received = {name: torch.empty(shape, dtype=getattr(torch, dtype))
-                for name, dtype, shape in zip(bucket.names, bucket.dtypes, bucket.shapes, strict=True)}
-    handles = [dist.broadcast(t, src=0, group=pg, async_op=True) for t in received.values()]
-    for handle in handles:
-        handle.wait()
-    return received
+    """An engine's side of one bucket (the embedded engine's server): one flat tensor from rank 0, unpacked into
+    views of a fresh buffer (as SGLang's ``FlattenedTensorBucket.empty`` receives it)."""
+    flat = torch.empty(bucket.num_bytes, dtype=torch.uint8)
+    dist.broadcast(flat, src=0, group=pg)
+    return unpack(bucket, flat)
 
 
 class Broadcaster:
@@ -133,6 +130,7 @@ class Broadcaster:
         self.bucket_bytes = bucket_bytes
         self.device = "cuda" if group.backend == "nccl" else "cpu"
         self._check = check
+        self._buffers = [torch.empty(0, dtype=torch.uint8, device=self.device) for _ in range(2)]
         joined: dict[str, Any] = {}
 
         def join() -> None:
@@ -153,10 +151,28 @@ class Broadcaster:
     def plan(self, state: dict[str, torch.Tensor]) -> list[Bucket]:
         return plan_buckets(state, self.bucket_bytes)
 
-    def send(self, state: dict[str, torch.Tensor], buckets: list[Bucket], policy_version: int) -> None:
+    def send(self, state: Mapping[str, torch.Tensor], buckets: list[Bucket], policy_version: int) -> None:
+        self.stream(((bucket, state) for bucket in buckets), policy_version)
+
+    def stream(self, buckets: Iterable[tuple[Bucket, Mapping[str, torch.Tensor]]], policy_version: int) -> None:
+        """Broadcast each bucket as one flat tensor, in order. Two buffers alternate: a bucket is packed while the
+        one before it is on the wire, so whatever ``buckets`` does between yields (gather, digest) overlaps too.
+        Returns once every engine has received the last one."""
         what = f"the engines to receive policy_version {policy_version}"
-        for bucket in buckets:
-            wait_all(broadcast_bucket(self._pg, state, bucket, self.device), lambda: self._check(what))
+        in_flight: list = [None, None]  # the broadcast from each buffer
+        for i, (bucket, state) in enumerate(buckets):
+            slot = i % 2
+            if in_flight[slot] is not None:
+                wait_all([in_flight[slot]], lambda: self._check(what))
+            flat = pack(bucket, state, self._buffer(slot, bucket.num_bytes))
+            in_flight[slot] = dist.broadcast(flat, src=0, group=self._pg, async_op=True)
+        wait_all([work for work in in_flight if work is not None], lambda: self._check(what))
+
+    def _buffer(self, slot: int, num_bytes: int) -> torch.Tensor:
+        """Send buffer ``slot`` (0 or 1), grown to ``num_bytes``; kept between policies."""
+        if self._buffers[slot].numel() < num_bytes:
+            self._buffers[slot] = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+        return self._buffers[slot]
 
 
 class Sender:
@@ -186,14 +202,20 @@ class Sender:
         policy only goes to the final checkpoint: its buckets are digested, not sent."""
         assert self.broadcaster is not None, "open() first"
         buckets, tensors = self.policy.hf_buckets()
+        digest = Digest()
+
+        def digested() -> Iterator[tuple[Bucket, dict[str, torch.Tensor]]]:
+            for bucket, state in zip(buckets, tensors, strict=True):
+                yield bucket, state
+                digest.update(state)  # while the bucket is on the wire
+
         if serves:
             self.transport.put_record(weights_record_key(self.transport, version),
                                       {"policy_version": version, "buckets": [asdict(b) for b in buckets]})
-        digest = Digest()
-        for bucket, state in zip(buckets, tensors, strict=True):
-            if serves:
-                self.broadcaster.send(state, [bucket], version)
-            digest.update(state)
+            self.broadcaster.stream(digested(), version)
+        else:
+            for _ in digested():
+                pass
         return digest.hexdigest()
 
     def retire(self, version: int) -> None:

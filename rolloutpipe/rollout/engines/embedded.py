@@ -8,15 +8,14 @@
   Every request gets its own position ids (0, 1, 2, ... over its own tokens), so padding never shifts RoPE.
   Joiners are prefilled together (left padded) and their rows concatenated onto the batch; rows of finished
   requests are dropped and leading all-padding columns trimmed. Padded keys get exactly zero attention weight.
-- **Batch invariant** (``batch_invariant``, rollout.batch_invariant): a request's logits, hence its tokens and log-probs, are
-  bit-identical alone, among any batch-mates and in any row, in every dtype: attention runs per row over the
-  row's own keys, and every matmul has a multiple of ``ROW_BLOCK`` rows (row_attention.py says what was measured
-  to differ and what it costs). Off: one padded attention call per layer, equal up to float rounding only.
+- **Batch invariant** (rollout.batch_invariant): a request's logits, tokens and log-probs are the same bits alone,
+  among any batch-mates and in any row, in every dtype: attention per row over its own keys, every matmul a multiple
+  of ``ROW_BLOCK`` rows (row_attention.py: what differed, what it costs). Off: one padded call per layer, to rounding.
 - **SGLang's seeded sampler** (sampler.py): Gumbel-max with noise hashed from the request's ``sampling_seed``, the
   token's position and the token id, so a request's tokens do not depend on its batch-mates and equal an SGLang
   server's from the same logits. ``output_logprobs``: log softmax(logits / temperature) of the sampled token.
-- **Drafts** (rollout.speculative): a request's ``draft_ids`` are prefilled with its prompt and kept as far as
-  this engine's own samples reproduce them (verify.py), so a draft saves decode steps and changes no token.
+- **Drafts** (rollout.speculative): a request's ``draft_ids`` are prefilled with its prompt, attending as decode steps,
+  and kept as far as this engine's own samples reproduce them (verify.py): a draft saves decode steps, changes no bit.
 - **Stops like SGLang.** A request ends on its ``stop_token_ids`` or on one of the model's own EOS ids (its
   config's and its generation config's ``eos_token_id``, as SGLang's ``ModelConfig.hf_eos_token_id``), unless it
   asks ``ignore_eos``; ``submit`` refuses a prompt plus ``max_new_tokens`` beyond the model's context

@@ -5,9 +5,8 @@ release's own source (``srt/managers/io_struct.py``, ``srt/entrypoints/http_serv
 in ``api/v1/api_types.py``) and checks that every route called and every field sent or read here exists there.
 When the pin moves, that test says what changed; fix it here and nowhere else.
 
-Both ends use this module: the client (``http_client.SGLangEngine``) builds requests and parses responses with it,
-and the embedded engine's server (``http_server``) parses requests and builds responses with it, so one client
-drives a real SGLang server and the embedded CPU engine alike.
+Both ends use this module, the client (``http_client.SGLangEngine``) and the embedded engine's server
+(``http_server``), so one client drives a real SGLang server and the embedded CPU engine alike.
 
 Facts about 0.5.23 that shape this module (read in its source):
 
@@ -304,9 +303,10 @@ def parse_init_weights_update_group_body(body: dict[str, Any]) -> tuple[dict[str
 
 def update_weights_from_distributed_body(bucket: Bucket, group_name: str,
                                          policy_version: int | None) -> dict[str, Any]:
-    """One bucket; ``policy_version`` only on the last one, so the served version changes once all weights are in."""
+    """One bucket, sent as one flat broadcast (buckets.py ``pack``); ``policy_version`` on the last one only."""
     body: dict[str, Any] = {"names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes,
-                            "group_name": group_name, "flush_cache": policy_version is not None}
+                            "group_name": group_name, "flush_cache": policy_version is not None,
+                            "load_format": "flattened_bucket"}
     if policy_version is not None:
         body["weight_version"] = str(policy_version)
     return body

@@ -26,7 +26,7 @@ numbers of micro-batches. That is also why pipeline parallelism is refused (Trai
 
 Weights out. The engines and checkpoints take HF tensors: every optimizer step ends by copying the
 parameters to trainer rank 0's host (with tensor parallelism, gathered from its tensor-parallel group),
-so rank 0 can write them without the other ranks (``save_weights``, ``hf_model``). Only trainer rank 0
+so rank 0 can write them without the other ranks (``hf_buckets``, ``hf_model``). Only trainer rank 0
 keeps the HF model and that copy; the other ranks drop the HF model once it is mapped.
 
 CPU. Without CUDA every Megatron call runs inside ``cpu.cuda_calls_on_cpu()``, which redirects

@@ -1,0 +1,246 @@
+"""Weight sync's byte paths (control/weights/): the disk file hashed once while written and checked while the engines
+read it, the flat broadcast bucket, and which way ``pipeline.weight_sync=null`` picks."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from rolloutpipe.config import load_config, save_config
+from rolloutpipe.control.seal import Forged, seal, unseal
+from rolloutpipe.control.weights import WeightSync, WeightSyncSettings
+from rolloutpipe.control.weights.buckets import pack, plan_buckets, unpack
+from rolloutpipe.control.weights.digest import weights_digest
+from rolloutpipe.control.weights.disk import Receiver, file_key, file_mac, weights_file, write_weights
+
+REPO = Path(__file__).resolve().parents[2]
+ATTEMPT_KEY = b"k" * 32
+
+
+def policy() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"model.embed_tokens.weight": torch.randn(7, 4, generator=g).bfloat16(),
+            "model.layers.0.mlp.up_proj.weight": torch.randn(4, 4, generator=g).bfloat16(),
+            "model.empty": torch.zeros(0, 4, dtype=torch.bfloat16),
+            "model.scale": torch.tensor(2.5, dtype=torch.float32),
+            "model.norm.weight": torch.randn(4, generator=g, dtype=torch.float64),
+            "model.count": torch.arange(3, dtype=torch.int64)}
+
+
+def written(path: Path, state: dict[str, torch.Tensor], bucket_bytes: int = 64):
+    buckets = plan_buckets(state, bucket_bytes)
+    tensors = ({name: state[name] for name in bucket.names} for bucket in buckets)
+    return write_weights(path, buckets, tensors, file_key(ATTEMPT_KEY))
+
+
+def receiver(run_dir: Path, engines=None, timeout_s: float = 60.0) -> Receiver:
+    settings = WeightSyncSettings(way=WeightSync.disk, bucket_bytes=1, visible_timeout_s=timeout_s, join_timeout_s=1,
+                                  num_engine_ranks=1, ranks_per_engine=1, engines_on_gpus=False)
+    return Receiver(settings, transport=SimpleNamespace(secret=ATTEMPT_KEY), run_dir=run_dir, engines=engines,
+                    check=lambda waiting_for: None)
+
+
+def record(version: int, out) -> dict:
+    return {"path": weights_file(version), "policy_version": version, "size": out.size, "mac": out.mac}
+
+
+# --- the disk way: one pass over the bytes on each side -----------------------------------------------------------
+
+
+def test_the_file_written_in_one_pass_is_what_safetensors_reads_and_carries_the_tensors_digest(tmp_path):
+    state = policy()
+    path = tmp_path / weights_file(1)
+    out = written(path, state)
+    loaded = load_file(str(path))
+    assert list(loaded) == sorted(state) or set(loaded) == set(state)
+    for name, tensor in state.items():
+        assert loaded[name].dtype == tensor.dtype and loaded[name].shape == tensor.shape
+        assert torch.equal(loaded[name], tensor), name
+    assert out.weights_digest == weights_digest(state)  # the step's digest, without reading the file back
+    assert out.size == path.stat().st_size and file_mac(path, file_key(ATTEMPT_KEY)) == out.mac
+    assert not path.with_suffix(".tmp").exists()
+
+
+@pytest.mark.parametrize("where", ["first data byte", "last data byte", "header", "appended byte", "cut"])
+def test_a_changed_weights_file_is_refused(tmp_path, where):
+    path = tmp_path / weights_file(2)
+    out = written(path, policy())
+    data = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")
+    if where == "first data byte":
+        data[start] ^= 1
+    elif where == "last data byte":
+        data[-1] ^= 0x80
+    elif where == "header":
+        data[start - 1:start] = b"\n"  # header padding: still valid JSON, same layout
+    elif where == "appended byte":
+        data += b"\0"
+    else:
+        data = data[:-2]
+    path.write_bytes(bytes(data))
+    with pytest.raises(RuntimeError, match="does not have the MAC the trainer published for policy_version 2"):
+        receiver(tmp_path).check_file(path, record(2, out), 2)
+
+
+def test_a_record_naming_another_attempts_or_a_made_up_mac_is_refused(tmp_path):
+    """The MAC is keyed with the attempt's key: one computed for the same bytes in another attempt is refused, and a
+    record whose MAC was forged does not pass its seal (transport.py) in the first place."""
+    path = tmp_path / weights_file(3)
+    out = written(path, policy())
+    receiver(tmp_path).check_file(path, record(3, out), 3)  # the genuine one passes
+    other = write_weights(tmp_path / "other.safetensors", *_plan(policy()), file_key(b"another attempt's key"))
+    with pytest.raises(RuntimeError, match="does not have the MAC"):
+        receiver(tmp_path).check_file(path, record(3, other), 3)
+    key = "rp/run/weights/policy_version=3"
+    forged = seal(b"an outsider's secret", key, {**record(3, out), "mac": file_mac(path, file_key(b"guess"))})
+    with pytest.raises(Forged):
+        unseal(ATTEMPT_KEY, key, forged)
+
+
+def _plan(state):
+    buckets = plan_buckets(state, 64)
+    return buckets, ({name: state[name] for name in bucket.names} for bucket in buckets)
+
+
+class _Engines:
+    """Engines that read the file as SGLang's /update_weights_from_disk does, and note what they loaded."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.loaded: list[tuple[str, int]] = []
+        self.error = error
+
+    def load_weights(self, path: str, policy_version: int) -> None:
+        load_file(path)
+        self.loaded.append((path, policy_version))
+        if self.error is not None:
+            raise self.error
+
+
+def test_the_engines_load_while_the_node_checks_and_a_changed_file_stops_the_run_with_its_cause(tmp_path):
+    path = tmp_path / weights_file(4)
+    out = written(path, policy())
+    engines = _Engines()
+    receiver(tmp_path, engines).load(record(4, out), 4)
+    assert engines.loaded == [(str(path), 4)]
+
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 1
+    path.write_bytes(bytes(data))
+    engines = _Engines(error=ValueError("the engine choked on it"))
+    with pytest.raises(RuntimeError, match="file was changed after it was written"):
+        receiver(tmp_path, engines).load(record(4, out), 4)
+
+
+def test_a_weights_file_that_shows_up_late_and_complete_is_waited_for(tmp_path):
+    """A shared file system may show the trainer's file late, then short: the engines never get such a path."""
+    state = policy()
+    out = written(tmp_path / "complete.safetensors", state)
+    data = (tmp_path / "complete.safetensors").read_bytes()
+    path = tmp_path / weights_file(5)
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def lagging_writer():
+        time.sleep(0.3)
+        path.write_bytes(data[:100])
+        time.sleep(0.3)
+        path.write_bytes(data)
+
+    writer = threading.Thread(target=lagging_writer)
+    writer.start()
+    try:
+        assert receiver(tmp_path).visible_file(record(5, out), 5) == path
+    finally:
+        writer.join()
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "were not there 0.2s after the trainer wrote them"),
+    (b"x" * 10, "had 10 of their"),
+], ids=["missing", "short"])
+def test_a_weights_file_that_never_shows_up_complete_stops_the_run_saying_why(tmp_path, content, message):
+    out = written(tmp_path / "complete.safetensors", policy())
+    path = tmp_path / weights_file(6)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(RuntimeError, match=message) as err:
+        receiver(tmp_path, timeout_s=0.2).visible_file(record(6, out), 6)
+    assert "file system both node groups share" in str(err.value)
+
+
+# --- the distributed way: one flat buffer per bucket --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 40, 1 << 20])
+def test_a_flat_bucket_unpacks_to_the_same_names_dtypes_shapes_and_bits(bucket_bytes):
+    state = policy()
+    buckets = plan_buckets(state, bucket_bytes)
+    assert [n for b in buckets for n in b.names] == list(state)
+    received = {}
+    for bucket in buckets:
+        buffer = torch.full((bucket.num_bytes + 16,), 0xAB, dtype=torch.uint8)  # larger, and not zeroed
+        flat = pack(bucket, state, buffer)
+        assert flat.numel() == bucket.num_bytes
+        received |= unpack(bucket, flat.clone())  # the engine's own buffer
+    assert list(received) == list(state)
+    for name, tensor in state.items():
+        assert received[name].dtype == tensor.dtype and received[name].shape == tensor.shape, name
+        assert torch.equal(received[name].view(-1).view(torch.uint8), tensor.view(-1).view(torch.uint8)), name
+
+
+def test_a_tensor_that_would_sit_unaligned_in_a_flat_bucket_starts_the_next_one():
+    """SGLang's FlattenedTensorBucket refuses a tensor whose byte offset is no multiple of its element size."""
+    state = {"odd": torch.zeros(3, dtype=torch.bfloat16), "wide": torch.zeros(2, dtype=torch.float64)}
+    buckets = plan_buckets(state, 1 << 20)
+    assert [b.names for b in buckets] == [["odd"], ["wide"]]
+    for bucket in buckets:
+        offset = 0
+        for size, dtype in zip(bucket.sizes, bucket.dtypes, strict=True):
+            assert offset % getattr(torch, dtype).itemsize == 0
+            offset += size
+
+
+# --- pipeline.weight_sync=null ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides,way,why", [
+    ({"rollout": {"engine": "sglang"}}, WeightSync.distributed, "SGLang engines on GPU nodes"),
+    ({"rollout": {"engine": "sglang", "engine_urls": ["http://10.0.0.1:30000"], "num_engines": 1,
+                  "engine_api_key_file": "/dev/null"}}, WeightSync.disk, "rollout.engine_urls"),
+    ({"rollout": {"engine": "sglang"}, "pipeline": {"mode": "async_one_step"}}, WeightSync.disk, "async_one_step"),
+    ({"rollout": {"engine": "embedded_http"}}, WeightSync.disk, "run on CPU"),
+    ({}, WeightSync.disk, "run on CPU"),
+])
+def test_null_broadcasts_where_it_can_serve_and_config_yaml_records_the_way(tmp_path, overrides, way, why):
+    cfg = load_config(OmegaConf.merge({"pipeline": {"weight_sync": None}}, overrides))
+    assert cfg.pipeline.weight_sync is way
+    assert why in cfg.weight_sync_choice()[1]
+    save_config(cfg, tmp_path / "config.yaml")
+    assert OmegaConf.load(tmp_path / "config.yaml").pipeline.weight_sync == way.value
+    assert load_config(OmegaConf.load(tmp_path / "config.yaml")).pipeline.weight_sync is way  # a node re-reads it
+
+
+@pytest.mark.parametrize("experiment", ["gpqa", "math", "math_8b"])
+def test_the_gpu_presets_broadcast_unless_told_otherwise_and_the_cpu_default_stays_on_disk(experiment, tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from rolloutpipe.config import register_hydra_schema
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1?", "label": "2"}\n')
+    register_hydra_schema()
+    base = [f"+experiment={experiment}", "launcher=slurm", f"model.path={tmp_path}",
+            f"data.path={tmp_path / 'rows.jsonl'}"]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        preset, told = (load_config(compose("config", overrides=base + extra))
+                        for extra in ([], ["pipeline.weight_sync=disk"]))
+    assert preset.pipeline.weight_sync is WeightSync.distributed
+    assert told.pipeline.weight_sync is WeightSync.disk
+    assert load_config({}).pipeline.weight_sync is WeightSync.disk
