@@ -62,9 +62,9 @@ def main(raw: DictConfig) -> None:
     inside_sbatch = cfg.launcher.kind is LauncherKind.sbatch
     print(f"run {cfg.run.id}: {cfg.pipeline.mode.value} mode, outputs in {run_dir}", flush=True,
           file=sys.stderr if inside_sbatch else sys.stdout)
-    why = f"chosen: {cfg.weight_sync_choice()[1]}" if raw.pipeline.weight_sync is None else "pipeline.weight_sync"
-    print(f"weight sync: {cfg.pipeline.weight_sync.value} ({why})", flush=True,
-          file=sys.stderr if inside_sbatch else sys.stdout)
+    if raw.pipeline.weight_sync is None:  # (the GPU presets: chosen at load, and said why; set, it goes unsaid)
+        print(f"weight sync: {cfg.pipeline.weight_sync.value} (chosen: {cfg.weight_sync_choice()[1]})", flush=True,
+              file=sys.stderr if inside_sbatch else sys.stdout)
     if inside_sbatch:  # slurm/rolloutpipe.sbatch sources the file, then starts the step itself
         from rolloutpipe.launch.slurm import write_sbatch_vars
 
