@@ -30,6 +30,11 @@ _IN_FLIGHT = [0]
 _IN_FLIGHT_LOCK = threading.Lock()
 
 
+ABSENT = b"\0rolloutpipe: no such key\0"
+"""What ``BoundedStore.get_now`` expects and answers for a missing key: no run writes it (an outsider who does makes
+the key read as missing, which a reader already handles as a forged or deleted value)."""
+
+
 class StoreUnresponsive(RuntimeError):
     """The store's host did not answer a call within its deadline. transport.py turns it into PeerGone."""
 
@@ -98,6 +103,18 @@ class BoundedStore:
 
     def get(self, key: str) -> bytes:
         return self.call("get", key)
+
+    def get_now(self, key: str) -> bytes | None:
+        """``key``'s value, or None where it has none, in one call that never waits. TCPStore's ``get`` waits for a
+        missing key (to its timeout: here, the deadline, read as a frozen host), and another process may delete a key
+        between a ``check`` and a ``get`` (the trainer forgets the rollout's consumed handles). A ``compare_set``
+        expecting ``ABSENT`` changes nothing and answers the key's value, or ``ABSENT`` where the key is missing."""
+        value = self.call("compare_set", key, ABSENT, ABSENT)
+        return None if value == ABSENT else value
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        """``desired`` if ``key`` held ``expected``; else the key's value, unchanged (``expected`` if it is missing)."""
+        return self.call("compare_set", key, expected, desired)
 
     def add(self, key: str, amount: int) -> int:
         return self.call("add", key, amount)

@@ -37,17 +37,20 @@ class Kept:
         self._values.pop(key, None)
 
     def heal(self, store) -> int:
-        """Write back every kept value that ``store`` (a BoundedStore) does not hold as written; returns how many."""
+        """Write back every kept value that ``store`` (a BoundedStore) does not hold as written; returns how many.
+        No call waits for a key: another process may delete one at any moment (its reader, having consumed it)."""
         healed = 0
         for key in list(self._values):
             with self.lock:
                 value = self._values.get(key)
-                if value is not None and not store.check([key]):
+                if value is None:
+                    continue
+                current = store.get_now(key)
+                if current is None:
                     self._values.pop(key)  # consumed and deleted (by its reader, maybe): no longer kept
                     continue
-                if value is None or store.get(key) == value:
-                    continue
-                store.set(key, value)
+                if current == value or store.compare_set(key, current, value) != value:
+                    continue  # as written; or deleted or rewritten since the read: the next beat sees which
             healed += 1
         if healed:
             self.num_healed += healed

@@ -138,7 +138,7 @@ class Liveness:
         finished healthy (``finish``), and whether its key changed without a genuine newer count: an outsider's write
         (garbage, or a replayed older beat; refused and logged), which says nothing of the peer's death."""
         key = self._key(peer)
-        raw = self._check_client.get(key) if self._check_client.has(key) else None
+        raw = self._check_client.get_now(key)
         changed, self._raw[peer] = raw != self._raw.get(peer), raw
         try:
             record = {} if raw is None else self._check_client.unseal(key, raw)

@@ -222,6 +222,13 @@ class Transport:
         except RuntimeError as err:
             raise self._lost(err) from err
 
+    def get_now(self, key: str) -> bytes | None:
+        """``key``'s value or None, never waiting for it (BoundedStore.get_now)."""
+        try:
+            return self.store.get_now(key)
+        except RuntimeError as err:
+            raise self._lost(err) from err
+
     def wait_get(self, key: str, *, what: str) -> bytes:
         """Block until ``key`` exists, checking every ``poll_s`` that the peers are alive; return its value."""
         while True:
@@ -306,9 +313,8 @@ class Transport:
 
     def read_record(self, key: str) -> dict | None:
         """``key``'s record if it exists and is genuine (a forged one is refused, in the log), else None."""
-        if not self.has(key):
+        if (raw := self.get_now(key)) is None:
             return None
-        raw = self.get(key)
         try:
             return self.unseal(key, raw)
         except Forged as err:

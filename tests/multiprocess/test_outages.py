@@ -33,10 +33,10 @@ SLOW = {"RP_TEST_REWARD_SLEEP_S": "0.2"}
 is finished, lands inside step 2."""
 
 
-def after_steps(run_dir: Path, num_steps: int, **start) -> dict[str, subprocess.Popen]:
-    """start_nodes' run, once ``num_steps`` steps are finished (their metrics written)."""
+def after_steps(run_dir: Path, num_steps: int, *more: str, **start) -> dict[str, subprocess.Popen]:
+    """start_nodes' run (WORKLOAD and ``more`` overrides), once ``num_steps`` steps are finished (metrics written)."""
     run_dir.mkdir()
-    procs = start_nodes(run_dir, *WORKLOAD, environ=SLOW, **start)
+    procs = start_nodes(run_dir, *WORKLOAD, *more, environ=SLOW, **start)
     metrics = run_dir / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= num_steps,
              f"{num_steps} finished step(s)", running=list(procs.values()))
@@ -199,7 +199,9 @@ def test_an_outsider_writing_every_key_for_20_s_neither_stops_nor_steers_the_run
     and waited past), heart-beats it overwrites are not read as missing ones, and what the run's processes wrote is
     written back (control/kept.py). The run ends normally, with the uninterrupted run's digests."""
     port = free_port()
-    procs = after_steps(run_dir := tmp_path / "run", 1, port=port)
+    # (a heart-beat timeout of 15 s: the attacker's writes load both cores; what is tested is that its writes are
+    # never read as missing beats, which a peer's death would not be either way)
+    procs = after_steps(run_dir := tmp_path / "run", 1, "pipeline.peer_timeout_s=15", port=port)
     done = threading.Event()
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:

@@ -167,6 +167,40 @@ def test_kept_values_come_back_after_an_outsiders_overwrite_and_deleted_ones_sta
     assert transport.kept._values == {}  # nor kept any more
 
 
+class DeletedMeanwhile:
+    """A store client through which ``key`` is deleted by another process right after the first call about it: the
+    trainer forgetting a consumed handle of the rollout's while the rollout's heart-beat heals its kept values."""
+
+    def __init__(self, store, key: str, other) -> None:
+        self.store, self.key, self.other, self.deleted = store, key, other, False
+
+    def __getattr__(self, name):
+        method = getattr(self.store, name)
+
+        def call(*args, **kwargs):
+            out = method(*args, **kwargs)
+            if not self.deleted and self.key in repr(args):
+                self.deleted = True
+                self.other.delete_key(self.key)
+            return out
+
+        return call
+
+
+@pytest.mark.timeout(60)
+def test_a_kept_key_deleted_by_its_reader_during_a_heal_never_makes_the_heal_wait(transport):
+    """TCPStore's get waits for a missing key: a heal that read a key another process deleted since its check would
+    wait out the store's deadline and call the store host frozen (a run of the pipeline bench stopped so). Every read
+    of a heal answers at once, and the key is dropped."""
+    handle_key = transport.key("step=0", "handle", "seq=0")
+    transport.publish(make_group(), seq=0, inline_max_bytes=1 << 20)
+    transport.store.deadline_s = 2.0
+    transport.kept.heal(DeletedMeanwhile(transport.store, handle_key, client(transport).store))
+    transport.kept.heal(transport.store)
+    assert not transport.has(handle_key) and handle_key not in transport.kept._values
+    assert transport.read_record(transport.key("never", "written")) is None  # (one call, no wait either)
+
+
 def watched_peer(host: Transport, *, heartbeat_s: float, peer_timeout_s: float) -> tuple[Liveness, Transport]:
     """Trainer rank 1 heart-beating, and rollout rank 0 watching it (seen alive once, before the test's events)."""
     beats = Liveness(client(host), role="trainer", rank=1, peers=[], heartbeat_s=heartbeat_s,
