@@ -89,3 +89,25 @@ def test_preflight_warns_when_a_node_exceeds_its_mem_gb_and_never_without_one(ca
         lines = warn_memory(tiny)
     assert [line for line in lines if "launcher.trainer.mem_gb=0.5" in line]
     assert any(r.getMessage().startswith("host memory plan") for r in caplog.records)
+
+
+def test_distributed_weight_sync_holds_two_buckets_on_the_gpu_to_gpu_engines_and_on_the_host_to_cpu_ones():
+    """Trainer rank 0 packs each bucket into one of two flat send buffers (control/weights/distributed.py): on its GPU
+    when the engines are SGLang on GPUs (NCCL), in host memory when they are CPU servers (gloo); none with disk sync."""
+    from rolloutpipe.config import WeightSync
+    from rolloutpipe.launch.memory_plan import trainer_estimate
+
+    def gpu_terms(cfg) -> dict[str, int]:
+        return {t.name: t.num_bytes for t in trainer_estimate(cfg, QWEN3_8B, capacity_bytes=0).terms}
+
+    nccl = math_8b()  # pipeline.weight_sync null: the broadcast, to its SGLang engines
+    assert nccl.pipeline.weight_sync is WeightSync.distributed
+    assert gpu_terms(nccl)["weight-sync buffers"] == 2 * nccl.weight_sync().bucket_bytes
+    assert "weight-sync buffers" not in terms(trainer_processes(nccl, QWEN3_8B, rank_0=True))
+    gloo = load_config({"rollout": {"engine": "embedded_http"}, "pipeline": {"weight_sync": "distributed"}})
+    assert terms(trainer_processes(gloo, QWEN3_8B, rank_0=True))["weight-sync buffers"] == \
+        2 * gloo.weight_sync().bucket_bytes
+    assert "weight-sync buffers" not in gpu_terms(gloo)
+    disk = math_8b("pipeline.weight_sync=disk")
+    assert "weight-sync buffers" not in gpu_terms(disk)
+    assert "weight-sync buffers" not in terms(trainer_processes(disk, QWEN3_8B, rank_0=True))
