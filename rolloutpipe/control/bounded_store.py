@@ -35,6 +35,16 @@ ABSENT = b"\0rolloutpipe: no such key\0"
 the key read as missing, which a reader already handles as a forged or deleted value)."""
 
 
+def read_now(raw: dist.TCPStore, key: str) -> bytes | None:
+    """``key``'s value, or None where it has none, in one round trip that never waits. TCPStore's ``get`` waits for a
+    missing key (to its timeout: here, the deadline, read as a frozen host), and another process may delete a key
+    between a ``check`` and a ``get`` (the trainer forgets the rollout's consumed handles; an outsider deletes
+    anything). A ``compare_set`` expecting ``ABSENT`` changes nothing and answers the key's value, or ``ABSENT`` where
+    the key is missing."""
+    value = raw.compare_set(key, ABSENT, ABSENT)
+    return None if value == ABSENT else value
+
+
 class StoreUnresponsive(RuntimeError):
     """The store's host did not answer a call within its deadline. transport.py turns it into PeerGone."""
 
@@ -105,12 +115,8 @@ class BoundedStore:
         return self.call("get", key)
 
     def get_now(self, key: str) -> bytes | None:
-        """``key``'s value, or None where it has none, in one call that never waits. TCPStore's ``get`` waits for a
-        missing key (to its timeout: here, the deadline, read as a frozen host), and another process may delete a key
-        between a ``check`` and a ``get`` (the trainer forgets the rollout's consumed handles). A ``compare_set``
-        expecting ``ABSENT`` changes nothing and answers the key's value, or ``ABSENT`` where the key is missing."""
-        value = self.call("compare_set", key, ABSENT, ABSENT)
-        return None if value == ABSENT else value
+        """``key``'s value, or None where it has none, without waiting for it (``read_now``)."""
+        return self.run(lambda raw: read_now(raw, key), what="a read", within_s=self.deadline_s)
 
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         """``desired`` if ``key`` held ``expected``; else the key's value, unchanged (``expected`` if it is missing)."""

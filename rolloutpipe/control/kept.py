@@ -54,6 +54,6 @@ class Kept:
             healed += 1
         if healed:
             self.num_healed += healed
-            log.warning("wrote back %d store value(s) that a process without this run's secret overwrote or "
-                        "deleted (%d so far)", healed, self.num_healed)
+            log.warning("wrote back %d store value(s) that a process without this run's secret overwrote (%d so far)",
+                        healed, self.num_healed)
         return healed

@@ -21,8 +21,9 @@ class Liveness:
     seen (``aborted``), which is what the store host waits for before it stops hosting the store (``wait_seen``),
     and this process keeps the abort as its cause: a store that goes away after it is its consequence, not a lost
     node (``aborted``: control/transport.py reads it). Waits for nothing else; stops when ``stop()`` is called (which
-    joins it) or when the store goes away (then ``check`` reports the store as lost). Counts, not timestamps, so clocks of
-    different nodes never need to agree; a count only counts when it is sealed and larger than the last one seen.
+    joins it) or when the store goes away (then ``check`` reports the store as lost). Counts, not timestamps, so
+    clocks of different nodes never need to agree; a count only counts when it is sealed and larger than the last one
+    seen.
     Any other change of a peer's key (an outsider's garbage, a replayed older beat) is refused, and is not read as a
     missing beat either: a dead peer's key holds its last beat unchanged. So an outsider cannot make a live peer look
     dead (only one that rewrote the peer's latest beat over each newer one, faster than it is read, could), and can
@@ -85,7 +86,7 @@ class Liveness:
         key = self._key(self.me)
         sealed = self._beat_client.seal(key, {"count": self._count, "aborted": True})
         try:
-            self._beat_client.store.run(lambda raw: raw.set(key, sealed), what="the last heart-beat", within_s=ABORT_S)
+            self._beat_client.store.call("set", key, sealed, deadline_s=ABORT_S)
         except (RuntimeError, TransportError):
             pass  # the store is gone or frozen: nobody waits on this beat then
 

@@ -51,7 +51,7 @@ from typing import Protocol, TypeVar
 
 import torch.distributed as dist
 
-from rolloutpipe.control.bounded_store import BoundedStore, StoreUnresponsive
+from rolloutpipe.control.bounded_store import BoundedStore, StoreUnresponsive, read_now
 from rolloutpipe.control.codec import decode_group, encode_group
 from rolloutpipe.control.env import listen_socket
 from rolloutpipe.control.kept import Kept
@@ -253,9 +253,9 @@ class Transport:
         key = self.key("abort")
 
         def write(raw) -> None:
-            if raw.check([key]):
+            if (current := read_now(raw, key)) is not None:
                 try:
-                    self.unseal(key, raw.get(key))
+                    self.unseal(key, current)
                     return  # a genuine reason is there first
                 except Forged:
                     pass

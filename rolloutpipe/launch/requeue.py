@@ -149,13 +149,12 @@ def requeue_settings(config_yaml: Path) -> tuple[int, int]:
 
 
 def requeueable(cfg) -> str | None:
-    """Why this run cannot be requeued (resumed from a checkpoint), or None."""
-    from rolloutpipe.config import PipelineMode
-
-    if cfg.pipeline.mode is PipelineMode.async_one_step:
-        return "pipeline.mode=async_one_step cannot resume from a checkpoint yet"
-    if cfg.trainer.megatron.tensor_parallel_size > 1:
-        return "trainer.megatron.tensor_parallel_size > 1 cannot resume from a checkpoint yet"
+    """Why this run cannot be requeued (resumed from a checkpoint), or None: what ``Config.check_resumable`` refuses,
+    which every requeued attempt checks too (pipeline.run_node)."""
+    try:
+        cfg.check_resumable()
+    except ValueError as err:
+        return str(err)
     return None
 
 

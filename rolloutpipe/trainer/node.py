@@ -215,16 +215,17 @@ class TrainerNode:
         ago = record.get("warned_s_ago")  # (the grace period counts from Slurm's warning, not from this read)
         ago = min(max(float(ago), 0.0), grace) if isinstance(ago, int | float) and math.isfinite(ago) else 0.0
         self._requeue_requested_s = signalled = time.monotonic() - ago
+        ends_within_s = grace - 2 * requeue_margin_s(grace)  # of the warning: else the step is dropped
         written = self.write_checkpoint()  # (sharded: complete only once the other ranks stop or end the step)
         kept = f"step {written}'s checkpoint is written" if written is not None else (
             f"the last finished step ({self.restore.on_disk}) is on disk" if self.restore.on_disk >= 0
             else "no step has finished yet" if self.restore.step is None
             else f"step {self.restore.step}'s checkpoint waits for the other ranks' shards")
         print(f"[trainer rank 0] Slurm warned of the time limit {ago:.0f}s before it read the record: {kept}; stopping "
-              f"after the step in progress and its checkpoint if it ends within {grace - 2 * requeue_margin_s(grace):.0f}s"
-              f" of the warning (launcher.requeue_grace_s={grace:g} less two margins), else dropping it",
+              f"after the step in progress and its checkpoint if it ends within {ends_within_s:.0f}s of the warning "
+              f"(launcher.requeue_grace_s={grace:g} less two margins), else dropping it",
               file=sys.stderr, flush=True)
-        while time.monotonic() < signalled + grace - 2 * requeue_margin_s(grace):
+        while time.monotonic() < signalled + ends_within_s:
             if self._stopping or self._closing.wait(0.5):  # the stop at a checkpoint is under way
                 return
         resume = (f"step {self.restore.on_disk}'s checkpoint" if self.restore.on_disk >= 0

@@ -96,9 +96,10 @@ def write_weights(path: Path, buckets: list[Bucket], tensors: Iterator[dict[str,
                 data = tensor_bytes(state[name])
                 hashing.append((name, pool.submit(tensor_hash, data)))
                 f.write(data)
-            for name, hashed in hashing:
-                mac.update(hashed.result())
-                digest.add(name, state[name], hashed.result())
+            for name, hashing_it in hashing:
+                hashed = hashing_it.result()
+                mac.update(hashed)
+                digest.add(name, state[name], hashed)
     tmp.rename(path)
     return Written(size=path.stat().st_size, mac=mac.hexdigest(), weights_digest=digest.hexdigest())
 
@@ -123,8 +124,7 @@ def safetensors_header(buckets: list[Bucket]) -> bytes:
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for bucket in buckets:
-        for name, dtype, shape in zip(bucket.names, bucket.dtypes, bucket.shapes, strict=True):
-            size = torch.Size(shape).numel() * getattr(torch, dtype).itemsize
+        for name, dtype, shape, size in zip(bucket.names, bucket.dtypes, bucket.shapes, bucket.sizes, strict=True):
             header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
                             "data_offsets": [offset, offset + size]}
             offset += size
