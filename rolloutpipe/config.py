@@ -28,6 +28,8 @@ from rolloutpipe.model import ModelConfig
 from rolloutpipe.observe.tracking import WandbConfig
 from rolloutpipe.rollout.config import EngineKind, EngineSetup, RolloutConfig
 from rolloutpipe.rollout.data import DataConfig
+from rolloutpipe.rollout.environments.base import ADAPTERS, BUILT_IN, missing_extra
+from rolloutpipe.rollout.environments.config import EnvironmentConfig
 from rolloutpipe.rollout.evaluation import EvalConfig
 from rolloutpipe.rollout.rewards import RewardConfig
 from rolloutpipe.trainer.config import GRPOConfig, TrainerConfig
@@ -71,6 +73,8 @@ class Config:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    """Multi-turn episodes (rollout/environments/): null name, one response per sample."""
 
     def check_resumable(self) -> None:
         """Refuse a resume this config cannot make exactly: at launch with run.resume=auto, and in every requeued
@@ -165,6 +169,8 @@ class Config:
                 "under policy k, so there is no tail to draft in. Use pipeline.mode=cgp (or sync), or drop "
                 "rollout.speculative."
             )
+        if self.environment.name is not None:
+            self._check_environment()
         initial = self.rollout_batch_size + self.rollout.over_sampling_groups
         if self.rollout.max_groups_per_step is not None and self.rollout.max_groups_per_step < initial:
             raise ValueError(
@@ -187,6 +193,23 @@ class Config:
                 f"rollout.num_engines={self.rollout.num_engines} exceeds rollout_batch_size={self.rollout_batch_size}; "
                 "engines would idle."
             )
+
+    def _check_environment(self) -> None:
+        """What an environment run cannot do yet, or needs, said before any process starts."""
+        name = self.environment.name
+        if (error := missing_extra(name)) is not None:
+            raise ValueError(error)
+        if name not in BUILT_IN and name not in ADAPTERS and not self.environment.import_modules:
+            raise ValueError(f"environment.name={name} is not one of ours ({sorted({*BUILT_IN, *ADAPTERS})}); list the "
+                             "module that registers it (@register_environment) in environment.import_modules.")
+        if self.rollout.speculative:
+            raise ValueError("rollout.speculative=true with an environment (environment.name): a draft is one "
+                             "response, not an episode whose turns depend on the environment's replies; set "
+                             "rollout.speculative=false.")
+        if self.eval.interval > 0 and self.eval.sets:
+            raise ValueError("evaluation (eval.sets) scores single responses with reward functions, and this run's "
+                             f"samples are episodes of environment {name!r}: evaluating episodes is not built yet. "
+                             "Set eval.interval=0 (or eval.sets=[]).")
 
     def engine_setup(self) -> EngineSetup:
         """What the engine parts read (rollout/engines/factory.py, rollout/engines/hosts.py)."""

@@ -86,7 +86,7 @@ def rollout_step(node: RolloutNode, step: int, version: int, weight_load_s: floa
     )
     assembler = GroupAssembler(step=step, policy_version=version, prompts=schedule.prompts,
                                n_samples=cfg.n_samples_per_prompt, normalize_std=cfg.grpo.normalize_advantage_std)
-    node.rewards.begin_step(assembler, node.in_flight, on_group=node.events.put)
+    node.rewards.begin_step(assembler, node.in_flight, on_group=node.events.put, on_turn=node.next_turn)
     evaluating = node.evaluation.due(step)
     if evaluating and cfg.eval.mode is EvalMode.phase:  # Slime's way: the eval set alone, before the rollout
         node.evaluate(step, version, rollout_end_s=None)

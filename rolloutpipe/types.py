@@ -17,6 +17,11 @@ def sample_id(step: int, group: int, sample: int) -> str:
     return f"step={step}/group={group}/sample={sample}"
 
 
+def turn_id(step: int, group: int, sample: int, turn: int) -> str:
+    """A multi-turn episode's turn ``turn``'s request; turn 0's is its sample's id."""
+    return sample_id(step, group, sample) + (f"/turn={turn}" if turn else "")
+
+
 def group_id(step: int, group: int) -> str:
     return f"step={step}/group={group}"
 
@@ -85,9 +90,27 @@ class GenerationResult:
     """Leading output tokens that came from the request's draft, verified (GenerationRequest.draft_ids)."""
 
 
+class EpisodeEnd(enum.Enum):
+    """Why a multi-turn episode ended (rollout/environments/); a single response is ``done``."""
+
+    done = "done"
+    """The environment said so (or, without one, the response ended)."""
+    max_turns = "max_turns"
+    """``environment.max_turns`` model turns were taken."""
+    length = "length"
+    """The episode's token budget (``rollout_max_response_len`` after the prompt) ran out in a model turn."""
+    overflow = "overflow"
+    """The environment's reply did not fit what is left of the budget: the episode ends before it, untrained
+    tokens never appended."""
+    env_error = "env_error"
+    """The environment raised, returned something that is not text, or its worker died: reward 0."""
+    env_timeout = "env_timeout"
+    """An environment call ran past ``environment.timeout_s``: reward 0, a timeout for ``reward.on_timeout``."""
+
+
 @dataclass(kw_only=True, slots=True)
 class Sample:
-    """One completion with its reward."""
+    """One completion with its reward, or one multi-turn episode (its turns back to back in ``response_ids``)."""
 
     group: int
     index: int
@@ -105,6 +128,12 @@ class Sample:
     """Why the reward function failed (exception or timeout); the reward is then 0."""
     reward_timed_out: bool = False
     """The reward call ran past ``reward.timeout_s``; with ``reward.on_timeout=drop_group`` its group is dropped."""
+    response_mask: list[int] | None = None
+    """An episode's: 1 where ``response_ids`` holds a token the model sampled (trained), 0 where the environment's
+    turn put it (not trained; its ``logprobs`` entry is 0.0). None: every token is the model's."""
+    num_turns: int = 1
+    """Model turns (engine requests) that made it."""
+    episode_end: EpisodeEnd = EpisodeEnd.done
 
 
 @dataclass(kw_only=True, slots=True)

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from rolloutpipe.types import CompleteGroup, FinishReason, Sample
+from rolloutpipe.types import CompleteGroup, EpisodeEnd, FinishReason, Sample
 
 
 def encode_group(group: CompleteGroup) -> bytes:
@@ -26,6 +26,9 @@ def encode_group(group: CompleteGroup) -> bytes:
         "policy_versions": torch.tensor([s.policy_version for s in samples], dtype=torch.int64),
         "advantages": torch.tensor(group.advantages, dtype=torch.float64),
     }
+    if any(s.response_mask is not None for s in samples):  # episodes: which tokens the model sampled
+        tensors["response_mask"] = torch.tensor(
+            [m for s in samples for m in (s.response_mask or [1] * len(s.response_ids))], dtype=torch.int8)
     header = {
         "step": group.step,
         "group": group.group,
@@ -35,7 +38,7 @@ def encode_group(group: CompleteGroup) -> bytes:
         "completed_s": group.completed_s,
         "samples": [
             {"text": s.response_text, "finish_reason": s.finish_reason.value, "reward_error": s.reward_error,
-             "reward_timed_out": s.reward_timed_out}
+             "reward_timed_out": s.reward_timed_out, "num_turns": s.num_turns, "episode_end": s.episode_end.value}
             for s in samples
         ],
     }
@@ -48,6 +51,7 @@ def decode_group(payload: bytes) -> CompleteGroup:
     lens = tensors["response_lens"].tolist()
     ids = tensors["response_ids"].split(lens)
     logprobs = tensors["logprobs"].split(lens)
+    masks = tensors["response_mask"].split(lens) if "response_mask" in tensors else None
     rewards = tensors["rewards"].tolist()
     versions = tensors["policy_versions"].tolist()
     samples = [
@@ -62,6 +66,9 @@ def decode_group(payload: bytes) -> CompleteGroup:
             policy_version=versions[i],
             reward_error=meta["reward_error"],
             reward_timed_out=meta["reward_timed_out"],
+            response_mask=None if masks is None else masks[i].tolist(),
+            num_turns=meta["num_turns"],
+            episode_end=EpisodeEnd(meta["episode_end"]),
         )
         for i, meta in enumerate(header["samples"])
     ]

@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rolloutpipe.control.clock import ClockSync
-from rolloutpipe.types import CompleteGroup, FinishReason, Span
+from rolloutpipe.types import CompleteGroup, EpisodeEnd, FinishReason, Span
 
 SPAN_FLUSH = "spans/flush"
 """The span each flush records of itself; its ``record_s`` attribute is the time spent in ``add`` since the
@@ -226,6 +226,12 @@ class RolloutStats:
     """rollout.speculative: tokens drafted for this step's requests in the previous step's tail, and how many of
     them verification kept (every kept one is a token the step's policy samples there: rollout/drafts.py)."""
     num_draft_tokens_kept: int = 0
+    num_episodes: int = 0
+    """Multi-turn episodes (rollout/environments/) among the samples; 0 without an environment."""
+    num_turns: int = 0
+    """Their model turns, all together."""
+    episode_ends: dict[str, int] = field(default_factory=dict)
+    """How many ended each way (types.EpisodeEnd's values, every one listed)."""
 
     @classmethod
     def of(cls, *, step: int, policy_version: int, start_s: float, last_group_s: float, weight_load_s: float,
@@ -236,6 +242,8 @@ class RolloutStats:
         rewards = [s.reward for s in samples]
         lengths = [len(s.response_ids) for s in samples]
         mean = math.fsum(rewards) / len(rewards)  # statistics.pstdev is exact and ~50x slower
+        episodes = [s for s in samples if s.response_mask is not None]
+        ends = [s.episode_end.value for s in episodes]
         return cls(
             step=step, policy_version=policy_version, start_s=start_s,
             first_group_s=min(g.completed_s for g in selected), last_group_s=last_group_s,
@@ -248,6 +256,8 @@ class RolloutStats:
             reward_mean=mean, reward_std=math.sqrt(math.fsum([(r - mean) ** 2 for r in rewards]) / len(rewards)),
             response_len_mean=sum(lengths) / len(lengths),
             policy_lag=max([step - s.policy_version for g in selected for s in g.samples]),
+            num_episodes=len(episodes), num_turns=sum([s.num_turns for s in episodes]),
+            episode_ends={end.value: ends.count(end.value) for end in EpisodeEnd} if episodes else {},
         )
 
 
@@ -327,6 +337,8 @@ def reduce_step(rollout: RolloutStats, train: TrainStats, *, mean_compute_s: flo
         "rollout/num_engine_hosts": rollout.num_engine_hosts,
         "rollout/num_draft_tokens": rollout.num_draft_tokens,
         "rollout/draft_kept_ratio": rollout.num_draft_tokens_kept / max(rollout.num_draft_tokens, 1),
+        **({"rollout/turns_mean": rollout.num_turns / rollout.num_episodes} if rollout.num_episodes else {}),
+        **{f"rollout/episodes_{end}": n for end, n in rollout.episode_ends.items()},
         "train/loss": sum(train.losses) / max(len(train.losses), 1),
         "train/grad_norm": sum(train.grad_norms) / max(len(train.grad_norms), 1),
         "train/clip_fraction": train.clip_fraction,

@@ -7,6 +7,8 @@
     groups.py      rewarded samples -> complete groups;  advantages.py  GRPO advantages of one group
     samples.py     requests (seeded by their ids) and the reward threads that turn results into samples
     rewards.py     reward functions and the worker pool that runs them with a timeout
+    workers.py     a worker process answering JSON calls with a timeout (rewards' and environments')
+    environments/  multi-turn episodes: the Environment Protocol, its workers, our own and adapters
     answers.py     reading the final answer out of a response (math and gpqa): after the thinking, linear
     dispatcher.py  the CGP dispatcher thread: complete groups -> signed handles in the store
     data.py        prompt rows (jsonl/parquet) and the prompt source;  tasks.py  the synthetic task

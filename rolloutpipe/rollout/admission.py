@@ -197,10 +197,21 @@ class Admission:
         """Slots of the engines in service."""
         self._submitted: dict[int, dict[Hashable, Request]] = {}
         self._aborted: set[Hashable] = set()
+        self._aborted_groups: set[int] = set()
         self._lock = threading.Lock()
 
     def add_group(self, group: int, requests: Sequence[Request]) -> None:
         self.policy.add_group(self, group, requests)
+
+    def add_turn(self, group: int, request: Request) -> bool:
+        """An episode of ``group`` asks for its next model turn (multi-turn environments): it goes in line as a
+        request taken off a failed engine does (``Policy.retry``), so under FGD its group's place in line is its
+        priority and the frontier's turns go first. Returns False when the group was aborted (the step no longer
+        needs it): the episode ends there."""
+        if group in self._aborted_groups:
+            return False
+        self.policy.retry(self, [(group, request)])
+        return True
 
     def pump(self, frontier: Callable[[], list[int]]) -> None:
         """Fill free engine slots with held requests (FGD: frontier groups first, a whole group at a time).
@@ -229,6 +240,7 @@ class Admission:
     def abort_groups(self, groups: list[int]) -> int:
         """Drop held requests and abort submitted ones of ``groups``; returns how many were aborted."""
         num_aborted = self.policy.drop(groups)
+        self._aborted_groups.update(groups)
         for group in groups:
             for request_id in self._submitted.get(group, {}):
                 with self._lock:

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from rolloutpipe.rollout.tasks import ReversalTaskConfig, write_reversal_jsonl
 from rolloutpipe.types import Prompt
@@ -81,17 +82,27 @@ def prepare_data_path(cfg: DataConfig, run_dir: Path) -> Path:
     return write_reversal_jsonl(cfg.task, run_dir / SYNTHETIC_DATA_FILE)
 
 
-def load_prompts(cfg: DataConfig, tokenizer, data_path: Path) -> list[Prompt]:
-    """Read, validate and tokenize every row of ``data_path``; raises DatasetError on the first bad row."""
-    prompts = []
+Openings = Callable[[list[tuple[Any, dict[str, Any]]], Callable[[int], str]], list[list[dict[str, str]]]]
+"""A multi-turn environment's opening messages for each row's (label, metadata), given where row i is for its error
+(rollout/environments/pool.py ``EnvPool.openings``)."""
+
+
+def load_prompts(cfg: DataConfig, tokenizer, data_path: Path, openings: Openings | None = None) -> list[Prompt]:
+    """Read, validate and tokenize every row of ``data_path``; raises DatasetError on the first bad row. With
+    ``openings`` (an environment), each row's opening messages follow its prompt, through the chat template."""
+    rows = []
     for line, row in _read_rows(data_path):
         if isinstance(row, dict) and data_path.suffix == ".parquet":
             for key in (cfg.prompt_key, cfg.label_key, cfg.metadata_key):
                 _check_json_data(data_path, line, key, row.get(key))
-        prompts.append(_prompt_from_row(cfg, tokenizer, data_path, line, row))
-    if not prompts:
+        rows.append((line, *_parse_row(cfg, data_path, line, row)))
+    if not rows:
         raise DatasetError(data_path, None, "the file has no rows", "Point data.path at a non-empty data set.")
-    return prompts
+    opened = (openings([(label, metadata) for _, _, label, metadata in rows],
+                       lambda i: f"the row at {data_path}:{rows[i][0]}")
+              if openings is not None else [[]] * len(rows))
+    return [_prompt(cfg, tokenizer, data_path, line, prompt, label, metadata, opening)
+            for (line, prompt, label, metadata), opening in zip(rows, opened, strict=True)]
 
 
 def _read_rows(path: Path) -> Iterator[tuple[int, Any]]:
@@ -163,7 +174,8 @@ def _check_json_data(path: Path, line: int, where: str, value: Any) -> None:
     )
 
 
-def _prompt_from_row(cfg: DataConfig, tokenizer, path: Path, line: int, row: Any) -> Prompt:
+def _parse_row(cfg: DataConfig, path: Path, line: int, row: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """A row's (prompt, label, metadata), checked."""
     if not isinstance(row, dict):
         raise DatasetError(path, line, f"expected a JSON object, got {_json_type(row)}", "Write each row as {...}.")
     if cfg.prompt_key not in row:
@@ -186,7 +198,16 @@ def _prompt_from_row(cfg: DataConfig, tokenizer, path: Path, line: int, row: Any
             path, line, f"{cfg.metadata_key!r} must be a JSON object, got {_json_type(metadata)}",
             "Write it as {...} or leave it out.",
         )
+    return prompt, row[cfg.label_key], metadata
 
+
+def _prompt(cfg: DataConfig, tokenizer, path: Path, line: int, prompt: Any, label: Any, metadata: dict[str, Any],
+            opening: list[dict[str, str]]) -> Prompt:
+    if opening and not (isinstance(prompt, list) or cfg.apply_chat_template):
+        raise DatasetError(
+            path, line, "the environment opens this row's conversation with messages, which need the chat template",
+            "Set data.apply_chat_template=true (or write the prompt as a list of messages).",
+        )
     if isinstance(prompt, list) or cfg.apply_chat_template:
         if tokenizer.chat_template is None:
             raise DatasetError(
@@ -196,7 +217,7 @@ def _prompt_from_row(cfg: DataConfig, tokenizer, path: Path, line: int, row: Any
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         if cfg.system_prompt is not None and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template([*messages, *opening], add_generation_prompt=True, tokenize=False)
     else:
         text = prompt
     try:
@@ -211,7 +232,7 @@ def _prompt_from_row(cfg: DataConfig, tokenizer, path: Path, line: int, row: Any
             path, line, f"the prompt is {len(input_ids)} tokens, more than data.max_prompt_len={cfg.max_prompt_len}",
             "Raise data.max_prompt_len or shorten the prompt.",
         )
-    return Prompt(index=line - 1, text=text, input_ids=input_ids, label=row[cfg.label_key], metadata=metadata)
+    return Prompt(index=line - 1, text=text, input_ids=input_ids, label=label, metadata=metadata)
 
 
 def _check_prompt(path: Path, line: int, key: str, prompt: Any) -> None:

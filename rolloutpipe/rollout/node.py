@@ -28,7 +28,7 @@ import json
 import queue
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 from rolloutpipe.config import Config, ConfigError, ResumeMode
 from rolloutpipe.control.attempt import Outcome, read_outcome, write_outcome
@@ -46,13 +46,23 @@ from rolloutpipe.rollout.dispatcher import Dispatcher
 from rolloutpipe.rollout.drafts import Drafts
 from rolloutpipe.rollout.engines.factory import EngineFactory
 from rolloutpipe.rollout.engines.supervisor import EngineSupervisor
+from rolloutpipe.rollout.environments.episodes import Episode, EpisodeRunner
+from rolloutpipe.rollout.environments.pool import EnvPool
 from rolloutpipe.rollout.evaluation import Evaluation
 from rolloutpipe.rollout.rewards import RewardPool
-from rolloutpipe.rollout.samples import InFlight, RewardThreads, make_requests
-from rolloutpipe.types import GenerationRequest, Prompt
+from rolloutpipe.rollout.samples import InFlight, RewardThreads, make_requests, sampling_seed
+from rolloutpipe.types import GenerationRequest, Prompt, turn_id
 
 POLL_S = 0.5
 """How often the rollout loop checks the engines, threads and peers while it waits."""
+
+
+@dataclass(frozen=True, slots=True)
+class NextTurn:
+    """An episode's next model turn, from a reward thread to the rollout loop (which alone drives admission)."""
+
+    group: int
+    request: GenerationRequest
 
 
 class RolloutNode:
@@ -64,7 +74,10 @@ class RolloutNode:
                                   path=env.run_dir / "spans" / f"rollout-{env.rank}.jsonl",
                                   clock=sync_clock(transport))
         self.tokenizer = load_tokenizer(cfg.model)
-        prompts = load_prompts(cfg.data, self.tokenizer, prepare_data_path(cfg.data, env.run_dir))
+        self.environment = EnvPool(cfg.environment) if cfg.environment.name is not None else None
+        """Multi-turn episodes' environment workers (rollout/environments/); None: one response per sample."""
+        prompts = load_prompts(cfg.data, self.tokenizer, prepare_data_path(cfg.data, env.run_dir),
+                               openings=None if self.environment is None else self.environment.openings)
         check_context(cfg, prompts)  # before any engine starts: SGLang refuses longer requests (HTTP 400)
         self.source = PromptSource(prompts, seed=cfg.seed, shuffle=cfg.data.shuffle)
         self.resumed = latest_checkpoint(env.run_dir) if cfg.run.resume is ResumeMode.auto else None
@@ -72,8 +85,15 @@ class RolloutNode:
             self.source.load_state_dict(self.resumed.source_state)
         if cfg.run.resume is ResumeMode.auto:  # the step after the checkpoint is redone: its old spans go
             self.spans.resume_at(0 if self.resumed is None else self.resumed.step + 1)
-        self.rewards = RewardThreads(pool=RewardPool(cfg.reward), tokenizer=self.tokenizer,
-                                     num_threads=cfg.reward.num_workers, spans=self.spans)
+        episodes = None if self.environment is None else EpisodeRunner(
+            cfg=cfg.environment, pool=self.environment, tokenizer=self.tokenizer,
+            stop_token_ids=self._stop_token_ids(), max_response_len=cfg.rollout_max_response_len,
+            turn_request=self._turn_request, on_env_call=self._env_span)
+        # an episode's environment calls block a reward thread: twice the workers keep every worker busy
+        self.rewards = RewardThreads(pool=RewardPool(cfg.reward) if episodes is None else None,
+                                     tokenizer=self.tokenizer, spans=self.spans, episodes=episodes,
+                                     num_threads=cfg.reward.num_workers if episodes is None
+                                     else 2 * cfg.environment.num_workers)
         self.factory = factory = EngineFactory(cfg.engine_setup(), vocab_size=len(self.tokenizer),
                                                on_result=self.on_result, api_key=env.engine_api_key,
                                                transport=transport, run_dir=env.run_dir)
@@ -145,6 +165,13 @@ class RolloutNode:
     def requests_for(self, step: int, group: int, prompt: Prompt) -> list[GenerationRequest]:
         """Group ``group``'s requests, seeded by their ids, with their drafts (rollout.speculative); under FGD the
         group index is their priority."""
+        if self.rewards.episodes is not None:  # multi-turn: each sample's first turn; the rest follow its results
+            episodes = [Episode(prompt=prompt, step=step, group=group, sample=s)
+                        for s in range(self.cfg.n_samples_per_prompt)]
+            requests = [self.rewards.episodes.first_request(e) for e in episodes]
+            for e, r in zip(episodes, requests):
+                self.in_flight[r.request_id] = InFlight(prompt=prompt, group=group, sample=e.sample, episode=e)
+            return requests
         requests = self._make_requests(step, group, prompt)
         if self.drafts is not None:
             requests = [self.drafts.attach(r) for r in requests]
@@ -165,9 +192,31 @@ class RolloutNode:
         return make_requests(
             step=step, group=group, prompt=prompt, n_samples=cfg.n_samples_per_prompt, run_seed=cfg.seed,
             max_new_tokens=cfg.rollout_max_response_len, temperature=cfg.rollout_temperature,
-            top_p=cfg.rollout_top_p, stop_token_ids=[self.tokenizer.eos_token_id],
+            top_p=cfg.rollout_top_p, stop_token_ids=self._stop_token_ids(),
             priority=group if cfg.rollout.admission is AdmissionPolicy.fgd else 0,
         )
+
+    def _turn_request(self, episode: Episode, turn: int, input_ids: list[int], max_new_tokens: int
+                      ) -> GenerationRequest:
+        """Turn ``turn`` of an episode: seeded by its id, under FGD its group's priority (as its first turn)."""
+        cfg = self.cfg
+        return GenerationRequest(
+            request_id=turn_id(episode.step, episode.group, episode.sample, turn), input_ids=input_ids,
+            max_new_tokens=max_new_tokens, temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p,
+            sampling_seed=sampling_seed(cfg.seed, episode.step, episode.group, episode.sample, turn),
+            stop_token_ids=self._stop_token_ids(),
+            priority=episode.group if cfg.rollout.admission is AdmissionPolicy.fgd else 0)
+
+    def _stop_token_ids(self) -> list[int]:
+        return [self.tokenizer.eos_token_id]
+
+    def _env_span(self, episode: Episode, start_s: float, end_s: float, error: str | None) -> None:
+        self.spans.add("rollout/environment", step=episode.step, start_s=start_s, end_s=end_s, group=episode.group,
+                       sample=episode.sample, turn=len(episode.responses) - 1, error=error)
+
+    def next_turn(self, group: int, request: GenerationRequest) -> None:
+        """An episode's next turn (a reward thread): the rollout loop puts it in line (``next_event``)."""
+        self.events.put(NextTurn(group=group, request=request))
 
     def on_result(self, result) -> None:
         """Engine completion callback (engine thread): reward it, and wake the loop for a free slot."""
@@ -186,8 +235,13 @@ class RolloutNode:
         self.events.put(None)
 
     def next_event(self):
-        """The next complete group, None for a freed engine slot, or ``queue.Empty`` after POLL_S."""
-        return self.events.get(timeout=POLL_S)
+        """The next complete group, None for a freed engine slot (or an episode's next turn, now in line), or
+        ``queue.Empty`` after POLL_S."""
+        event = self.events.get(timeout=POLL_S)
+        if isinstance(event, NextTurn):
+            self.admission.add_turn(event.group, event.request)  # (False: its group was aborted; the episode ends)
+            return None
+        return event
 
     def drain(self, step: int) -> None:
         """After the step is full: wait for the aborted requests to come back and every group to be published."""
@@ -253,7 +307,9 @@ class RolloutNode:
             engine.shutdown()
         self.dispatcher.close()
         self.rewards.close()
-        self.rewards.pool.close()
+        for pool in (self.rewards.pool, self.environment):
+            if pool is not None:
+                pool.close()
         self.evaluation.close()
         self.spans.flush()
 

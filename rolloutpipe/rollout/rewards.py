@@ -39,16 +39,13 @@ import os
 import queue
 import signal
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from rolloutpipe.control.lifetime import die_with_parent
 from rolloutpipe.rollout.answers import chosen_letter, final_math_answer, label_math_text
 from rolloutpipe.rollout.tasks import reversal_reward
-
-WORKER_START_TIMEOUT_S = 60.0
-"""How long a worker may take to import its modules; a hang there is a bug in the user's module."""
+from rolloutpipe.rollout.workers import JsonWorker
 
 
 class RewardFn(Protocol):
@@ -281,7 +278,9 @@ class RewardPool:
     def __init__(self, cfg: RewardConfig) -> None:
         self._cfg = cfg
         context = multiprocessing.get_context("spawn")
-        workers = [_Worker(cfg, context) for _ in range(cfg.num_workers)]
+        workers = [JsonWorker(context, serve=_serve, args=(cfg.name, list(cfg.import_modules), cfg.timeout_s,
+                                                           os.getpid()), name="rolloutpipe-reward")
+                   for _ in range(cfg.num_workers)]
         try:
             for worker in workers:
                 worker.wait_ready()
@@ -292,7 +291,7 @@ class RewardPool:
                 f"reward workers could not start (reward.name={cfg.name!r}, "
                 f"reward.import_modules={list(cfg.import_modules)}): {err}"
             ) from None
-        self._idle: queue.Queue[_Worker] = queue.Queue()
+        self._idle: queue.Queue[JsonWorker] = queue.Queue()
         for worker in workers:
             self._idle.put(worker)
         self._closed = False
@@ -306,9 +305,12 @@ class RewardPool:
             return RewardOutcome(reward=0.0, error=f"the reward's inputs are not JSON data: {err}", elapsed_s=0.0)
         worker = self._idle.get()
         try:
-            return worker.call(request, self._cfg.timeout_s)
+            reply = worker.call(request, self._cfg.timeout_s, what="the reward worker")
         finally:
             self._idle.put(worker)
+        if reply.value is None:
+            return RewardOutcome(reward=0.0, error=reply.error, timed_out=reply.timed_out, elapsed_s=reply.elapsed_s)
+        return RewardOutcome(reward=reply.value["reward"], error=reply.value["error"], elapsed_s=reply.elapsed_s)
 
     def close(self) -> None:
         if self._closed:
@@ -322,77 +324,6 @@ class RewardPool:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-class _Worker:
-    """One worker process and the parent's end of its pipe; restarted in place when it dies or hangs."""
-
-    def __init__(self, cfg: RewardConfig, context) -> None:
-        self._cfg = cfg
-        self._context = context
-        self._start()
-
-    def _start(self) -> None:
-        self._conn, child_conn = self._context.Pipe()
-        self._process = self._context.Process(
-            target=_serve,
-            args=(child_conn, self._cfg.name, list(self._cfg.import_modules), self._cfg.timeout_s, os.getpid()),
-            name="rolloutpipe-reward",
-            daemon=True,
-        )
-        self._process.start()
-        child_conn.close()
-        self._ready = False
-
-    def wait_ready(self) -> None:
-        """Wait for the worker's imports; RuntimeError with the worker's reason if it cannot serve."""
-        if self._ready:
-            return
-        if not self._conn.poll(WORKER_START_TIMEOUT_S):
-            raise RuntimeError(f"a worker did not finish its imports within {WORKER_START_TIMEOUT_S:g} s")
-        try:
-            reply = json.loads(self._conn.recv_bytes())
-        except EOFError:
-            self._process.join(1.0)
-            raise RuntimeError(f"a worker exited during start-up (exit code {self._process.exitcode})") from None
-        if "error" in reply:
-            raise RuntimeError(reply["error"])
-        self._ready = True
-
-    def call(self, request: bytes, timeout_s: float) -> RewardOutcome:
-        start, timed_out = time.monotonic(), False
-        try:
-            if not self._process.is_alive():
-                self.kill()
-                self._start()
-            self.wait_ready()
-            start = time.monotonic()
-            self._conn.send_bytes(request)
-            if self._conn.poll(timeout_s):
-                reply = json.loads(self._conn.recv_bytes())
-                return RewardOutcome(reward=reply["reward"], error=reply["error"], elapsed_s=time.monotonic() - start)
-            error, timed_out = f"timeout after {timeout_s:g} s", True
-        except (EOFError, OSError):
-            self._process.join(1.0)
-            error = f"the reward worker died (exit code {self._process.exitcode})"
-        except Exception as err:  # score never raises: a broken worker costs one sample, not the run
-            error = f"the reward worker failed: {type(err).__name__}: {err}"
-        self.kill()
-        return RewardOutcome(reward=0.0, error=error, timed_out=timed_out, elapsed_s=time.monotonic() - start)
-
-    def kill(self) -> None:
-        """Stop the process now; the next ``call`` starts a new one."""
-        self._process.kill()
-        self._process.join()
-        self._conn.close()
-
-    def stop(self) -> None:
-        """Let the process exit on end-of-pipe; kill it if it does not."""
-        self._conn.close()
-        self._process.join(1.0)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join()
 
 
 def _serve(conn, name: str, import_modules: list[str], timeout_s: float, parent_pid: int) -> None:

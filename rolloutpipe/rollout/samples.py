@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rolloutpipe.observe.metrics import SpanRecorder
+from rolloutpipe.rollout.environments.episodes import Episode, EpisodeRunner
 from rolloutpipe.rollout.groups import GroupAssembler
 from rolloutpipe.rollout.rewards import RewardPool
 from rolloutpipe.types import (
@@ -36,12 +37,14 @@ from rolloutpipe.types import (
     Prompt,
     Sample,
     sample_id,
+    turn_id,
 )
 
 
-def sampling_seed(run_seed: int, step: int, group: int, sample: int) -> int:
-    """The seed of one sample's random stream: a function of its id only, never of timing or batch-mates."""
-    digest = hashlib.sha256(f"{run_seed}/{sample_id(step, group, sample)}".encode()).digest()
+def sampling_seed(run_seed: int, step: int, group: int, sample: int, turn: int = 0) -> int:
+    """The seed of one sample's random stream (of an episode's turn ``turn``): a function of its id only, never of
+    timing or batch-mates."""
+    digest = hashlib.sha256(f"{run_seed}/{turn_id(step, group, sample, turn)}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
@@ -52,13 +55,19 @@ class InFlight:
     prompt: Prompt
     group: int
     sample: int
+    episode: Episode | None = None
+    """A multi-turn episode's state (rollout/environments/episodes.py); None: one response."""
 
 
 class RewardThreads:
     """Turns finished generations into rewarded samples and complete groups (see module docstring)."""
 
-    def __init__(self, *, pool: RewardPool, tokenizer, num_threads: int, spans: SpanRecorder) -> None:
+    def __init__(self, *, pool: RewardPool | None, tokenizer, num_threads: int, spans: SpanRecorder,
+                 episodes: EpisodeRunner | None = None) -> None:
         self.pool = pool
+        """Scores single responses (None with an environment: an episode's reward is the environment's)."""
+        self.episodes = episodes
+        """Advances multi-turn episodes (environment.name); None: one response per sample."""
         self.tokenizer = tokenizer
         self.spans = spans
         self.error: BaseException | None = None
@@ -68,6 +77,7 @@ class RewardThreads:
         self.host_of: Callable[[str], str | None] = lambda engine: None
         """The host an engine runs on, for its request spans (several rollout nodes); None: one node."""
         self._on_group = None
+        self._on_turn = None
         self._outstanding = 0
         self._count_lock = threading.Lock()
         self._closing = False
@@ -78,10 +88,12 @@ class RewardThreads:
         for t in self._threads:
             t.start()
 
-    def begin_step(self, assembler: GroupAssembler, in_flight: dict[str, InFlight], on_group) -> None:
+    def begin_step(self, assembler: GroupAssembler, in_flight: dict[str, InFlight], on_group, on_turn=None) -> None:
+        """``on_group(group)`` takes each complete group; ``on_turn(group, request)`` an episode's next turn."""
         self._assembler = assembler
         self.in_flight = in_flight
         self._on_group = on_group
+        self._on_turn = on_turn
 
     def on_result(self, result: GenerationResult) -> None:
         """The engines' completion callback: never blocks an engine thread."""
@@ -120,11 +132,27 @@ class RewardThreads:
         self.spans.add(
             "rollout/request", step=step, start_s=result.started_s, end_s=result.finished_s, engine=result.engine,
             group=ctx.group, sample=ctx.sample, num_tokens=len(result.output_ids),
+            **({"turn": len(ctx.episode.responses)} if ctx.episode is not None else {}),
             queued_s=result.started_s - result.submitted_s, aborted=result.finish_reason is FinishReason.ABORT,
             policy_version=result.policy_version, **({"host": host} if (host := self.host_of(result.engine)) else {}),
         )
         if result.finish_reason is FinishReason.ABORT:  # over-sampling's leftovers: never rewarded or trained
             return
+        if ctx.episode is not None:
+            sample = self.episodes.on_turn(ctx.episode, result)
+            if isinstance(sample, GenerationRequest):  # the episode goes on: its next turn goes in line
+                self.in_flight[sample.request_id] = ctx
+                self._on_turn(ctx.group, sample)
+                return
+        else:
+            sample = self._score(result, ctx, step)
+        group = self._assembler.add(sample)
+        if group is not None:
+            self.spans.add("rollout/group_complete", step=step, start_s=group.completed_s,
+                           end_s=group.completed_s, group=group.group)
+            self._on_group(group)
+
+    def _score(self, result: GenerationResult, ctx: InFlight, step: int) -> Sample:
         text = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
         start = time.time()
         outcome = self.pool.score(text, ctx.prompt.label, ctx.prompt.metadata)
@@ -144,11 +172,7 @@ class RewardThreads:
             reward_error=outcome.error,
             reward_timed_out=outcome.timed_out,
         )
-        group = self._assembler.add(sample)
-        if group is not None:
-            self.spans.add("rollout/group_complete", step=step, start_s=group.completed_s,
-                           end_s=group.completed_s, group=group.group)
-            self._on_group(group)
+        return sample
 
 
 def make_requests(*, step: int, group: int, prompt: Prompt, n_samples: int, run_seed: int, max_new_tokens: int,
@@ -210,4 +234,6 @@ def write_samples(path: Path, step: int, prompts: list[Prompt], groups: list[Com
                     "prompt": prompts[g.group].text, "response": s.response_text, "response_ids": s.response_ids,
                     "reward": s.reward, "advantage": adv, "finish_reason": s.finish_reason.value,
                     "reward_error": s.reward_error,
+                    **({"response_mask": s.response_mask, "num_turns": s.num_turns,
+                        "episode_end": s.episode_end.value} if s.response_mask is not None else {}),
                 }) + "\n")

@@ -11,6 +11,7 @@ This module is imported by reward workers: keep it to the standard library.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import itertools
 import json
@@ -22,10 +23,19 @@ from pathlib import Path
 from typing import Any
 
 
+class TaskKind(enum.Enum):
+    reversal = "reversal"
+    """The prompt shows the string: ``abd=`` -> ``dba``."""
+    lookup = "lookup"
+    """The string is hidden: the prompt asks the model to look it up with a tool (the ``lookup`` environment,
+    rollout/environments/lookup.py) and answer with its reversal; the row's metadata holds it for the tool."""
+
+
 @dataclass(kw_only=True, slots=True)
 class ReversalTaskConfig:
     """The synthetic data set written when ``data.path`` is null."""
 
+    kind: TaskKind = TaskKind.reversal
     num_rows: int = 2048
     length: int = 3
     """Characters in each string to reverse."""
@@ -77,7 +87,12 @@ def is_heldout(cfg: ReversalTaskConfig, text: str, listed: set[str] | None) -> b
     return text in listed if listed is not None else _hash(cfg, text) < cfg.eval_fraction * 2**64
 
 
-def _row(text: str) -> dict[str, Any]:
+LOOKUP_PROMPT = "lookup then reverse"
+
+
+def _row(text: str, kind: TaskKind = TaskKind.reversal) -> dict[str, Any]:
+    if kind is TaskKind.lookup:
+        return {"prompt": LOOKUP_PROMPT, "label": text[::-1], "metadata": {"task": "lookup", "hidden": text}}
     return {"prompt": f"{text}=", "label": text[::-1], "metadata": {"task": "reversal"}}
 
 
@@ -90,7 +105,7 @@ def reversal_rows(cfg: ReversalTaskConfig) -> list[dict[str, Any]]:
     while len(rows) < cfg.num_rows:
         text = "".join(rng.choice(letters) for _ in range(cfg.length))
         if not is_heldout(cfg, text, listed):
-            rows.append(_row(text))
+            rows.append(_row(text, cfg.kind))
     return rows
 
 
@@ -98,13 +113,13 @@ def heldout_rows(cfg: ReversalTaskConfig) -> list[dict[str, Any]]:
     """The held-out split: every held-out string once (at most MAX_HELDOUT_ROWS), in a fixed order."""
     listed = heldout_strings(cfg)
     if listed is not None:
-        return [_row(t) for t in sorted(listed)[:MAX_HELDOUT_ROWS]]
+        return [_row(t, cfg.kind) for t in sorted(listed)[:MAX_HELDOUT_ROWS]]
     rng, letters, found = random.Random(f"{cfg.seed}/heldout"), string.ascii_lowercase[: cfg.alphabet_size], {}
     while len(found) < MAX_HELDOUT_ROWS:
         text = "".join(rng.choice(letters) for _ in range(cfg.length))
         if is_heldout(cfg, text, None):
             found[text] = None
-    return [_row(t) for t in found]
+    return [_row(t, cfg.kind) for t in found]
 
 
 def write_reversal_jsonl(cfg: ReversalTaskConfig, path: Path) -> Path:

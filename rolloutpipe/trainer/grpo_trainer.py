@@ -52,6 +52,8 @@ class TrainSample:
     response_ids: list[int]
     engine_logprobs: list[float]
     advantage: float
+    response_mask: list[int] | None = None
+    """An episode's: 1 on the model's tokens, 0 on the environment's (never trained). None: all the model's."""
 
 
 def sequence_len(sample: TrainSample) -> int:
@@ -62,7 +64,7 @@ def sequence_len(sample: TrainSample) -> int:
 def train_samples(group: CompleteGroup) -> list[TrainSample]:
     return [
         TrainSample(prompt_ids=group.prompt_ids, response_ids=s.response_ids, engine_logprobs=s.logprobs,
-                    advantage=a)
+                    advantage=a, response_mask=s.response_mask)
         for s, a in zip(group.samples, group.advantages, strict=True)
     ]
 
@@ -232,7 +234,8 @@ class GRPOTrainer(abc.ABC):
 
 
 def pack(samples: list[TrainSample], *, pad_id: int) -> tuple[torch.Tensor, ...]:
-    """Right-padded token ids [B, L], next-token targets [B, L-1], and the response-token mask [B, L-1].
+    """Right-padded token ids [B, L], next-token targets [B, L-1], and the response-token mask [B, L-1] (1 where
+    the engine sampled the token: an episode's environment tokens are 0).
 
     The mask is float32 whatever the model's dtype: it only multiplies the loss, and token counts come from its
     non-zeros (grpo.policy_loss_sums), so they are exact integers in bfloat16 too."""
@@ -243,7 +246,10 @@ def pack(samples: list[TrainSample], *, pad_id: int) -> tuple[torch.Tensor, ...]
     for b, (s, seq) in enumerate(zip(samples, seqs)):
         input_ids[b, : len(seq)] = torch.tensor(seq)
         # logits at position j predict token j + 1: response tokens are predicted from P - 1 .. P + R - 2
-        mask[b, len(s.prompt_ids) - 1 : len(seq) - 1] = 1.0
+        if s.response_mask is None:
+            mask[b, len(s.prompt_ids) - 1 : len(seq) - 1] = 1.0
+        else:  # an episode: the environment's tokens are context, never trained
+            mask[b, len(s.prompt_ids) - 1 : len(seq) - 1] = torch.tensor(s.response_mask, dtype=torch.float32)
     return input_ids, input_ids[:, 1:], mask
 
 
