@@ -248,6 +248,8 @@ class RolloutNode:
         while self.admission.num_in_flight() or not self.rewards.idle():
             self.check_health(f"step {step}'s aborted requests to come back")
             time.sleep(0.01)
+        if self.environment is not None:  # an aborted group's episodes stopped mid-way: their environments close
+            self.environment.end_step(step)
         while not self.dispatcher.wait_all_published(step, POLL_S):
             self.check_health(f"step {step}'s groups to be published")
         self.check_health(f"step {step}'s groups to be published")

@@ -84,7 +84,7 @@ class EpisodeRunner:
             episode.policy_version = result.policy_version
         episode.responses.append(self.tokenizer.decode(result.output_ids, skip_special_tokens=True))
         if len(episode.response_ids) >= self.max_response_len:
-            return self._sample(episode, result, EpisodeEnd.length)
+            return self._ended(episode, result, EpisodeEnd.length)
         start = time.time()
         outcome = self.pool.step(sample_id(episode.step, episode.group, episode.sample), episode.prompt.label,
                                  episode.prompt.metadata, episode.responses)
@@ -97,14 +97,14 @@ class EpisodeRunner:
         if outcome.turn.done:
             return self._sample(episode, result, EpisodeEnd.done)
         if len(episode.responses) >= self.cfg.max_turns:
-            return self._sample(episode, result, EpisodeEnd.max_turns)
+            return self._ended(episode, result, EpisodeEnd.max_turns)
         try:
             reply = self.template.ids(outcome.turn.messages)
         except Exception as err:  # tokenizers raises a bare Exception for characters it does not know
-            return self._sample(episode, result, EpisodeEnd.env_error,
-                                error=f"the environment's reply cannot be tokenized: {err}")
+            return self._ended(episode, result, EpisodeEnd.env_error,
+                               error=f"the environment's reply cannot be tokenized: {err}")
         if len(episode.response_ids) + len(reply) >= self.max_response_len:  # (the model needs a token after it)
-            return self._sample(episode, result, EpisodeEnd.overflow)
+            return self._ended(episode, result, EpisodeEnd.overflow)
         episode.response_ids += reply
         episode.mask += [0] * len(reply)
         episode.logprobs += [0.0] * len(reply)
@@ -114,6 +114,12 @@ class EpisodeRunner:
     def _max_new_tokens(self, episode: Episode) -> int:
         left = self.max_response_len - len(episode.response_ids)
         return left if self.cfg.max_turn_tokens is None else min(left, self.cfg.max_turn_tokens)
+
+    def _ended(self, episode: Episode, last: GenerationResult, end: EpisodeEnd, *, error: str | None = None
+               ) -> Sample:
+        """The episode ends on our side while its environment worker still holds it: the worker closes it."""
+        self.pool.end(sample_id(episode.step, episode.group, episode.sample))
+        return self._sample(episode, last, end, error=error)
 
     def _sample(self, episode: Episode, last: GenerationResult, end: EpisodeEnd, *, error: str | None = None,
                 timed_out: bool = False) -> Sample:

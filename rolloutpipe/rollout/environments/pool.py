@@ -5,6 +5,9 @@ keeps its environment object between turns, so a stateful environment (a game, a
 Calls to one worker take turns; a worker is a JsonWorker (rollout/workers.py): JSON over a pipe, nothing unpickled,
 a timeout per call (``environment.timeout_s``).
 
+An environment may have a ``close`` (not part of the Protocol: an adapter's processes, a sandbox); the worker calls it
+when the episode ends, whichever side ends it (``end``, ``end_step``).
+
 Nothing is lost with a worker. Each ``step`` call carries the episode's row and every response so far, so a worker
 that does not hold the episode (its predecessor timed out or crashed and was replaced) rebuilds it: a fresh object,
 ``reset`` on the row, the earlier responses replayed, then the new one. Environments are deterministic given the row
@@ -38,8 +41,8 @@ from rolloutpipe.rollout.environments.config import EnvironmentConfig
 from rolloutpipe.rollout.workers import JsonWorker
 
 MAX_KEPT_EPISODES = 4096
-"""Environment objects a worker keeps between turns; the least recently used beyond it are dropped (an aborted
-episode never says it ended) and rebuilt by replay if they come back."""
+"""Environment objects a worker keeps between turns; the least recently used beyond it are closed (an episode of an
+aborted group is closed when its step ends: ``end_step``) and rebuilt by replay if they come back."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -104,6 +107,16 @@ class EnvPool:
         return self._call(w, {"op": "step", "episode": episode, "label": label, "metadata": metadata,
                               "responses": responses})
 
+    def end(self, episode: str) -> None:
+        """The episode ended on our side (turn or token limit): its worker closes its environment now."""
+        w = zlib.crc32(episode.encode()) % len(self._workers)
+        self._call(w, {"op": "end", "prefix": episode})
+
+    def end_step(self, step: int) -> None:
+        """Every episode of ``step`` is over (an aborted group's stop mid-way): close what the workers still keep."""
+        for w in range(len(self._workers)):
+            self._call(w, {"op": "end", "prefix": f"step={step}/"})
+
     def _call(self, w: int, request: dict[str, Any]) -> StepOutcome:
         try:
             data = json.dumps(request).encode()
@@ -152,8 +165,15 @@ def _serve(conn, name: str, args: dict[str, Any], import_modules: list[str], par
         try:
             if request["op"] == "open":
                 env = factory(args)
-                reply = {"turn": {"messages": _messages(env.reset(request["label"], request["metadata"]), "reset"),
-                                  "reward": 0.0, "done": False}}
+                try:
+                    opening = _messages(env.reset(request["label"], request["metadata"]), "reset")
+                finally:
+                    _close(env)
+                reply = {"turn": {"messages": opening, "reward": 0.0, "done": False}}
+            elif request["op"] == "end":  # (an episode's id, or a step's prefix)
+                for episode in [e for e in kept if e == request["prefix"] or e.startswith(request["prefix"])]:
+                    _close(kept.pop(episode)[0])
+                reply = {"turn": {"messages": [], "reward": 0.0, "done": True}}
             else:
                 reply = {"turn": _step(factory, args, kept, request)}
         except Exception as err:
@@ -164,18 +184,34 @@ def _serve(conn, name: str, args: dict[str, Any], import_modules: list[str], par
 def _step(factory, args: dict[str, Any], kept: OrderedDict, request: dict[str, Any]) -> dict[str, Any]:
     episode, responses = request["episode"], request["responses"]
     env, seen = kept.pop(episode, (None, -1))
-    if env is None or seen != len(responses) - 1:  # not here (a replaced worker, or evicted): rebuild by replay
-        env = factory(args)
-        env.reset(request["label"], request["metadata"])
-        for earlier in responses[:-1]:
-            env.step(earlier)
-    turn = env.step(responses[-1])
-    checked = _turn(turn)
-    if not checked["done"]:
+    try:
+        if env is None or seen != len(responses) - 1:  # not here (a replaced worker, or evicted): rebuild by replay
+            _close(env)
+            env = factory(args)
+            env.reset(request["label"], request["metadata"])
+            for earlier in responses[:-1]:
+                env.step(earlier)
+        checked = _turn(env.step(responses[-1]))
+    except Exception:
+        _close(env)
+        raise
+    if checked["done"]:
+        _close(env)
+    else:
         kept[episode] = (env, len(responses))
         while len(kept) > MAX_KEPT_EPISODES:
-            kept.popitem(last=False)
+            _close(kept.popitem(last=False)[1][0])
     return checked
+
+
+def _close(env: Any) -> None:
+    """An environment's optional ``close`` (an adapter's processes, a sandbox); its failure is not the episode's."""
+    close = getattr(env, "close", None)
+    if close is not None:
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - the episode's outcome is already decided
+            pass
 
 
 def _turn(turn: Any) -> dict[str, Any]:
