@@ -52,6 +52,9 @@ short, a long tail up to ``rollout_max_response_len`` (the knob), and a group co
 longest sample. The learning rate is tiny so the policy, hence the length distribution, stays put.
     long_tail   rollout dominates: long-tailed responses, a cheap trainer
     balanced    training time close to rollout time: small micro-batches make the trainer slower
+    multiturn   tool-using episodes (bench/agent_env.py): 1 + geometric model turns (mean 2.5, at most 6) of up to
+                48 tokens, each environment call a lognormal latency (median 0.1 s, a long tail; 32 workers), the
+                episode's budget --response-len tokens; a group completes with its longest episode (no spec row)
 """
 
 from __future__ import annotations
@@ -87,7 +90,12 @@ LR = "trainer.lr=1e-7"
 WORKLOADS = {
     "long_tail": [*COMMON, "micro_batch_size=16"],
     "balanced": [*COMMON, "micro_batch_size=1"],
+    "multiturn": [*COMMON, "micro_batch_size=4", "environment.name=bench_agent", "environment.max_turns=6",
+                  "environment.import_modules=[bench.agent_env]", "environment.num_workers=32",
+                  "environment.max_turn_tokens=48", "data.apply_chat_template=true", "eval.interval=0"],
 }
+UNSUPPORTED = {"multiturn": {"cgp+fgd+spec"}}
+"""Modes a workload cannot run: a draft is one response, not an episode (config.py refuses speculation there)."""
 
 COLUMNS = [
     ("perf/rollout_to_train_end_s", "r2t_s"),
@@ -302,7 +310,7 @@ def main() -> None:
     report = []
     engines = int(next(o for o in COMMON if o.startswith("rollout.num_engines=")).split("=")[1])
     for workload, lr in itertools.product(workloads, args.lr.split(",")):
-        rows = {mode: [*MODES[mode]] for mode in modes}
+        rows = {mode: [*MODES[mode]] for mode in modes if mode not in UNSUPPORTED.get(workload, ())}
         if args.host_workloads == "all" or workload in args.host_workloads.split(","):
             for suffix, extra in list(layouts(args.rollout_nodes, engines).items())[1:]:
                 rows.update({mode + suffix: [*MODES[mode], *extra] for mode in args.host_modes.split(",")})

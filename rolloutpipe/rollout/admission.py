@@ -75,6 +75,11 @@ class Policy(Protocol):
         """An engine (a failed one's replacement) is in service again."""
         ...
 
+    def add_turn(self, admission: Admission, group: int, request: Request, engine: EngineView | None) -> None:
+        """An episode's next model turn; ``engine`` served its previous turn (its cache holds the conversation) if
+        it is still in service."""
+        ...
+
     def drop(self, groups: list[int]) -> int:
         """The step is full: forget the held requests of ``groups``; returns how many."""
         ...
@@ -105,6 +110,12 @@ class FifoPolicy:
         orphans, self._orphans = self._orphans, []
         for group, request in orphans:
             self._submit_round_robin(admission, group, [request])
+
+    def add_turn(self, admission: Admission, group: int, request: Request, engine: EngineView | None) -> None:
+        if engine is None:  # (its engine is out of service: in turn, as a retry)
+            self._submit_round_robin(admission, group, [request])
+        else:  # where the conversation's prefix is cached, as a group's first turns all go to one engine
+            admission.submit(group, [request], engine)
 
     def drop(self, groups: list[int]) -> int:
         dropped = set(groups)
@@ -153,6 +164,9 @@ class FgdPolicy:
 
     def engine_back(self, admission: Admission) -> None:
         pass  # the next pump fills it
+
+    def add_turn(self, admission: Admission, group: int, request: Request, engine: EngineView | None) -> None:
+        self.retry(admission, [(group, request)])  # in line by its group: the frontier's turns go first
 
     def drop(self, groups: list[int]) -> int:
         return sum([len(self._waiting.pop(group, [])) for group in groups])
@@ -203,14 +217,15 @@ class Admission:
     def add_group(self, group: int, requests: Sequence[Request]) -> None:
         self.policy.add_group(self, group, requests)
 
-    def add_turn(self, group: int, request: Request) -> bool:
-        """An episode of ``group`` asks for its next model turn (multi-turn environments): it goes in line as a
-        request taken off a failed engine does (``Policy.retry``), so under FGD its group's place in line is its
-        priority and the frontier's turns go first. Returns False when the group was aborted (the step no longer
-        needs it): the episode ends there."""
+    def add_turn(self, group: int, request: Request, engine_name: str = "") -> bool:
+        """An episode of ``group`` asks for its next model turn (multi-turn environments); ``engine_name`` served
+        its previous turn. FIFO sends it there at once (its cache holds the conversation so far); FGD puts it in line
+        by its group, so the frontier's turns go first (``Policy.add_turn``). Returns False when the group was
+        aborted (the step no longer needs it): the episode ends there."""
         if group in self._aborted_groups:
             return False
-        self.policy.retry(self, [(group, request)])
+        engine = next((e for e in self.serving if e.name == engine_name), None)
+        self.policy.add_turn(self, group, request, engine)
         return True
 
     def pump(self, frontier: Callable[[], list[int]]) -> None:

@@ -63,6 +63,8 @@ class NextTurn:
 
     group: int
     request: GenerationRequest
+    engine: str
+    """The engine that served the episode's previous turn (its cache holds the conversation)."""
 
 
 class RolloutNode:
@@ -214,9 +216,9 @@ class RolloutNode:
         self.spans.add("rollout/environment", step=episode.step, start_s=start_s, end_s=end_s, group=episode.group,
                        sample=episode.sample, turn=len(episode.responses) - 1, error=error)
 
-    def next_turn(self, group: int, request: GenerationRequest) -> None:
+    def next_turn(self, group: int, request: GenerationRequest, engine: str) -> None:
         """An episode's next turn (a reward thread): the rollout loop puts it in line (``next_event``)."""
-        self.events.put(NextTurn(group=group, request=request))
+        self.events.put(NextTurn(group=group, request=request, engine=engine))
 
     def on_result(self, result) -> None:
         """Engine completion callback (engine thread): reward it, and wake the loop for a free slot."""
@@ -239,7 +241,7 @@ class RolloutNode:
         ``queue.Empty`` after POLL_S."""
         event = self.events.get(timeout=POLL_S)
         if isinstance(event, NextTurn):
-            self.admission.add_turn(event.group, event.request)  # (False: its group was aborted; the episode ends)
+            self.admission.add_turn(event.group, event.request, event.engine)  # (False: its group was aborted)
             return None
         return event
 

@@ -89,7 +89,8 @@ class RewardThreads:
             t.start()
 
     def begin_step(self, assembler: GroupAssembler, in_flight: dict[str, InFlight], on_group, on_turn=None) -> None:
-        """``on_group(group)`` takes each complete group; ``on_turn(group, request)`` an episode's next turn."""
+        """``on_group(group)`` takes each complete group; ``on_turn(group, request, engine)`` an episode's next turn
+        (``engine``: the one that served its previous turn)."""
         self._assembler = assembler
         self.in_flight = in_flight
         self._on_group = on_group
@@ -142,7 +143,7 @@ class RewardThreads:
             sample = self.episodes.on_turn(ctx.episode, result)
             if isinstance(sample, GenerationRequest):  # the episode goes on: its next turn goes in line
                 self.in_flight[sample.request_id] = ctx
-                self._on_turn(ctx.group, sample)
+                self._on_turn(ctx.group, sample, result.engine)
                 return
         else:
             sample = self._score(result, ctx, step)

@@ -14,7 +14,8 @@ What is real and what is modelled:
     dispatcher.Release: sync vs cgp release          trainer: time per micro-batch from its padded tokens,
     batching.BatchConsumer: micro-batches, optimizer   optimizer step
       steps, the rank split
-    metrics.reduce_step: the per-step metrics
+    metrics.reduce_step: the per-step metrics        episodes (multi-turn): turns per episode, environment
+    Admission.add_turn: an episode's next turn         replies (tokens) and latency on a pool of workers
 
 ``sim/run.py`` strings them together the way pipeline.py does; ``tools/simulate.py`` sweeps settings.
 ``sim/speculative.py`` models speculative next-step rollout (drafts in idle engines, verified under the new policy).

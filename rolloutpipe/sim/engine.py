@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Final
 
 from rolloutpipe.sim.models import EngineModel
-from rolloutpipe.types import FinishReason, Sample
+from rolloutpipe.types import EpisodeEnd, FinishReason, Sample
 
 # Final: the compiled simulator (sim/compiled.py) calls them directly instead of looking them up in heapq each time
 _heappush: Final = heapq.heappush
@@ -66,7 +66,8 @@ class EventLoop:
 class SimRequest(Sample):
     """One sample to generate, with what the models decided about it up front. It is also the ``Sample`` it
     becomes (the real GroupAssembler takes it as it is), so a finish creates no object; a plain positional
-    ``__init__``, because the simulator makes millions."""
+    ``__init__``, because the simulator makes millions. In an episode (sim.episodes) it is one model turn, and the
+    last turn's request becomes the episode's sample (sim/run.py ``_StepDraws.next_turn``)."""
 
     request_id: int
     prompt_len: int
@@ -80,6 +81,12 @@ class SimRequest(Sample):
     """Speculative rollout (sim/speculative.py): tokens of this request's draft, which its first prefill verifies,
     and how many of them policy k+1 reproduces (kept: the request starts with them generated)."""
     kept_tokens: int
+    turn: int
+    """An episode's model turn (sim.episodes): 0, 1, ...; a single response is turn 0 of a one-turn episode."""
+    episode_tokens: int
+    """Tokens of the episode before this turn, after the group's prompt (earlier turns and environment replies,
+    all in ``prompt_len``): ``prompt_len - episode_tokens`` is the prompt the group's samples share, and what is
+    left of the episode's budget is ``rollout_max_response_len - episode_tokens``. 0 on turn 0."""
 
     def __init__(self, request_id: int, group: int, index: int, prompt_len: int, response_len: int,
                  reward: float, policy_version: int, truncated: bool = False) -> None:
@@ -96,8 +103,13 @@ class SimRequest(Sample):
         self.policy_version = policy_version
         self.reward_error = None
         self.reward_timed_out = False
+        self.response_mask = None  # (Sample's fields with defaults: a slots dataclass keeps no class default)
+        self.num_turns = 1
+        self.episode_end = EpisodeEnd.done
         self.drafted_tokens = 0
         self.kept_tokens = 0
+        self.turn = 0
+        self.episode_tokens = 0
 
 
 _NO_LOGPROBS: list[float] = []

@@ -16,6 +16,11 @@ Trainer. A micro-batch is padded to its longest sample, as trainer/torch_backend
 (the MLP, then attention); an optimizer step costs
 ``optimizer_step_s``. With several ranks each rank trains its share (batching.BatchConsumer) and the
 optimizer step waits for the slowest.
+
+Episodes (multi-turn, agentic samples). With ``episodes.max_turns > 1`` a sample is an episode: a model turn (one
+engine request, its length drawn from ``lengths`` like a single response's), an environment call (a latency on
+one of ``num_env_workers`` workers, no engine), the next model turn (a new request whose prompt is the whole
+conversation so far, the environment's reply appended), ... until the episode ends; see ``EpisodeModel``.
 """
 
 from __future__ import annotations
@@ -173,7 +178,7 @@ class LengthModel:
             raise ValueError(f"sim.lengths.histogram_path={self.histogram_path!r} is not a file; give a text file "
                              "with one response length per line (tools/simulate.py calibrate writes one).")
 
-    def draw(self, rng: np.random.Generator, size: int, max_tokens: int) -> np.ndarray:
+    def draw(self, rng: np.random.Generator, size: int | tuple[int, ...], max_tokens: int) -> np.ndarray:
         """Response lengths in tokens, 1 .. max_tokens (the cut-off is rollout_max_response_len)."""
         if self.kind is LengthKind.lognormal:
             lengths = rng.lognormal(math.log(self.median_tokens), self.sigma, size)
@@ -205,6 +210,91 @@ class RewardModel:
         return rng.beta(self.pass_alpha, self.pass_beta, size)
 
 
+class TurnsKind(enum.Enum):
+    geometric = "geometric"
+    """After each model turn the environment goes on with probability ``1 - 1 / mean_turns`` (a long tail)."""
+    weights = "weights"
+    """The environment ends the episode after 1, 2, ... model turns in proportion to ``turn_weights``."""
+
+
+@dataclass(kw_only=True, slots=True)
+class EpisodeModel:
+    """Multi-turn samples (the real side: rollout/environments/, types.EpisodeEnd).
+
+    An episode's number of model turns, each turn's length and each environment reply's tokens and latency are
+    drawn per (seed, step, group, sample, turn), so every mode sees the same episodes; its first turn is exactly
+    the single response a single-turn run draws. The episode's budget is ``rollout_max_response_len`` tokens
+    after the prompt, the model's and the environment's together: a turn is cut at what is left (the episode ends,
+    ``length``), and an environment reply that leaves no token for the next turn ends it before the reply
+    (``overflow``). It also ends when the environment says so (``done``, the drawn number of turns) or after
+    ``max_turns`` turns (``max_turns``). The sample the trainer gets is the prompt, then every turn and reply back
+    to back (replies masked out of the loss).
+    """
+
+    max_turns: int = 1
+    """Model turns per episode at most (``environment.max_turns``). 1: one response per sample, no environment
+    (the single-turn simulator, unchanged)."""
+    turns: TurnsKind = TurnsKind.geometric
+    """How many turns the environment wants before it says done (then cut at ``max_turns``)."""
+    mean_turns: float = 2.0
+    """geometric: the mean number of turns before the cut (a turn count of 1, 2, 3, ... with probability p, p(1-p),
+    ... for p = 1 / mean_turns)."""
+    turn_weights: list[float] = field(default_factory=list)
+    """weights: relative frequency of episodes of 1, 2, ... turns (e.g. [0, 0, 1]: always 3)."""
+    env_tokens: float = 64.0
+    """Median tokens an environment reply appends to the conversation (prefill for the next turn; trained over,
+    masked out of the loss)."""
+    env_tokens_sigma: float = 0.0
+    """Spread of log reply length around ``env_tokens`` (0: every reply that long)."""
+    env_latency_s: float = 0.5
+    """Median latency of one environment call (a tool, a game step), excluding waiting for a worker."""
+    env_latency_sigma: float = 0.0
+    """Spread of log latency around ``env_latency_s``, log-normal (0: every call takes exactly that; 1.0: the 99th
+    percentile is ~10x the median)."""
+    num_env_workers: int | None = None
+    """Environment calls run in parallel on this many workers (``environment.num_workers``); a call waits for the
+    first free one, in the order the calls come (the real pool keeps an episode on one worker: with few workers
+    this is the optimistic side). None: a worker per call, no call ever waits."""
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1:
+            raise ValueError(f"sim.episodes.max_turns={self.max_turns} must be at least 1 (1: single-turn samples).")
+        if self.turns is TurnsKind.geometric and not self.mean_turns >= 1:
+            raise ValueError(f"sim.episodes.mean_turns={self.mean_turns} must be at least 1 (model turns).")
+        if self.turns is TurnsKind.weights and (not self.turn_weights or min(self.turn_weights) < 0
+                                                or not sum(self.turn_weights) > 0):
+            raise ValueError(f"sim.episodes.turn_weights={self.turn_weights} must list non-negative weights of "
+                             "episodes of 1, 2, ... turns, not all 0 (with sim.episodes.turns=weights).")
+        if min(self.env_tokens, self.env_tokens_sigma, self.env_latency_s, self.env_latency_sigma) < 0:
+            raise ValueError("sim.episodes.env_tokens, env_tokens_sigma, env_latency_s and env_latency_sigma must "
+                             "not be negative.")
+        if self.num_env_workers is not None and self.num_env_workers < 1:
+            raise ValueError(f"sim.episodes.num_env_workers={self.num_env_workers} must be at least 1, or null (a "
+                             "worker per call).")
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.max_turns > 1
+
+    def draw_turns(self, rng: np.random.Generator, size: tuple[int, ...]) -> np.ndarray:
+        """The turns each episode's environment wants before it says done, not cut at ``max_turns`` (so an
+        episode cut there is told from one that ended there)."""
+        if self.turns is TurnsKind.geometric:
+            return rng.geometric(1.0 / self.mean_turns, size)
+        weights = np.asarray(self.turn_weights, dtype=np.float64)
+        return rng.choice(np.arange(1, len(weights) + 1), size, p=weights / weights.sum())
+
+    def draw_env_tokens(self, rng: np.random.Generator, size: tuple[int, ...]) -> np.ndarray:
+        if self.env_tokens_sigma == 0 or self.env_tokens == 0:
+            return np.full(size, math.ceil(self.env_tokens), dtype=np.int64)
+        return np.ceil(rng.lognormal(math.log(self.env_tokens), self.env_tokens_sigma, size)).astype(np.int64)
+
+    def draw_env_latency(self, rng: np.random.Generator, size: tuple[int, ...]) -> np.ndarray:
+        if self.env_latency_sigma == 0 or self.env_latency_s == 0:
+            return np.full(size, float(self.env_latency_s))
+        return rng.lognormal(math.log(self.env_latency_s), self.env_latency_sigma, size)
+
+
 @dataclass(kw_only=True, slots=True)
 class SimConfig:
     engine: EngineModel = field(default_factory=EngineModel)
@@ -214,6 +304,8 @@ class SimConfig:
     overheads: OverheadModel = field(default_factory=OverheadModel)
     lengths: LengthModel = field(default_factory=LengthModel)
     rewards: RewardModel = field(default_factory=RewardModel)
+    episodes: EpisodeModel = field(default_factory=EpisodeModel)
+    """Multi-turn samples (episodes); the default, ``max_turns: 1``, is one response per sample."""
     num_prompts: int = 4096
     """Size of the synthetic data set (its prompts get lengths and pass rates once)."""
     num_span_steps: int = 0
@@ -228,3 +320,6 @@ class SimConfig:
         if not 0.0 <= self.acceptance <= 1.0:
             raise ValueError(f"sim.acceptance={self.acceptance} must be in [0, 1]: the probability a drafted token "
                              "is kept.")
+        if self.speculative and self.episodes.multi_turn:
+            raise ValueError("sim.speculative=true with sim.episodes.max_turns > 1: speculative drafts of episodes "
+                             "(whose later turns wait on an environment) are not modelled; use one or the other.")

@@ -18,9 +18,17 @@ Per step, as pipeline.py does it:
               policy k as soon as step k's rollout ends and policy k is served.
     drafts    sim.speculative: after step k's rollout, idle engines draft step k+1's requests until they pause to
               load policy k+1; step k+1's requests start from what verification keeps (sim/speculative.py).
+    episodes  sim.episodes.max_turns > 1 (models.EpisodeModel): a sample is an episode. When a model turn finishes
+              and the episode goes on, its environment call runs on the first free environment worker (a
+              latency, no engine); then the next turn, a new request whose prompt is the conversation so far,
+              goes back in line through ``Admission.add_turn`` (FIFO: to an engine at once; FGD: held by its
+              group's place, the frontier's turns first) and the engines are pumped. Only the last turn's
+              request goes to a reward worker and the GroupAssembler, as the episode's sample, so a group is
+              complete when every one of its episodes has ended.
 
 The per-step record is metrics.reduce_step's (real), so the simulator reports what a real run reports.
-Samples are a function of (seed, step, group, sample) only, so every mode sees the same samples.
+Samples are a function of (seed, step, group, sample) only (an episode's turns of (seed, step, group, sample,
+turn)), so every mode sees the same samples.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from __future__ import annotations
 import gc
 import heapq
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -42,12 +51,14 @@ from rolloutpipe.rollout.groups import GroupAssembler
 from rolloutpipe.rollout.rewards import OnTimeout
 from rolloutpipe.rollout.schedule import RolloutSchedule
 from rolloutpipe.sim.engine import EventLoop, SimEngine, SimRequest
-from rolloutpipe.sim.models import LengthModel, SchedulerKind, SimConfig
+from rolloutpipe.sim.models import EpisodeModel, LengthModel, SchedulerKind, SimConfig
 from rolloutpipe.sim.speculative import Drafts, draft
 from rolloutpipe.trainer.batching import BatchConsumer, MicroBatch
-from rolloutpipe.types import CompleteGroup, Prompt, Span
+from rolloutpipe.types import CompleteGroup, EpisodeEnd, FinishReason, Prompt, Span
 
 _heapreplace: Final = heapq.heapreplace  # (Final: called directly when compiled, sim/compiled.py)
+_EPISODE_STREAM: Final = 1
+"""Episodes draw from their own stream, (seed, step, 1): a single-turn run's draws stay what they were."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -83,6 +94,8 @@ class Simulation:
                    for i, (n, p) in enumerate(zip(prompt_lens, pass_rates))]
         self.source = PromptSource(prompts, shuffle=True, seed=job.seed)
         self.spans: list[Span] = []
+        self._env_done_event: Callable[[SimRequest], None] = self._on_env_done
+        """Bound once (an event per environment call would otherwise bind a method object each time)."""
         self.idle_from: dict[str, float] = {}
         """When each engine finished (or aborted) its last request of the step: free for drafts from then."""
         if sim.speculative and self.mode is PipelineMode.async_one_step:
@@ -148,6 +161,9 @@ class Simulation:
             record["sim/num_drafted_tokens"] = drafts.num_drafted_tokens if drafts is not None else 0
             record["sim/num_kept_tokens"] = self.draws.num_kept_tokens
             record["sim/step_s"] = train.end_s - previous_end_s  # throughput: async_one_step's gain shows here
+            if self.multi_turn:
+                record["sim/num_env_calls"] = self.num_env_calls
+                record["sim/env_wait_s"] = self.env_wait_s / max(self.num_env_calls, 1)  # mean, per call
             previous_end_s = train.end_s
             records.append(record)
             # the engines are idle from their last request of this step until they pause to load policy k+1
@@ -187,7 +203,17 @@ class Simulation:
             engine.new_step()  # new weights: SGLang flushes its cache
         self.idle_from = {engine.name: start_s for engine in self.engines}
         rng = np.random.default_rng((job.seed, step))
-        self.draws = draws = _StepDraws(rng, sim.lengths, n, job.rollout_max_response_len, version, drafts)
+        episodes = sim.episodes if sim.episodes.multi_turn else None
+        episode_rng = np.random.default_rng((job.seed, step, _EPISODE_STREAM)) if episodes is not None else None
+        self.draws = draws = _StepDraws(rng, sim.lengths, n, job.rollout_max_response_len, version, drafts,
+                                        episodes, episode_rng)
+        self.multi_turn = episodes is not None
+        workers = sim.episodes.num_env_workers
+        self.env_free = [start_s] * workers if episodes is not None and workers is not None else []
+        """A heap of when each environment worker is free (empty: a worker per call)."""
+        self.num_env_calls = 0
+        self.env_wait_s = 0.0
+        """Time environment calls waited for a worker, all together."""
         admission = Admission(policy=job.rollout.admission, engines=self.engines, concurrency=job.rollout.concurrency)
 
         self.schedule = schedule = RolloutSchedule(
@@ -229,15 +255,23 @@ class Simulation:
         """
         admission, assembler, rewarded_s, reward_free, reward_s = \
             self.admission, self.assembler, self.rewarded_s, self.reward_free, self.reward_s
+        multi_turn, draws = self.multi_turn, self.draws
         self.idle_from[engine] = finished_s
         if self.record:
             for request in requests:
+                turn = {"group": request.group, "sample": request.index, "turn": request.turn,
+                        "num_tokens": request.response_len} if multi_turn else {}
                 self._span("rollout/request", "rollout", self.step, request.started_s, finished_s, engine=engine,
-                           queued_s=request.started_s - request.submitted_s, aborted=aborted)
+                           queued_s=request.started_s - request.submitted_s, aborted=aborted, **turn)
         for request in requests:
             admission.finished(request.request_id, engine)
             if aborted:
                 continue
+            if multi_turn:
+                call = draws.next_turn(request)
+                if call is not None:  # the episode goes on: its environment call, then its next turn
+                    self._env_call(finished_s, call[0], call[1])
+                    continue
             done_s = (reward_free[0] if reward_free[0] > finished_s else finished_s) + reward_s
             _heapreplace(reward_free, done_s)
             group = request.group
@@ -247,6 +281,26 @@ class Simulation:
             if complete is not None:
                 self.loop.at(rewarded_s.pop(group), self._on_group, complete)
         self.schedule.on_slot_freed()
+
+    def _env_call(self, finished_s: float, latency_s: float, request: SimRequest) -> None:
+        """An episode's environment call, after its turn that finished at ``finished_s``: on the first free worker,
+        in the order the calls come; then its next turn (``request``) goes in line."""
+        env_free, start_s = self.env_free, finished_s
+        if env_free:
+            start_s = max(start_s, env_free[0])
+            _heapreplace(env_free, start_s + latency_s)
+        self.num_env_calls += 1
+        self.env_wait_s += start_s - finished_s
+        if self.record:
+            self._span("rollout/env_call", "rollout", self.step, start_s, start_s + latency_s, group=request.group,
+                       sample=request.index, turn=request.turn - 1, queued_s=start_s - finished_s)
+        self.loop.at(start_s + latency_s, self._env_done_event, request)
+
+    def _on_env_done(self, request: SimRequest) -> None:
+        """The environment answered: the episode's next turn re-enters admission (False: its group was aborted, the
+        episode ends there) and the engines are pumped."""
+        if self.admission.add_turn(request.group, request):
+            self.schedule.on_slot_freed()
 
     def _on_group(self, group: CompleteGroup) -> None:
         group.completed_s = self.loop.now
@@ -333,11 +387,15 @@ def _sample_length(tokens: int) -> int:
 
 
 class _StepDraws:
-    """Response lengths and reward draws of one step, by group index (so timing never changes a sample)."""
+    """Response lengths and reward draws of one step, by group index (so timing never changes a sample); with
+    episodes, also each episode's turns, later turns' lengths and environment replies (tokens, latency), from
+    their own stream, by group index too."""
 
     def __init__(self, rng: np.random.Generator, lengths: LengthModel, n: int, max_tokens: int,
-                 policy_version: int, drafts: Drafts | None = None) -> None:
+                 policy_version: int, drafts: Drafts | None = None, episodes: EpisodeModel | None = None,
+                 episode_rng: np.random.Generator | None = None) -> None:
         self.rng, self.lengths, self.n, self.max_tokens = rng, lengths, n, max_tokens
+        """``max_tokens``: rollout_max_response_len, a response's cut-off and an episode's budget."""
         self.policy_version = policy_version
         """What the simulated engines serve during the step (they change weights only between steps)."""
         self.drafts = drafts
@@ -345,6 +403,19 @@ class _StepDraws:
         """Draft tokens verification keeps in the requests made so far."""
         self._lengths: list[list[int]] = []
         self._uniforms: list[list[float]] = []
+        self.episodes = episodes
+        """None: single-turn (no episode draws are made)."""
+        self.episode_rng = episode_rng
+        self.max_turns: int = episodes.max_turns if episodes is not None else 1
+        self._turns: list[list[int]] = []
+        """[group][sample]: turns the environment wants before it says done (not cut at max_turns)."""
+        self._turn_lengths: list[list[list[int]]] = []
+        """[group][sample][turn - 1]: the drawn length of turns 1, 2, ... (turn 0's is ``_lengths``)."""
+        self._env_tokens: list[list[list[int]]] = []
+        """[group][sample][turn]: tokens of the environment's reply to turn ``turn``."""
+        self._env_latency: list[list[list[float]]] = []
+        self._segments: dict[int, list[int]] = {}
+        """Episodes in progress, by group * n + sample: their turns' and replies' token counts so far, alternating."""
 
     def requests(self, group: int, prompt: Prompt) -> list[SimRequest]:
         """The group's requests: RolloutSchedule's ``requests_for``. (A method, not a closure: a compiled closure
@@ -353,9 +424,17 @@ class _StepDraws:
             num = max(len(self._lengths), 16)
             self._lengths.extend(self.lengths.draw(self.rng, (num, self.n), self.max_tokens).tolist())
             self._uniforms.extend(self.rng.random((num, self.n)).tolist())
+            episodes, erng = self.episodes, self.episode_rng
+            if episodes is not None and erng is not None:
+                later = (num, self.n, episodes.max_turns - 1)
+                self._turns.extend(episodes.draw_turns(erng, (num, self.n)).tolist())
+                self._turn_lengths.extend(self.lengths.draw(erng, later, self.max_tokens).tolist())
+                self._env_tokens.extend(episodes.draw_env_tokens(erng, later).tolist())
+                self._env_latency.extend(episodes.draw_env_latency(erng, later).tolist())
         lengths, uniforms, n, max_len = self._lengths[group], self._uniforms[group], self.n, self.max_tokens
-        prompt_len, pass_rate = len(prompt.input_ids), float(prompt.label)
-        requests = [SimRequest(group * n + s, group, s, prompt_len, lengths[s],
+        prompt_len, pass_rate, turns = len(prompt.input_ids), float(prompt.label), self.max_turns
+        # an episode's turns are numbered from its first turn's id (turns = 1: the sample's id, group * n + s)
+        requests = [SimRequest((group * n + s) * turns, group, s, prompt_len, lengths[s],
                                1.0 if uniforms[s] < pass_rate else 0.0, self.policy_version, lengths[s] == max_len)
                     for s in range(n)]
         drafts = self.drafts
@@ -365,6 +444,44 @@ class _StepDraws:
                 request.kept_tokens = drafts.kept.get(request.request_id, 0)
                 self.num_kept_tokens += request.kept_tokens
         return requests
+
+    def next_turn(self, request: SimRequest) -> tuple[float, SimRequest] | None:
+        """An episode's model turn finished: its environment call's latency and the next turn's request, or None
+        when the episode ends with this turn. Then ``request`` becomes the episode's sample: every turn and reply
+        back to back in ``response_ids`` (the prompt stays the group's), the mask of the model's tokens, the
+        number of turns and why it ended (types.EpisodeEnd, as rollout/environments/ says it)."""
+        group, s, turn = request.group, request.index, request.turn
+        used = request.episode_tokens + request.response_len  # of the budget, max_tokens
+        segments = self._segments.setdefault(group * self.n + s, [])
+        segments.append(request.response_len)
+        if request.finish_reason is FinishReason.LENGTH:  # the turn ran into the end of the budget
+            end = EpisodeEnd.length
+        elif turn + 1 >= self._turns[group][s]:
+            end = EpisodeEnd.done
+        elif turn + 1 >= self.max_turns:
+            end = EpisodeEnd.max_turns
+        else:
+            reply = self._env_tokens[group][s][turn]
+            left = self.max_tokens - used - reply
+            if left >= 1:
+                length = self._turn_lengths[group][s][turn]
+                cut = length >= left  # cut at what is left of the budget
+                following = SimRequest(request.request_id + 1, group, s, request.prompt_len + request.response_len
+                                       + reply, left if cut else length, request.reward, request.policy_version, cut)
+                following.turn = turn + 1
+                following.episode_tokens = used + reply
+                segments.append(reply)
+                return self._env_latency[group][s][turn], following
+            end = EpisodeEnd.overflow  # the reply leaves no token for a next turn: the episode ends before it
+        del self._segments[group * self.n + s]
+        mask: list[int] = []
+        for i, num in enumerate(segments):
+            mask += [1 - i % 2] * num  # turns (1: trained), replies (0) alternate
+        request.response_ids = range(used)
+        request.response_mask = mask
+        request.num_turns = turn + 1
+        request.episode_end = end
+        return None
 
 
 def simulate(job: Config, sim: SimConfig, num_steps: int | None = None) -> SimResult:

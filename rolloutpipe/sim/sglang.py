@@ -25,7 +25,10 @@ engine whose only limit is a request count. ``SGLangSimEngine`` decides what run
                  queue with their tokens (recomputed by a prefill when readmitted) and the ratio becomes
                  ``(decoded + retract_decode_steps * B) / (sum max_new + 1)`` over the requests kept
     radix cache  a prompt prefilled on the engine stays cached: its group's other samples prefill only their own
-                 tokens, and a prompt's KV is counted once while any of its samples runs
+                 tokens, and a prompt's KV is counted once while any of its samples runs. An episode's next turn
+                 (sim.episodes) prefills only what is not cached of its conversation: the environment's reply
+                 when its previous turn ran here; its own earlier turns count as its own KV, and its max_new_tokens
+                 is what is left of the episode's budget
     drafts       (sim.speculative) a request's first prefill also covers its draft's tokens; it keeps the verified
                  prefix and samples the token after it (sim/speculative.py)
 
@@ -78,6 +81,9 @@ class SGLangSimEngine:
         priority scheduling (SGLang clears it before every pass, to try preemption)."""
         self.cached: set[int] = set()
         """Groups whose prompt is in this engine's radix cache (this step: the simulator clears it between steps)."""
+        self.cached_turns: dict[tuple[int, int], int] = {}
+        """Episodes (group, sample) whose conversation is in the radix cache: how many tokens of it (a turn that
+        finished here leaves its prompt and its tokens)."""
         self.retracted: list[int] = []
         """Ids of the requests retracted, in order (one entry per retraction)."""
         self.num_preempted = 0
@@ -117,6 +123,7 @@ class SGLangSimEngine:
         """Weights change between steps: SGLang flushes its cache (the simulator has cleared its events)."""
         assert not self.queue and not self.running and not self._done, "a step ended with requests on an engine"
         self.cached.clear()
+        self.cached_turns.clear()
         self._plain = 0
         self._version += 1
         self.ratio = self.init_ratio
@@ -239,6 +246,10 @@ class SGLangSimEngine:
             self.batch_full = False
             self.running = [run for run in self.running if run.generated < run.request.response_len]
             self._done.extend(run.request for run in done)
+            if self.radix_cache:
+                for run in done:
+                    request = run.request
+                    self.cached_turns[request.group, request.index] = request.prompt_len + request.response_len
 
     def _admit(self) -> list[_Run]:
         """SGLang's PrefillAdder over the queue: the requests that join now (taken out of the queue); under
@@ -322,12 +333,18 @@ class SGLangSimEngine:
         return self.queue
 
     def _extend(self, run: _Run) -> int:
-        """Tokens its prefill computes: its prompt unless cached, and what it generated before a retraction."""
-        prompt = 0 if self.radix_cache and run.request.group in self.cached else run.request.prompt_len
+        """Tokens its prefill computes: its prompt but what is cached (the group's prompt; an episode's conversation
+        up to its last reply), and what it generated before a retraction."""
+        request = run.request
+        prompt = request.prompt_len
+        if self.radix_cache:
+            shared = request.prompt_len - request.episode_tokens if request.group in self.cached else 0
+            prompt -= min(max(shared, self.cached_turns.get((request.group, request.index), 0)), prompt)
         return prompt + run.generated + run.verify
 
     def _left(self, run: _Run) -> int:
-        return min(self.max_new - run.generated, self.clip)
+        """Its max_new_tokens (an episode's turn: what is left of the budget) not generated yet, clipped."""
+        return min(self.max_new - run.request.episode_tokens - run.generated, self.clip)
 
     def _need(self, run: _Run) -> int:
         """What admitting a queued request reserves: its prefill and its whole (clipped) remaining budget."""
@@ -340,12 +357,13 @@ class SGLangSimEngine:
         """KV tokens the running requests hold (a cached prompt once per group while a sample of it runs)."""
         if not self.radix_cache:
             return sum(run.request.prompt_len + run.generated for run in self.running)
-        prompts = {run.request.group: run.request.prompt_len for run in self.running}
-        return sum(prompts.values()) + sum(run.generated for run in self.running)
+        prompts = {run.request.group: run.request.prompt_len - run.request.episode_tokens for run in self.running}
+        return sum(prompts.values()) + sum(run.request.episode_tokens + run.generated for run in self.running)
 
     def _kv_released(self, run: _Run) -> int:
         shared = self.radix_cache and any(o is not run and o.request.group == run.request.group for o in self.running)
-        return run.generated + (0 if shared else run.request.prompt_len)
+        own = run.request.episode_tokens + run.generated
+        return own + (0 if shared else run.request.prompt_len - run.request.episode_tokens)
 
     def _context(self) -> int:
         return sum(run.request.prompt_len + run.generated for run in self.running)

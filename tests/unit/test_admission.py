@@ -50,6 +50,32 @@ def test_fifo_submits_everything_at_once_a_group_to_an_engine_and_aborts_only_un
     assert engines[1].aborted == ["group=1/sample=1"] and engines[0].aborted == []
 
 
+def test_an_episodes_next_turn_goes_to_its_engine_under_fifo_and_in_line_by_its_group_under_fgd():
+    """FIFO sends a turn to the engine that served the previous one (its cache holds the conversation so far); FGD
+    holds it with the groups, so a frontier group's turn goes before a later group's first turns. A turn of an
+    aborted group is refused: its episode ends."""
+    engines = [FakeEngine("e0"), FakeEngine("e1")]
+    fifo = Admission(policy=AdmissionPolicy.fifo, engines=engines, concurrency=4)
+    for g in range(2):
+        fifo.add_group(g, group_requests(g, 1))
+    assert fifo.add_turn(1, SimpleNamespace(request_id="group=1/sample=0/turn=1"), "e1")  # (round robin: e0)
+    assert fifo.add_turn(0, SimpleNamespace(request_id="group=0/sample=0/turn=1"), "e0")
+    assert engines[0].running == ["group=0/sample=0", "group=0/sample=0/turn=1"]
+    assert engines[1].running == ["group=1/sample=0", "group=1/sample=0/turn=1"]
+    engine = FakeEngine("e0")
+    fgd = Admission(policy=AdmissionPolicy.fgd, engines=[engine], concurrency=1)
+    for g in (1, 2):
+        fgd.add_group(g, group_requests(g, 1))
+    fgd.pump(lambda: [1])
+    assert fgd.add_turn(0, SimpleNamespace(request_id="group=0/sample=0/turn=1"), "e0")
+    assert engine.running == ["group=1/sample=0"], "held while the engine is full"
+    engine.running.clear()
+    fgd.finished("group=1/sample=0", "e0")
+    fgd.pump(lambda: [0])
+    assert engine.running == ["group=0/sample=0/turn=1"]
+    assert fgd.abort_groups([2]) == 1 and not fgd.add_turn(2, SimpleNamespace(request_id="group=2/sample=0/turn=1"))
+
+
 def test_each_config_value_makes_its_own_policy_class_in_the_one_registration():
     """POLICIES is the only place a config value becomes a policy: Admission (the node's and the simulator's)
     makes its policy there, every AdmissionPolicy value has a class of its own, and each class has every method
@@ -57,7 +83,7 @@ def test_each_config_value_makes_its_own_policy_class_in_the_one_registration():
     assert set(POLICIES) == set(AdmissionPolicy) and len(set(POLICIES.values())) == len(AdmissionPolicy)
     assert POLICIES[AdmissionPolicy.fifo] is FifoPolicy and POLICIES[AdmissionPolicy.fgd] is FgdPolicy
     methods = {name for name, value in vars(Policy).items() if callable(value) and not name.startswith("_")}
-    assert methods == {"add_group", "pump", "retry", "engine_back", "drop"}
+    assert methods == {"add_group", "pump", "retry", "engine_back", "add_turn", "drop"}
     for value, policy_class in POLICIES.items():
         assert all(callable(getattr(policy_class, m, None)) for m in methods), policy_class
         assert type(Admission(policy=value, engines=[FakeEngine("e0")], concurrency=1).policy) is policy_class
