@@ -206,10 +206,6 @@ class Config:
             raise ValueError("rollout.speculative=true with an environment (environment.name): a draft is one "
                              "response, not an episode whose turns depend on the environment's replies; set "
                              "rollout.speculative=false.")
-        if self.eval.interval > 0 and self.eval.sets:
-            raise ValueError("evaluation (eval.sets) scores single responses with reward functions, and this run's "
-                             f"samples are episodes of environment {name!r}: evaluating episodes is not built yet. "
-                             "Set eval.interval=0 (or eval.sets=[]).")
 
     def engine_setup(self) -> EngineSetup:
         """What the engine parts read (rollout/engines/factory.py, rollout/engines/hosts.py)."""

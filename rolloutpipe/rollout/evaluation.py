@@ -5,6 +5,10 @@ each eval set (``eval.sets``: a data file in Slime's row format, or the syntheti
 the policy that step's rollout uses, scores it with the set's reward and sends the metrics to trainer rank 0
 with the step's record (store record ``step=<k>/eval``), which puts them in metrics.jsonl and W&B.
 
+With an environment (``environment.name``) each eval sample is an episode of the run's environment
+(rollout/environments/episodes.py): its turns ride as single eval requests do, a finished turn's next one goes first
+in line, and its reward is the environment's; the scoring threads take the environment's steps.
+
 Two modes (``eval.mode``):
 - ``tail`` (default): the eval requests of step k ride behind the step's training requests. They are held on the
   rollout node and handed to an engine only when it has a slot that training does not fill: after admission
@@ -56,12 +60,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
-from rolloutpipe.rollout.data import DataConfig, load_prompts
+from rolloutpipe.rollout.data import DataConfig, Openings, load_prompts
+from rolloutpipe.rollout.environments.episodes import Episode, EpisodeRunner, TurnRequest
 from rolloutpipe.rollout.rewards import RewardConfig, RewardPool
 from rolloutpipe.rollout.tasks import write_heldout_jsonl
-from rolloutpipe.types import FinishReason, GenerationRequest, GenerationResult, Prompt
+from rolloutpipe.types import EpisodeEnd, FinishReason, GenerationRequest, GenerationResult, Prompt
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +187,12 @@ class _EvalRequest:
     prompt: Prompt
     engine: object | None = None
     """The engine holding it, while it is submitted."""
+    episode: Episode | None = None
+    """A multi-turn episode's (environment.name): the request is its latest turn."""
+
+
+EpisodeRunners = Callable[[TurnRequest, int], EpisodeRunner]
+"""Makes an eval set's episode runner from its turn requests and its token budget (rollout/node.py)."""
 
 
 class Evaluation:
@@ -193,7 +205,12 @@ class Evaluation:
     """
 
     def __init__(self, *, cfg: EvalConfig, data: DataConfig, reward: RewardConfig, tokenizer, engines: list,
-                 concurrency: int, run_seed: int, max_response_len: int, run_dir: Path) -> None:
+                 concurrency: int, run_seed: int, max_response_len: int, run_dir: Path,
+                 episodes: EpisodeRunners | None = None, openings: Openings | None = None,
+                 num_threads: int = 1) -> None:
+        """With ``episodes`` (an environment) each eval sample is an episode of the run's environment, rewarded by
+        it (a set's ``reward`` is unused), its rows opened by ``openings``; ``num_threads`` scoring threads then
+        take the environment's steps."""
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.engines = engines
@@ -210,9 +227,11 @@ class Evaluation:
                     continue
                 path = (Path(s.path) if s.path is not None
                         else write_heldout_jsonl(data.task, run_dir / HELDOUT_DATA_FILE))
-                prompts = load_prompts(data, tokenizer, path)
+                prompts = load_prompts(data, tokenizer, path, openings=openings)
                 self.sets.append((s, prompts[: s.max_prompts] if s.max_prompts else prompts))
-        names = sorted({s.reward for s, _ in self.sets})
+        self._runners = [] if episodes is None else [
+            episodes(partial(self._turn_request, s), s.max_response_len or max_response_len) for s, _ in self.sets]
+        names = sorted({s.reward for s, _ in self.sets}) if episodes is None else []
         self.pools = {name: RewardPool(RewardConfig(name=name, timeout_s=reward.timeout_s, num_workers=1,
                                                     import_modules=list(reward.import_modules))) for name in names}
         self.step, self.policy_version, self.active = 0, 0, False
@@ -223,8 +242,10 @@ class Evaluation:
         self._outstanding = 0
         self._lock = threading.Lock()
         self._results: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="eval-scoring", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name=f"eval-scoring-{i}", daemon=True)
+                         for i in range(num_threads)]
+        for thread in self._threads:
+            thread.start()
 
     def due(self, step: int) -> bool:
         return self.cfg.due(step)
@@ -238,12 +259,29 @@ class Evaluation:
             for i, (s, prompts) in enumerate(self.sets):
                 for p, prompt in enumerate(prompts):
                     for k in range(s.n_samples_per_prompt):
+                        if self._runners:  # an episode: its first turn
+                            episode = Episode(prompt=prompt, step=step, group=p, sample=k, id_prefix=f"eval={s.name}/")
+                            self._pending.append(_EvalRequest(request=self._runners[i].first_request(episode),
+                                                              set_index=i, prompt=prompt, episode=episode))
+                            continue
                         request = GenerationRequest(
                             request_id=f"eval={s.name}/step={step}/prompt={p}/sample={k}", input_ids=prompt.input_ids,
                             max_new_tokens=s.max_response_len or self.max_response_len, temperature=s.temperature,
                             sampling_seed=eval_seed(self.run_seed, s.name, p, k), stop_token_ids=stop,
                             priority=EVAL_PRIORITY)
                         self._pending.append(_EvalRequest(request=request, set_index=i, prompt=prompt))
+
+    def _turn_request(self, s: EvalSetConfig, episode: Episode, turn: int, input_ids: list[int],
+                      max_new_tokens: int) -> GenerationRequest:
+        """An eval episode's turn: seeded by its id like a single eval sample (turn 0's is that sample's seed)."""
+        seed = eval_seed(self.run_seed, s.name, episode.group, episode.sample)
+        if turn:
+            seed = int.from_bytes(hashlib.sha256(f"{seed}/turn={turn}".encode()).digest()[:8], "little") >> 1
+        return GenerationRequest(
+            request_id=f"eval={s.name}/step={episode.step}/prompt={episode.group}/sample={episode.sample}"
+                       + (f"/turn={turn}" if turn else ""),
+            input_ids=input_ids, max_new_tokens=max_new_tokens, temperature=s.temperature, sampling_seed=seed,
+            stop_token_ids=[self.tokenizer.eos_token_id], priority=EVAL_PRIORITY)
 
     def pump(self, num_held: Callable[[object], int]) -> None:
         """Hand waiting eval requests to the slots training leaves free: an engine in service gets
@@ -340,8 +378,10 @@ class Evaluation:
         return record
 
     def close(self) -> None:
-        self._results.put(None)
-        self._thread.join(timeout=30)
+        for _ in self._threads:
+            self._results.put(None)
+        for thread in self._threads:
+            thread.join(timeout=30)
         for pool in self.pools.values():
             pool.close()
 
@@ -356,11 +396,29 @@ class Evaluation:
 
     def _score(self, r: _EvalRequest, result: GenerationResult) -> None:
         s = self.sets[r.set_index][0]
+        if r.episode is not None:
+            self._step_episode(r, result)
+            return
         text = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
         outcome = self.pools[s.reward].score(text, r.prompt.label, r.prompt.metadata)
         sample = EvalSample(set_name=s.name, prompt=int(r.request.request_id.split("/prompt=")[1].split("/")[0]),
                             reward=outcome.reward, num_tokens=len(result.output_ids),
                             truncated=result.finish_reason is FinishReason.LENGTH, reward_error=outcome.error,
                             policy_version=result.policy_version, finished_s=result.finished_s)
+        with self._lock:
+            self._scored.append(sample)
+
+    def _step_episode(self, r: _EvalRequest, result: GenerationResult) -> None:
+        """An eval episode's turn came back: its next turn goes first in line, or the finished episode is scored."""
+        out = self._runners[r.set_index].on_turn(r.episode, result)
+        if isinstance(out, GenerationRequest):
+            with self._lock:
+                self._pending.appendleft(_EvalRequest(request=out, set_index=r.set_index, prompt=r.prompt,
+                                                      episode=r.episode))
+            return
+        sample = EvalSample(set_name=self.sets[r.set_index][0].name, prompt=r.episode.group, reward=out.reward,
+                            num_tokens=len(out.response_ids), reward_error=out.reward_error,
+                            truncated=out.episode_end in (EpisodeEnd.length, EpisodeEnd.overflow),
+                            policy_version=out.policy_version, finished_s=result.finished_s)
         with self._lock:
             self._scored.append(sample)

@@ -87,10 +87,8 @@ class RolloutNode:
             self.source.load_state_dict(self.resumed.source_state)
         if cfg.run.resume is ResumeMode.auto:  # the step after the checkpoint is redone: its old spans go
             self.spans.resume_at(0 if self.resumed is None else self.resumed.step + 1)
-        episodes = None if self.environment is None else EpisodeRunner(
-            cfg=cfg.environment, pool=self.environment, tokenizer=self.tokenizer,
-            stop_token_ids=self._stop_token_ids(), max_response_len=cfg.rollout_max_response_len,
-            turn_request=self._turn_request, on_env_call=self._env_span)
+        episodes = None if self.environment is None else self._episode_runner(self._turn_request,
+                                                                               cfg.rollout_max_response_len)
         # an episode's environment calls block a reward thread: twice the workers keep every worker busy
         self.rewards = RewardThreads(pool=RewardPool(cfg.reward) if episodes is None else None,
                                      tokenizer=self.tokenizer, spans=self.spans, episodes=episodes,
@@ -123,7 +121,9 @@ class RolloutNode:
         self.evaluation = Evaluation(  # eval sets, their reward pools and scoring thread (evaluation.py)
             cfg=cfg.eval, data=cfg.data, reward=cfg.reward, tokenizer=self.tokenizer, engines=self.engines,
             concurrency=cfg.rollout.concurrency, run_seed=cfg.seed, max_response_len=cfg.rollout_max_response_len,
-            run_dir=env.run_dir)
+            run_dir=env.run_dir, **({} if self.environment is None else dict(  # eval samples are episodes too
+                episodes=self._episode_runner, openings=self.environment.openings,
+                num_threads=2 * cfg.environment.num_workers)))
         self.supervisor.also_held = self.evaluation.num_held  # an engine hung on eval requests is failed too
         self.drafts = Drafts(self.engines) if cfg.rollout.speculative else None
         """rollout.speculative: the next step's drafts, made in this step's tail (rollout/drafts.py)."""
@@ -208,6 +208,12 @@ class RolloutNode:
             sampling_seed=sampling_seed(cfg.seed, episode.step, episode.group, episode.sample, turn),
             stop_token_ids=self._stop_token_ids(),
             priority=episode.group if cfg.rollout.admission is AdmissionPolicy.fgd else 0)
+
+    def _episode_runner(self, turn_request, max_response_len: int) -> EpisodeRunner:
+        """Advances episodes whose turns ``turn_request`` makes (training's, or an eval set's)."""
+        return EpisodeRunner(cfg=self.cfg.environment, pool=self.environment, tokenizer=self.tokenizer,
+                             stop_token_ids=self._stop_token_ids(), max_response_len=max_response_len,
+                             turn_request=turn_request, on_env_call=self._env_span)
 
     def _stop_token_ids(self) -> list[int]:
         return [self.tokenizer.eos_token_id]

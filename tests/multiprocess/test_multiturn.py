@@ -15,18 +15,20 @@ pytestmark = pytest.mark.multiprocess
 
 SCRIPTED = ["environment.name=scripted", "environment.import_modules=[tests.fixtures.environments]",
             "environment.num_workers=2", "environment.max_turn_tokens=6", "rollout_max_response_len=80",
-            "data.apply_chat_template=true", "eval.interval=0", "run.save_samples=true"]
+            "data.apply_chat_template=true", "run.save_samples=true"]
 """Three-turn episodes of the scripted environment (tests/fixtures/environments.py) on the synthetic task's rows."""
 
 
 def test_multiturn_sync_and_cgp_with_fgd_train_the_same_bits(job_dir):
     """Ten steps of three-turn episodes: sync on one rank, cgp with FGD on two, the environment's seeded delays making
-    the groups complete in other orders. The same episodes (ids and masks), and every step's weights the same bits."""
+    the groups complete in other orders. The same episodes (ids and masks), and every step's weights the same bits.
+    Evaluation rides in the tail (steps 0 and 5, the synthetic task's held-out rows as episodes): the same metrics."""
     runs = {}
     for mode, jitter, extra in (("sync", "1", ["trainer.num_ranks=1"]),
                                 ("cgp", "5", ["trainer.num_ranks=2", "rollout.admission=fgd"])):
         runs[mode] = job_dir(mode)
         result = run_job(runs[mode], *SMALL, *SCRIPTED, *EXACT, "num_rollout=10", "rollout.num_engines=2",
+                         "eval.interval=5",
                          "rollout.concurrency=6", f"pipeline.mode={mode}", *extra, timeout_s=600,
                          environ={"RP_TEST_ENV_JITTER": jitter})
         assert result.returncode == 0, result.stderr[-3000:]
@@ -39,6 +41,9 @@ def test_multiturn_sync_and_cgp_with_fgd_train_the_same_bits(job_dir):
     assert [m["rollout/episodes_done"] for m in metrics] == [16] * 10 and metrics[0]["rollout/turns_mean"] == 3
     digests = {mode: weights_digests(run_dir) for mode, run_dir in runs.items()}
     assert len(digests["sync"]) == 10 and digests["sync"] == digests["cgp"], digests
+    evals = {mode: [{k: v for k, v in m.items() if k.startswith("eval/reversal_heldout/")}
+                    for m in read_metrics(run_dir) if m["step"] % 5 == 0] for mode, run_dir in runs.items()}
+    assert evals["sync"] == evals["cgp"] and evals["sync"][1]["eval/reversal_heldout/num_samples"] == 32, evals
 
 
 def test_a_failing_environment_is_counted_and_the_run_goes_on(job_dir, tmp_path):
@@ -49,7 +54,7 @@ def test_a_failing_environment_is_counted_and_the_run_goes_on(job_dir, tmp_path)
     path.write_text("".join(json.dumps({"prompt": "ab", "label": f"row{i}", "metadata": {"fault": f} if f else {}})
                             + "\n" for i, f in enumerate(faults)))
     run_dir = job_dir("faults")
-    result = run_job(run_dir, *SMALL, *SCRIPTED, f"data.path={path}", "environment.timeout_s=2",
+    result = run_job(run_dir, *SMALL, *SCRIPTED, f"data.path={path}", "environment.timeout_s=2", "eval.interval=0",
                      "reward.on_timeout=zero", "reward.max_failure_fraction=1.0", "rollout_batch_size=8",
                      "global_batch_size=32", "data.shuffle=false", timeout_s=400)
     assert result.returncode == 0, result.stderr[-3000:]

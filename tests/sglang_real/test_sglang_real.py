@@ -470,6 +470,36 @@ def test_dynamic_sampling_aborts_the_groups_it_no_longer_needs_on_sglang(model_d
         assert row["finish_reason"] != FinishReason.ABORT.value
 
 
+def test_sglang_serves_multiturn_episodes_token_in_and_token_out(model_dir, tmp_path):
+    """Three-turn episodes of the scripted environment on the real SGLang server (/generate with input_ids, the
+    conversation so far): each sample's model tokens are what SGLang returned for its turns (their count, from its
+    request spans), and between them stand the environment's turns, tokenized once, masked out."""
+    from rolloutpipe.observe.metrics import read_spans
+    from rolloutpipe.rollout.environments.chat import TurnTemplate
+
+    run_dir = tmp_path / "run"
+    finish(launch(run_dir, *[o for o in workload(model_dir) if not o.startswith("rollout_max_response_len=")],
+                  "pipeline.mode=cgp", "rollout.admission=fgd", "environment.name=scripted",
+                  "environment.import_modules=[tests.fixtures.environments]", "environment.max_turn_tokens=6",
+                  "rollout_max_response_len=80", "data.apply_chat_template=true", "eval.interval=0"))
+    tokenizer = build_tiny_tokenizer()
+    replies = [TurnTemplate(tokenizer, [tokenizer.eos_token_id]).ids([{"role": "user", "content": f"turn {t}"}])
+               for t in (1, 2)]
+    turns: dict[tuple[int, int, int], int] = {}
+    for span in read_spans(run_dir):
+        if span.name == "rollout/request":
+            key = (span.step, span.attrs["group"], span.attrs["sample"])
+            turns[key] = turns.get(key, 0) + span.attrs["num_tokens"]
+    rows = read_samples(run_dir)
+    assert len(rows) == 2 * 16
+    for row in rows:
+        step, group, sample = (int(part.split("=")[1]) for part in row["id"].split("/"))
+        assert (row["num_turns"], row["episode_end"]) == (3, "done"), row
+        mask, ids = row["response_mask"], row["response_ids"]
+        assert sum(mask) == turns[(step, group, sample)]
+        assert [t for t, m in zip(ids, mask) if m == 0] == replies[0] + replies[1]
+
+
 def test_an_attached_sglang_server_that_dies_stops_the_run_saying_it_cannot_be_restarted(model_dir, tmp_path):
     attached = start_sglang("attached", model_dir, tmp_path / "engines")
     key_file = tmp_path / "engine.key"

@@ -195,3 +195,22 @@ def test_an_opening_joins_the_prompt_through_the_chat_template(tmp_path, pool):
     [p] = load_prompts(DataConfig(path=str(path), apply_chat_template=True), build_tiny_tokenizer(), path,
                        openings=pool().openings)
     assert p.text == "<|im_start|>user:ab<|im_end|><|im_start|>user:go<|im_end|><|im_start|>assistant:"
+
+
+def test_what_an_environment_run_cannot_do_is_refused_at_launch_in_one_line(monkeypatch):
+    """A missing adapter's extra is named with its install command; an unknown environment without a module to
+    register it, and speculation (a draft is one response), are refused before any process starts."""
+    from rolloutpipe.config import Config
+    from rolloutpipe.rollout.config import RolloutConfig
+    from rolloutpipe.rollout.environments import base
+
+    real = base.importlib.util.find_spec
+    monkeypatch.setattr(base.importlib.util, "find_spec", lambda name: None if name == "verifiers" else real(name))
+    with pytest.raises(ValueError, match=r"^environment.name=verifiers needs the verifiers package, which is not "
+                                         r"installed: pip install -e '.\[verifiers\]' \(the verifiers extra\).$"):
+        Config(environment=EnvironmentConfig(name="verifiers"))
+    with pytest.raises(ValueError, match="list the module that registers it"):
+        Config(environment=EnvironmentConfig(name="mine"))
+    with pytest.raises(ValueError, match="rollout.speculative=true with an environment"):
+        Config(environment=EnvironmentConfig(name="lookup"), rollout=RolloutConfig(speculative=True))
+    assert Config(environment=EnvironmentConfig(name="lookup")).environment.name == "lookup"

@@ -42,6 +42,8 @@ class Episode:
     step: int
     group: int
     sample: int
+    id_prefix: str = ""
+    """Set apart from training's episodes on the environment workers (an eval set's: ``eval=<set>/``)."""
     response_ids: list[int] = field(default_factory=list)
     """Every token after the prompt: model turns and environment turns back to back."""
     mask: list[int] = field(default_factory=list)
@@ -51,6 +53,11 @@ class Episode:
     reward: float = 0.0
     policy_version: int | None = None
     """The first turn's weights, or a later turn's if it differs (rollout/samples.check_on_policy then stops)."""
+
+    @property
+    def episode_id(self) -> str:
+        """Its environment worker's name for it: ``step=<k>/group=<g>/sample=<s>`` (after ``id_prefix``)."""
+        return self.id_prefix + sample_id(self.step, self.group, self.sample)
 
 
 TurnRequest = Callable[[Episode, int, list[int], int], GenerationRequest]
@@ -86,8 +93,8 @@ class EpisodeRunner:
         if len(episode.response_ids) >= self.max_response_len:
             return self._ended(episode, result, EpisodeEnd.length)
         start = time.time()
-        outcome = self.pool.step(sample_id(episode.step, episode.group, episode.sample), episode.prompt.label,
-                                 episode.prompt.metadata, episode.responses)
+        outcome = self.pool.step(episode.episode_id, episode.prompt.label, episode.prompt.metadata,
+                                 episode.responses)
         self.on_env_call(episode, start, time.time(), outcome.error)
         if outcome.turn is None:
             end = EpisodeEnd.env_timeout if outcome.timed_out else EpisodeEnd.env_error
@@ -118,7 +125,7 @@ class EpisodeRunner:
     def _ended(self, episode: Episode, last: GenerationResult, end: EpisodeEnd, *, error: str | None = None
                ) -> Sample:
         """The episode ends on our side while its environment worker still holds it: the worker closes it."""
-        self.pool.end(sample_id(episode.step, episode.group, episode.sample))
+        self.pool.end(episode.episode_id)
         return self._sample(episode, last, end, error=error)
 
     def _sample(self, episode: Episode, last: GenerationResult, end: EpisodeEnd, *, error: str | None = None,
