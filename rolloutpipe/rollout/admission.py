@@ -136,11 +136,15 @@ class FifoPolicy:
 class FgdPolicy:
     """Frontier-group dispatch: hold requests on the rollout node and fill free engine slots with the frontier
     groups first, all samples of a group together, on the engine with the most free slots; then the other held
-    groups in group order. Requests taken off a failed engine wait with the others, in group order."""
+    groups in group order. Requests taken off a failed engine wait with the others, in group order. Episodes' next
+    turns wait with their group too, and go back to the engine of their previous turns while it has a free slot."""
 
     def __init__(self) -> None:
         self._waiting: dict[int, list[Request]] = {}
         """Held groups (and requests to retry), in group order."""
+        self._turn_engine: dict[int, EngineView] = {}
+        """A group whose episodes' next turns wait: the engine that served their previous turns (a group's requests
+        go to one engine together), preferred while it has a free slot: its prefix cache holds the conversations."""
 
     def add_group(self, admission: Admission, group: int, requests: Sequence[Request]) -> None:
         self._waiting[group] = list(requests)
@@ -153,6 +157,9 @@ class FgdPolicy:
             group = next(held, None)
             if group is None:
                 group = next(iter(self._waiting))
+            cached = self._turn_engine.pop(group, None)
+            if cached is not None and cached in admission.serving and admission.has_free_slot(cached):
+                engine = cached
             admission.submit(group, self._waiting.pop(group), engine)
             if (engine := admission.most_free()) is None:
                 return
@@ -167,8 +174,12 @@ class FgdPolicy:
 
     def add_turn(self, admission: Admission, group: int, request: Request, engine: EngineView | None) -> None:
         self.retry(admission, [(group, request)])  # in line by its group: the frontier's turns go first
+        if engine is not None:
+            self._turn_engine[group] = engine
 
     def drop(self, groups: list[int]) -> int:
+        for group in groups:
+            self._turn_engine.pop(group, None)
         return sum([len(self._waiting.pop(group, [])) for group in groups])
 
 
@@ -301,6 +312,9 @@ class Admission:
         self.serving = self._in_service()
         self._capacity = self.concurrency * len(self.serving)
         self.policy.engine_back(self)
+
+    def has_free_slot(self, engine: EngineView) -> bool:
+        return self._num_held.get(engine.name, 0) < self.concurrency
 
     def most_free(self) -> EngineView | None:
         """The engine in service with the most free slots, if it has one (a lock-free read of the counts)."""

@@ -74,6 +74,17 @@ def test_an_episodes_next_turn_goes_to_its_engine_under_fifo_and_in_line_by_its_
     fgd.pump(lambda: [0])
     assert engine.running == ["group=0/sample=0/turn=1"]
     assert fgd.abort_groups([2]) == 1 and not fgd.add_turn(2, SimpleNamespace(request_id="group=2/sample=0/turn=1"))
+    # FGD sends a group's turns back to the engine of their previous turns while it has a free slot, though another
+    # has more
+    engines = [FakeEngine("e0"), FakeEngine("e1")]
+    fgd = Admission(policy=AdmissionPolicy.fgd, engines=engines, concurrency=3)
+    fgd.add_group(0, group_requests(0, 2))
+    fgd.pump(lambda: [0])
+    assert engines[0].running == ["group=0/sample=0", "group=0/sample=1"]
+    fgd.finished("group=0/sample=0", "e0")
+    fgd.add_turn(0, SimpleNamespace(request_id="group=0/sample=0/turn=1"), "e0")
+    fgd.pump(lambda: [0])
+    assert engines[0].running[-1] == "group=0/sample=0/turn=1" and engines[1].running == []
 
 
 def test_each_config_value_makes_its_own_policy_class_in_the_one_registration():
