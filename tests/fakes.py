@@ -33,6 +33,9 @@ class FakeEngine:
         self.running: list = []
         self.aborted: list[str] = []
         self.weights: tuple[str, int] | None = None
+        """(path, version) loaded from disk, or (group name, version) received by broadcast."""
+        self.groups: list[tuple[str, int]] = []
+        """Weight-update groups joined: (group name, rank)."""
         self.shut_down = False
 
     def submit(self, request) -> None:
@@ -47,6 +50,12 @@ class FakeEngine:
 
     def update_weights_from_disk(self, path: str, policy_version: int) -> None:
         self.weights = (path, policy_version)
+
+    def init_weights_update_group(self, group, rank_offset: int) -> None:
+        self.groups.append((group.group_name, rank_offset))
+
+    def update_weights_from_distributed(self, buckets, group_name: str, policy_version: int) -> None:
+        self.weights = (group_name, policy_version)
 
     def shutdown(self) -> None:
         self.shut_down = True

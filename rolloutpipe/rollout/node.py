@@ -144,6 +144,7 @@ class RolloutNode:
 
     def load_weights(self, version: int) -> float:
         """Wait for policy ``version`` from the trainer and make every engine serve it."""
+        self.weights.prepare(version)  # distributed sync: a replaced engine's new group, before the trainer sends
         record = self.transport.wait_record(weights_record_key(self.transport, version),
                                             what=f"weights of policy_version {version}")
         if self.drafts is not None:  # the engines load weights with nothing in flight

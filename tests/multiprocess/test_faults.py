@@ -112,17 +112,21 @@ def test_a_stop_writes_the_last_finished_steps_checkpoint_and_the_resume_matches
 
 # Engine failure: the run goes on. (point, rollout.engine, which call of the point fails): each in step 1
 ENGINE_FAULTS = [
-    ("engine_crash", "embedded", 14),  # a decode step of step 1 raises in one engine's scheduler thread
-    ("engine_server_killed", "embedded_http", 20),  # step 1's 4th request: its engine's server is SIGKILLed
+    ("engine_crash", "embedded", 14, "disk"),  # a decode step of step 1 raises in one engine's scheduler thread
+    ("engine_server_killed", "embedded_http", 20, "disk"),  # step 1's 4th request: its engine's server is SIGKILLed
+    # the same under broadcast weight sync: the replacement joins a new weight-update group before step 2's policy
+    ("engine_server_killed", "embedded_http", 20, "distributed"),
 ]
 
 
-@pytest.mark.parametrize("point,engine,nth", ENGINE_FAULTS, ids=[f[0] for f in ENGINE_FAULTS])
+@pytest.mark.parametrize("point,engine,nth,weight_sync", ENGINE_FAULTS,
+                         ids=[f"{f[0]}-{f[3]}" for f in ENGINE_FAULTS])
 def test_a_failed_engine_loses_no_sample_and_the_run_matches_the_uninterrupted_one(
-        tmp_path, data, uninterrupted, point, engine, nth):
+        tmp_path, data, uninterrupted, point, engine, nth, weight_sync):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     procs = start_nodes(run_dir, *workload(data), f"rollout.engine={engine}", "rollout.num_engines=2",
+                        f"pipeline.weight_sync={weight_sync}",
                         commands={"rollout": ["-m", "tests.faults.inject", point, str(nth)]})
     outputs = {role: p.communicate(timeout=180) for role, p in procs.items()}
     for role, p in procs.items():

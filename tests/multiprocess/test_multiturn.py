@@ -28,7 +28,7 @@ def test_multiturn_sync_and_cgp_with_fgd_train_the_same_bits(job_dir):
                                 ("cgp", "5", ["trainer.num_ranks=2", "rollout.admission=fgd"])):
         runs[mode] = job_dir(mode)
         result = run_job(runs[mode], *SMALL, *SCRIPTED, *EXACT, "num_rollout=10", "rollout.num_engines=2",
-                         "eval.interval=5",
+                         "eval.interval=5", "environment.num_workers=4",
                          "rollout.concurrency=6", f"pipeline.mode={mode}", *extra, timeout_s=600,
                          environ={"RP_TEST_ENV_JITTER": jitter})
         assert result.returncode == 0, result.stderr[-3000:]

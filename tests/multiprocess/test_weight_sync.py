@@ -140,15 +140,3 @@ def test_distributed_weight_sync_trains_the_same_policy_as_disk_sync(job_dir):
     assert_digests_tell_identical_from_different(runs, {"disk": disk_w, "distributed": dist_w})
     difference = max((disk_w[k] - dist_w[k]).abs().max().item() for k in disk_w)
     assert difference < 1e-9, f"disk and distributed weight sync trained policies that differ by {difference}"
-
-
-def test_with_distributed_sync_a_failed_engine_stops_the_run_instead_of_a_restart_that_could_not_join():
-    from rolloutpipe.rollout.engines.supervisor import EngineFailed
-    from tests.fakes import Rollout
-
-    rollout = Rollout(num_engines=2, max_failures=3)
-    rollout.supervisor.weight_group = WeightGroup(master_address="127.0.0.1", master_port=1, world_size=3)
-    rollout.engines[1].error = RuntimeError("boom")
-    with pytest.raises(EngineFailed, match=r"engine engine1 failed: RuntimeError\('boom'\).*weight_sync=disk"):
-        rollout.supervisor.check()
-    assert rollout.restarted == []

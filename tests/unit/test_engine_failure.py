@@ -4,6 +4,7 @@ import time
 
 import pytest
 
+from rolloutpipe.control.weights.buckets import WeightGroup
 from rolloutpipe.rollout.admission import AdmissionPolicy
 from rolloutpipe.rollout.config import RolloutConfig
 from rolloutpipe.rollout.engines.supervisor import EngineFailed
@@ -46,6 +47,37 @@ def test_a_restarted_engine_serves_the_current_weights_and_takes_new_requests():
     for g in range(2):
         rollout.admission.add_group(g, group_requests(g, n=2))
     assert len(replacement.running) == 2 and len(rollout.engines[0].running) == 2
+
+
+def test_under_broadcast_weight_sync_a_replacement_waits_for_the_next_group_and_joins_it_with_the_others():
+    """pipeline.weight_sync=distributed: the replacement cannot join the formed group nor load the current policy, so
+    it stays out of service (its requests go to the other engine), a new group is asked for before the next policy,
+    and at the step boundary every engine joins that group, the replacement in its slot's rank."""
+    rollout = Rollout(num_engines=2)
+    supervisor, (e0, e1) = rollout.supervisor, rollout.engines
+    requested = []
+    supervisor.on_replaced = lambda num_engines, version: requested.append((num_engines, version))
+    supervisor.join_weight_group(WeightGroup(master_address="h", master_port=1, world_size=3, group_name="g-1"), 1)
+    supervisor.load_weights_distributed([], 3)
+    for g in range(2):
+        rollout.admission.add_group(g, group_requests(g, n=2))
+    e0.error = RuntimeError("server exited with code -9")
+    supervisor.check()
+    [replacement] = rollout.restarted
+    assert rollout.engines == [e1] and len(e1.running) == 4 and replacement.submitted == []
+    assert requested == [(2, 4)] and supervisor.replacements_waiting() == ["engine0-restart1"]
+    assert rollout.spans.spans == []  # not restarted yet: it serves nothing
+    supervisor.rejoin_weight_group(WeightGroup(master_address="h", master_port=2, world_size=3, group_name="g-2"), 1)
+    assert rollout.engines == [e1, replacement] and supervisor.replacements_waiting() == []
+    assert replacement.groups == [("g-2", 1)] and e1.groups == [("g-1", 2), ("g-2", 2)]
+    supervisor.load_weights_distributed([], 4)
+    assert replacement.weights == e1.weights == ("g-2", 4)
+    (name, span), = rollout.spans.spans
+    assert name == "rollout/engine_restart" and span["replacement"] == "engine0-restart1"
+    assert span["policy_version"] == 4
+    replacement.error = e1.error = RuntimeError("both lost")
+    with pytest.raises(EngineFailed, match="It was the last engine in service"):
+        supervisor.check()
 
 
 def test_with_one_engine_its_requests_wait_for_the_restarted_one():

@@ -58,7 +58,7 @@ def choose(*, sglang_started: bool, attached: bool, overlapped: bool) -> tuple[W
     if not sglang_started:
         return WeightSync.disk, "the engines run on CPU (rollout.engine is not sglang)"
     return WeightSync.distributed, ("SGLang engines on GPU nodes: trainer rank 0 broadcasts to them, no file; a "
-                                    "failed engine then stops the run (pipeline.weight_sync=disk would replace it)")
+                                    "failed engine's replacement joins a new group at the next step boundary")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -96,6 +96,12 @@ class EngineGroup(Protocol):
 
     def join_weight_group(self, group: WeightGroup, ranks_per_engine: int) -> None: ...
 
+    def rejoin_weight_group(self, group: WeightGroup, ranks_per_engine: int) -> None:
+        """The engines in service and the replacements of failed ones join a new group (distributed.py)."""
+
+    def replacements_waiting(self) -> list[str]:
+        """Replacements of failed engines that wait for the next weight-update group (names)."""
+
     def load_weights_distributed(self, buckets: list[Bucket], policy_version: int) -> None: ...
 
 
@@ -114,9 +120,13 @@ class WeightSender(Protocol):
 
 
 class WeightReceiver(Protocol):
-    """The rollout node's side: ``open`` once before the first step, ``load`` between steps."""
+    """The rollout node's side: ``open`` once before the first step, ``prepare`` then ``load`` between steps."""
 
     def open(self) -> None: ...
+
+    def prepare(self, version: int) -> None:
+        """Before the trainer's record of policy ``version`` is awaited: what must happen first (distributed.py: the
+        engines join a re-formed group, without which the trainer does not send)."""
 
     def load(self, record: dict, version: int) -> None:
         """Make every engine serve policy ``version``, described by the trainer's sealed ``record``."""

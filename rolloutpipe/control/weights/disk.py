@@ -248,6 +248,9 @@ class Receiver:
     def open(self) -> None:
         pass
 
+    def prepare(self, version: int) -> None:
+        pass  # a failed engine's replacement loads the file as every engine does
+
     def load(self, record: dict, version: int) -> None:
         """The engines read the file while a second thread checks its MAC: each reads the bytes once, at once."""
         path = self.visible_file(record, version)

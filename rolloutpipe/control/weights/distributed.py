@@ -25,9 +25,21 @@ packed while bucket i is on the wire (``Broadcaster.stream``). The bucket size t
 Who calls the engines: the rollout node, not the trainer. It alone knows when no request is in flight, and it
 already owns the engine list, the weight-update session and the version check. The trainer's broadcast just
 blocks until the engines join it. Backend (``weight_sync_backend``): nccl when SGLang engines on GPUs meet a
-trainer on GPUs (untested here: no GPU), gloo otherwise (the embedded engine; a CPU trainer). The group's
-membership is fixed when it forms, so a failed engine cannot be replaced by a fresh one (it could not join);
-with distributed sync an engine failure stops the run.
+trainer on GPUs (untested here: no GPU), gloo otherwise (the embedded engine; a CPU trainer).
+
+A lost engine. A group's membership is fixed when it forms, so a failed engine's replacement cannot join it; the
+group is re-formed at the next step boundary instead:
+
+    step k   rollout node: an engine fails; its requests go to the others (supervisor.py), its replacement starts
+             and waits out of service (it holds policy 0, not k); the node writes
+             ``weight_sync/regroup/policy_version=<k+1>`` (the engines' ranks in the new group)
+    k -> k+1 trainer rank 0 (``publish``): finds the request, leaves the old group, publishes the plan
+             ``weight_sync/plan/policy_version=<k+1>`` with a new group (new port, new name), joins it as rank 0
+             rollout node (``prepare``, before it waits for the weights record): reads the plan; the engines in
+             service and the replacements join the new group; then policy k+1 is broadcast to all of them
+    Every plan says which group policy k+1 goes on. An engine that fails after trainer rank 0 read its plan (in
+    the step's tail) finds no new group in it: the run stops, saying so, and resumes from the step's checkpoint.
+    A replacement on another rollout node (an engine host's restart) is not re-grouped yet: that stops the run.
 
 The process group is formed the way SGLang 0.5.23 forms it on the engine side (``init_custom_process_group``:
 a ``tcp://`` rendezvous whose rank 0 hosts the store, a ``PrefixStore`` named after the group, torch's group
@@ -51,11 +63,24 @@ import torch.distributed as dist
 from rolloutpipe.control.env import free_port, node_address
 from rolloutpipe.control.transport import Transport
 from rolloutpipe.control.weights import EngineGroup, PolicyWeights, WeightSyncSettings, weights_record_key
-from rolloutpipe.control.weights.buckets import Bucket, WeightGroup, pack, plan_buckets, unpack
+from rolloutpipe.control.weights.buckets import GROUP_NAME, Bucket, WeightGroup, pack, plan_buckets, unpack
 from rolloutpipe.control.weights.digest import Digest
 
 ENGINES_REPLACEABLE = False
-"""The group's membership is fixed when it forms: a fresh engine could not join it."""
+"""A lost engine host's engines are not re-grouped (a failed engine on the rollout node is: module docstring)."""
+
+GROUP_RECORD = ("weight_sync", "group")
+"""The first group (``open``)."""
+
+
+def plan_key(transport: Transport, version: int) -> str:
+    """Which group policy ``version`` is broadcast on (trainer rank 0 writes it before it sends)."""
+    return transport.key("weight_sync", f"plan/policy_version={version}")
+
+
+def regroup_key(transport: Transport, version: int) -> str:
+    """The rollout node's request to re-form the group before policy ``version`` (an engine was replaced)."""
+    return transport.key("weight_sync", f"regroup/policy_version={version}")
 
 def weight_sync_backend(engines_on_gpus: bool, on_gpu: bool) -> str:
     """nccl when both ends hold CUDA tensors (SGLang engines, a trainer on GPUs: Megatron with CUDA), else gloo.
@@ -148,6 +173,10 @@ class Broadcaster:
             raise joined["error"]
         self._pg = joined["pg"]
 
+    def leave(self) -> None:
+        """Leave the group (it is replaced by a new one): a member that died cannot hold this rank up."""
+        dist.destroy_process_group(self._pg)
+
     def plan(self, state: dict[str, torch.Tensor]) -> list[Bucket]:
         return plan_buckets(state, self.bucket_bytes)
 
@@ -186,21 +215,39 @@ class Sender:
         self.transport = transport
         self.policy = policy
         self.broadcaster: Broadcaster | None = None
+        self.generation = 0
+        """Groups formed so far (a new one each time an engine was replaced)."""
 
     def open(self) -> None:
-        settings = self.settings
-        group = WeightGroup(master_address=node_address(self.transport.address.host), master_port=free_port(),
-                            world_size=1 + settings.num_engine_ranks,
-                            backend=weight_sync_backend(settings.engines_on_gpus, self.policy.hf_on_gpu()))
-        self.transport.put_record(self.transport.key("weight_sync", "group"), group.to_json())
-        self.broadcaster = Broadcaster(group=group, bucket_bytes=settings.bucket_bytes,
-                                       timeout_s=settings.join_timeout_s,
-                                       check=lambda what: self.transport.liveness.check(waiting_for=what))
+        group = self._new_group(1 + self.settings.num_engine_ranks)
+        self.transport.put_record(self.transport.key(*GROUP_RECORD), group.to_json())
+        self.broadcaster = self._join(group)
+
+    def _new_group(self, world_size: int) -> WeightGroup:
+        """Each group gets its own port and name, so an engine may sit in an old one still."""
+        self.generation += 1
+        return WeightGroup(master_address=node_address(self.transport.address.host), master_port=free_port(),
+                           world_size=world_size, group_name=f"{GROUP_NAME}-{self.generation}",
+                           backend=weight_sync_backend(self.settings.engines_on_gpus, self.policy.hf_on_gpu()))
+
+    def _join(self, group: WeightGroup) -> Broadcaster:
+        """Rank 0 of ``group``; returns once every engine has joined."""
+        return Broadcaster(group=group, bucket_bytes=self.settings.bucket_bytes, timeout_s=self.settings.join_timeout_s,
+                           check=lambda what: self.transport.liveness.check(waiting_for=what))
 
     def publish(self, version: int, *, serves: bool) -> str:
         """Each bucket is broadcast as the policy yields it (a sharded one gathers it then), and digested; the last
-        policy only goes to the final checkpoint: its buckets are digested, not sent."""
+        policy only goes to the final checkpoint: its buckets are digested, not sent. Before sending, the group is
+        re-formed if the rollout node replaced an engine (module docstring)."""
         assert self.broadcaster is not None, "open() first"
+        if serves:
+            regroup = self.transport.read_record(regroup_key(self.transport, version))
+            group = None if regroup is None else self._new_group(1 + regroup["num_engine_ranks"])
+            self.transport.put_record(plan_key(self.transport, version),
+                                      {"group": None if group is None else group.to_json()})
+            if group is not None:
+                self.broadcaster.leave()
+                self.broadcaster = self._join(group)
         buckets, tensors = self.policy.hf_buckets()
         digest = Digest()
 
@@ -233,9 +280,27 @@ class Receiver:
         self.ranks_per_engine = settings.ranks_per_engine
 
     def open(self) -> None:
-        group = self.transport.wait_record(self.transport.key("weight_sync", "group"),
+        group = self.transport.wait_record(self.transport.key(*GROUP_RECORD),
                                            what="trainer rank 0's weight-update process group")
         self.engines.join_weight_group(WeightGroup(**group), self.ranks_per_engine)
+        self.engines.on_replaced = self._request_regroup
+
+    def _request_regroup(self, num_engines: int, version: int) -> None:
+        """An engine was replaced while the engines serve ``version - 1``: ask for a new group before ``version``."""
+        self.transport.put_record(regroup_key(self.transport, version),
+                                  {"num_engine_ranks": num_engines * self.ranks_per_engine})
+
+    def prepare(self, version: int) -> None:
+        plan = self.transport.wait_record(plan_key(self.transport, version),
+                                          what=f"trainer rank 0's plan for policy_version {version}")
+        if plan["group"] is not None:
+            self.engines.rejoin_weight_group(WeightGroup(**plan["group"]), self.ranks_per_engine)
+        elif waiting := self.engines.replacements_waiting():
+            raise RuntimeError(
+                f"with pipeline.weight_sync=distributed, {', '.join(waiting)} replaced a failed engine after trainer "
+                f"rank 0 had planned to send policy_version {version} on the old group, which the failed engine "
+                "can no longer join: stopping the run. Resume it (run.resume=auto): it restarts from the last "
+                "checkpoint with every engine in a new group.")
 
     def load(self, record: dict, version: int) -> None:
         if "buckets" not in record:

@@ -23,8 +23,11 @@ fresh engines: ``check`` keeps polling the retired slots, and each comes back in
 policy, as after a restart.
 
 With ``pipeline.weight_sync=distributed`` (control/weights/distributed.py) the engines form one process group with
-trainer rank 0, whose membership is fixed when it forms: a fresh engine could not join it, so there an engine
-failure stops the run (with that reason) instead of step 2.
+trainer rank 0, whose membership is fixed when it forms: the replacement cannot join it, nor load the current policy
+from a file. Step 2 then differs: the replacement waits out of service for the rest of the step (the others take
+its requests), the receiver asks trainer rank 0 for a new group before the next policy (``on_replaced``), and at
+the step boundary the engines in service and the replacements join it (``rejoin_weight_group``) and receive the
+next policy together. A replacement on another rollout node is not re-grouped yet: that failure stops the run.
 
 The supervisor has no thread: the rollout loop calls ``check`` every poll and ``load_weights`` between steps.
 The restart runs on that loop (seconds for a server process), while the other engines keep generating what
@@ -82,6 +85,13 @@ class EngineSupervisor:
         """The path and policy_version every engine serves; None: the model's own weights (policy_version 0)."""
         self.weight_group: WeightGroup | None = None
         """With distributed weight sync: the process group every engine joined (``join_weight_group``)."""
+        self.policy_version = 0
+        """What the engines serve (distributed weight sync: the next group is asked for before ``+ 1``)."""
+        self.on_replaced: Callable[[int, int], None] | None = None
+        """Distributed weight sync: told (engines in the next group, the policy it must be formed for) when a failed
+        engine's replacement waits for a new group (control/weights/distributed.py ``Receiver``)."""
+        self._awaiting_group: dict[int, tuple[_Pending, Engine]] = {}
+        """Distributed weight sync: slots whose replacement waits for the next group, out of service."""
         self.num_failures = [0] * len(engines)
         self._names = [e.name for e in engines]
         self._slot_of = {e.name: slot for slot, e in enumerate(engines)}
@@ -125,7 +135,7 @@ class EngineSupervisor:
     def load_weights(self, path: str, policy_version: int) -> None:
         """Serve ``policy_version`` on every engine from now on (between steps); an engine that fails is replaced.
         One restarting on another node loads it when it is back."""
-        self.weights = (path, policy_version)
+        self.weights, self.policy_version = (path, policy_version), policy_version
         for engine in list(self.engines):
             reason = self._failure(engine)
             if reason is None:
@@ -151,6 +161,27 @@ class EngineSupervisor:
             f"the engines to receive policy_version {policy_version}",
             lambda slot, engine: engine.update_weights_from_distributed(buckets, self.weight_group.group_name,
                                                                          policy_version))
+        self.policy_version = policy_version
+
+    def rejoin_weight_group(self, group: WeightGroup, ranks_per_engine: int) -> None:
+        """Between steps: the replacements that waited come into service, and every engine joins ``group`` (trainer
+        rank 0's new one), the replacement of slot i as the failed engine's ranks."""
+        awaiting, self._awaiting_group = self._awaiting_group, {}
+        for slot, (failure, replacement) in sorted(awaiting.items()):
+            self.engines.append(replacement)
+            self._slot_of[replacement.name] = slot
+            self._last_progress_s[replacement.name] = time.monotonic()
+        self.join_weight_group(group, ranks_per_engine)
+        for slot, (failure, replacement) in sorted(awaiting.items()):
+            log.warning("engine %s restarted as %s in %.1fs; it joined the new weight-update group and receives "
+                        "policy_version %d with the others.", failure.failed.name, replacement.name,
+                        time.time() - failure.start_s, self.policy_version + 1)
+            self.spans.add("rollout/engine_restart", step=self._step, start_s=failure.start_s, end_s=time.time(),
+                           engine=failure.failed.name, replacement=replacement.name, num_retried=failure.num_retried,
+                           reason=failure.reason, policy_version=self.policy_version + 1)
+
+    def replacements_waiting(self) -> list[str]:
+        return [replacement.name for _, replacement in self._awaiting_group.values()]
 
     def _on_every_engine(self, what: str, call: Callable[[int, Engine], None]) -> None:
         """``call`` on every engine at once, one thread each; any failure stops the run (see module docstring)."""
@@ -193,11 +224,6 @@ class EngineSupervisor:
                 f"(rollout.request_timeout_s={self.request_timeout_s:g}): hung")
 
     def _recover(self, slot: int, failed: Engine, reason: str) -> None:
-        if self.weight_group is not None:
-            raise EngineFailed(
-                f"engine {failed.name} failed: {reason}. With pipeline.weight_sync=distributed a failed engine cannot "
-                "be replaced (the weight-update process group's members are fixed when it forms); stopping the run. "
-                f"Use pipeline.weight_sync=disk to survive engine failures. Look at {self.where_to_look(failed)}")
         self.num_failures[slot] += 1
         num = self.num_failures[slot]
         base = self._names[slot]
@@ -218,6 +244,9 @@ class EngineSupervisor:
         except Exception as err:
             raise EngineFailed(f"engine {failed.name} failed ({reason}) and its restart failed: {err}. Look at "
                                f"{self.where_to_look(failed)}") from err
+        if self.weight_group is not None:  # waits for the next group (module docstring)
+            self._await_group(slot, failure, replacement)
+            return
         if hasattr(replacement, "poll"):  # on another node: out of service until its host has it up
             self.engines.remove(failed)
             failure.restart = replacement
@@ -277,9 +306,35 @@ class EngineSupervisor:
                        engine=failed.name, replacement=replacement.name, num_retried=failure.num_retried,
                        reason=failure.reason, policy_version=version)
 
+    def _await_group(self, slot: int, failure: _Pending, replacement: Engine) -> None:
+        """Distributed weight sync: the replacement cannot join the group, nor load the current policy from a file;
+        it waits out of service until the next step boundary's new group (``rejoin_weight_group``)."""
+        failed = failure.failed
+        if hasattr(replacement, "poll"):
+            raise EngineFailed(
+                f"engine {failed.name} failed: {failure.reason}. It restarts on another rollout node, and with "
+                "pipeline.weight_sync=distributed such a replacement cannot join the weight-update group yet; stopping "
+                f"the run. Use pipeline.weight_sync=disk to survive it. Look at {self.where_to_look(failed)}")
+        if failed in self.engines:
+            self.engines.remove(failed)
+        if not self.engines:
+            raise EngineFailed(
+                f"engine {failed.name} failed: {failure.reason}. It was the last engine in service, and with "
+                "pipeline.weight_sync=distributed its replacement can serve only from the next step's weights, which "
+                "wait for this step's samples; stopping the run. Resume it (run.resume=auto), or run more engines. "
+                f"Look at {self.where_to_look(failed)}")
+        self._awaiting_group[slot] = (failure, replacement)
+        self._check_enough(f"engine {failed.name} failed ({failure.reason}) and its replacement waits for the next "
+                           "step's weights")
+        log.warning("engine %s: its replacement %s waits out of service for the next weight-update group (trainer "
+                    "rank 0 forms it before policy_version %d).", failed.name, replacement.name,
+                    self.policy_version + 1)
+        assert self.on_replaced is not None, "the receiver sets on_replaced when the engines join the group"
+        self.on_replaced(len(self.engines) + len(self._awaiting_group), self.policy_version + 1)
+
     def _check_enough(self, what: str) -> None:
         """Stop the run when fewer than rollout.min_engines engines are in service or on their way back."""
-        if (num := len(self.engines) + len(self._pending)) < self.min_engines:
+        if (num := len(self.engines) + len(self._pending) + len(self._awaiting_group)) < self.min_engines:
             raise EngineFailed(f"{what}; {num} engines remain, fewer than rollout.min_engines={self.min_engines}: "
                                "stopping the run. Resume it (run.resume=auto) once the rollout nodes are back.")
 
