@@ -51,13 +51,20 @@ class Episode:
     responses: list[str] = field(default_factory=list)
     """Each model turn's text, as the environment saw it (a rebuilt environment replays them: pool.py)."""
     reward: float = 0.0
-    policy_version: int | None = None
-    """The first turn's weights, or a later turn's if it differs (rollout/samples.check_on_policy then stops)."""
+    policy_versions: list[int] = field(default_factory=list)
+    """Each model turn's weights, as the engine reported them."""
 
     @property
     def episode_id(self) -> str:
         """Its environment worker's name for it: ``step=<k>/group=<g>/sample=<s>`` (after ``id_prefix``)."""
         return self.id_prefix + sample_id(self.step, self.group, self.sample)
+
+
+def policy_version(episode: Episode) -> int:
+    """The episode's weights: its first turn's, or the first later turn's that differs (rollout/samples.
+    check_on_policy then stops the run), never hidden by a turn that came back to the first's."""
+    first = episode.policy_versions[0]
+    return next((v for v in episode.policy_versions if v != first), first)
 
 
 TurnRequest = Callable[[Episode, int, list[int], int], GenerationRequest]
@@ -87,8 +94,7 @@ class EpisodeRunner:
         episode.response_ids += result.output_ids
         episode.mask += [1] * len(result.output_ids)
         episode.logprobs += result.output_logprobs
-        if episode.policy_version is None or result.policy_version != episode.policy_version:
-            episode.policy_version = result.policy_version
+        episode.policy_versions.append(result.policy_version)
         episode.responses.append(self.tokenizer.decode(result.output_ids, skip_special_tokens=True))
         if len(episode.response_ids) >= self.max_response_len:
             return self._ended(episode, result, EpisodeEnd.length)
@@ -134,6 +140,6 @@ class EpisodeRunner:
             group=episode.group, index=episode.sample, response_ids=episode.response_ids, logprobs=episode.logprobs,
             response_text=self.tokenizer.decode(episode.response_ids, skip_special_tokens=True),
             finish_reason=last.finish_reason,
-            reward=0.0 if error is not None else episode.reward, policy_version=episode.policy_version,
+            reward=0.0 if error is not None else episode.reward, policy_version=policy_version(episode),
             reward_error=error, reward_timed_out=timed_out, response_mask=episode.mask,
             num_turns=len(episode.responses), episode_end=end)
