@@ -165,9 +165,12 @@ class FgdPolicy:
                 return
 
     def retry(self, admission: Admission, requests: list[tuple[int, Request]]) -> None:
+        new_group = False
         for group, request in requests:
+            new_group |= group not in self._waiting
             self._waiting.setdefault(group, []).append(request)
-        self._waiting = dict(sorted(self._waiting.items()))
+        if new_group:  # (a turn of a group already in line keeps its place: no sort on every turn)
+            self._waiting = dict(sorted(self._waiting.items()))
 
     def engine_back(self, admission: Admission) -> None:
         pass  # the next pump fills it
