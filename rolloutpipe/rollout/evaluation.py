@@ -154,10 +154,18 @@ class EvalSample:
     finished_s: float
 
 
-def eval_seed(run_seed: int, set_name: str, prompt: int, sample: int) -> int:
-    """The same at every evaluation: points of a curve differ by the policy, not by the draw."""
+def eval_seed(run_seed: int, set_name: str, prompt: int, sample: int, turn: int = 0) -> int:
+    """The same at every evaluation: points of a curve differ by the policy, not by the draw (an eval episode's turn
+    ``turn``: drawn from its turn 0's seed)."""
     digest = hashlib.sha256(f"{run_seed}/eval={set_name}/prompt={prompt}/sample={sample}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+    seed = int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+    if turn:
+        seed = int.from_bytes(hashlib.sha256(f"{seed}/turn={turn}".encode()).digest()[:8], "little") >> 1
+    return seed
+
+
+def eval_request_id(set_name: str, step: int, prompt: int, sample: int, turn: int = 0) -> str:
+    return f"eval={set_name}/step={step}/prompt={prompt}/sample={sample}" + (f"/turn={turn}" if turn else "")
 
 
 def set_metrics(name: str, n_samples: int, samples: Sequence[EvalSample]) -> dict[str, float | int]:
@@ -265,7 +273,7 @@ class Evaluation:
                                                               set_index=i, prompt=prompt, episode=episode))
                             continue
                         request = GenerationRequest(
-                            request_id=f"eval={s.name}/step={step}/prompt={p}/sample={k}", input_ids=prompt.input_ids,
+                            request_id=eval_request_id(s.name, step, p, k), input_ids=prompt.input_ids,
                             max_new_tokens=s.max_response_len or self.max_response_len, temperature=s.temperature,
                             sampling_seed=eval_seed(self.run_seed, s.name, p, k), stop_token_ids=stop,
                             priority=EVAL_PRIORITY)
@@ -274,13 +282,10 @@ class Evaluation:
     def _turn_request(self, s: EvalSetConfig, episode: Episode, turn: int, input_ids: list[int],
                       max_new_tokens: int) -> GenerationRequest:
         """An eval episode's turn: seeded by its id like a single eval sample (turn 0's is that sample's seed)."""
-        seed = eval_seed(self.run_seed, s.name, episode.group, episode.sample)
-        if turn:
-            seed = int.from_bytes(hashlib.sha256(f"{seed}/turn={turn}".encode()).digest()[:8], "little") >> 1
         return GenerationRequest(
-            request_id=f"eval={s.name}/step={episode.step}/prompt={episode.group}/sample={episode.sample}"
-                       + (f"/turn={turn}" if turn else ""),
-            input_ids=input_ids, max_new_tokens=max_new_tokens, temperature=s.temperature, sampling_seed=seed,
+            request_id=eval_request_id(s.name, episode.step, episode.group, episode.sample, turn),
+            input_ids=input_ids, max_new_tokens=max_new_tokens, temperature=s.temperature,
+            sampling_seed=eval_seed(self.run_seed, s.name, episode.group, episode.sample, turn),
             stop_token_ids=[self.tokenizer.eos_token_id], priority=EVAL_PRIORITY)
 
     def pump(self, num_held: Callable[[object], int]) -> None:
