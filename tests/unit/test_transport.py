@@ -150,6 +150,8 @@ def test_a_genuine_handle_replayed_to_another_step_or_run_is_refused_and_waited_
     waiting = InThread(lambda: other_run.wait_handle(step=0, seq=0, policy_version=0))
     time.sleep(0.5)
     assert waiting.thread.is_alive() and "run_id='run-a', expected 'run-b'" in caplog.text
+    other_run.publish(make_group(step=0, group=7), seq=0, inline_max_bytes=1 << 20)
+    assert waiting.join().group == 7  # no waiter left polling the store: one inside a store call at exit aborts
 
 
 def test_kept_values_come_back_after_an_outsiders_overwrite_and_deleted_ones_stay_deleted(transport):
