@@ -4,12 +4,15 @@ floor, in one invocation.
     python bench/weight_sync.py                          # about two minutes on 2 CPU cores, ~11 GB of memory
     python bench/weight_sync.py --bucket-mb 128 512 --dir /path/on/the/run/file/system
 
-Rows (each the best of ``--repeats``):
+The rows run in rounds, each round every row once in turn, so a burst of other work on a shared machine lands on
+one round, not on one row; each row is the median of ``--rounds``, each ratio the median of its rounds' ratios.
+Rows:
     memory copy          one copy of every tensor (torch ``copy_``): the physical floor
     disk: write / read   the floors of the disk way: the safetensors file written bucket by bucket with nothing else
                          (trainer), and read back by one engine (safetensors ``load_file``, every tensor copied once)
     disk: write + MAC    what ``pipeline.weight_sync=disk`` does on trainer rank 0 (disk.py ``write_weights``): each
-                         tensor hashed (BLAKE3, every core) while it is written; the step's weights digest included
+                         tensor hashed (BLAKE3 for the step's weights digest, GMAC for the file's MAC) on a second
+                         thread while it is written
     disk: read + check   what the rollout node does (disk.py ``Receiver.load``): one engine reads the file while the
                          node recomputes its MAC
     broadcast            ``pipeline.weight_sync=distributed`` over gloo to one engine process (distributed.py: a flat
@@ -31,12 +34,20 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from statistics import median
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 GB = 1e9
 KEY = b"bench" * 8
+DISK_ROWS = ("disk: write (trainer, the floor)", "disk: read (engine, the floor)",
+             "disk: write + MAC (trainer, one pass)", "disk: read + check (rollout, at once)")
+DISK_TOTAL = "disk: total (write + MAC, read + check)"
+
+
+def bucket_row(mb: float) -> str:
+    return f"broadcast (gloo, {mb:g} MiB buckets)"
 
 
 def qwen3_state(shape) -> dict:
@@ -60,13 +71,10 @@ def qwen3_state(shape) -> dict:
     return {name: torch.full(s, 0.5, dtype=torch.bfloat16) for name, s in shapes.items()}
 
 
-def best(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def memory_copy(state: dict) -> None:
@@ -86,6 +94,7 @@ def plain_write(state: dict, path: Path, bucket_bytes: int) -> None:
     from rolloutpipe.control.weights.disk import safetensors_header
 
     buckets, tensors = by_bucket(state, bucket_bytes)
+    path.unlink(missing_ok=True)  # a new file's pages, as write_weights gets (it writes a new file, then renames)
     with path.open("wb") as f:
         f.write(safetensors_header(buckets))
         for bucket_state in tensors:
@@ -93,10 +102,11 @@ def plain_write(state: dict, path: Path, bucket_bytes: int) -> None:
                 f.write(tensor_bytes(tensor))
 
 
-def one_pass_write(state: dict, path: Path, bucket_bytes: int) -> str:
+def one_pass_write(state: dict, path: Path, bucket_bytes: int):
     from rolloutpipe.control.weights.disk import file_key, write_weights
 
-    return write_weights(path, *by_bucket(state, bucket_bytes), file_key(KEY)).mac
+    path.unlink(missing_ok=True)
+    return write_weights(path, *by_bucket(state, bucket_bytes), file_key(KEY))
 
 
 def engine_read(path: Path) -> None:
@@ -106,18 +116,19 @@ def engine_read(path: Path) -> None:
         t.clone()
 
 
-def read_and_check(path: Path, mac: str) -> None:
+def read_and_check(path: Path, written) -> None:
     from rolloutpipe.control.weights.disk import file_key, file_mac
 
     checked: list[str] = []
-    checking = threading.Thread(target=lambda: checked.append(file_mac(path, file_key(KEY))))
+    salt = bytes.fromhex(written.salt)
+    checking = threading.Thread(target=lambda: checked.append(file_mac(path, file_key(KEY), salt)))
     checking.start()
     engine_read(path)
     checking.join()
-    assert checked == [mac]
+    assert checked == [written.mac]
 
 
-def broadcast_rank(rank: int, port: int, shapes: dict, bucket_mbs: list[float], repeats: int, results) -> None:
+def broadcast_rank(rank: int, port: int, shapes: dict, bucket_mbs: list[float], rounds: int, results) -> None:
     import torch
     import torch.distributed as dist
 
@@ -135,27 +146,25 @@ def broadcast_rank(rank: int, port: int, shapes: dict, bucket_mbs: list[float], 
         pg = join_group(group, 1, timeout_s=120)
     num_bytes = sum(t.numel() * t.element_size() for t in state.values())
 
-    def best(fn) -> float:
-        times = []
-        for _ in range(repeats):
-            dist.barrier(group=pg)
-            start = time.perf_counter()
-            fn()
-            dist.barrier(group=pg)
-            times.append(time.perf_counter() - start)
-        return min(times)
+    def timed_together(fn) -> float:
+        dist.barrier(group=pg)
+        start = time.perf_counter()
+        fn()
+        dist.barrier(group=pg)
+        return time.perf_counter() - start
 
     whole = torch.full((num_bytes,), 7, dtype=torch.uint8) if rank == 0 else None
-    results[("raw", rank)] = best(lambda: dist.broadcast(  # into a fresh tensor, as an engine receives
-        whole if whole is not None else torch.empty(num_bytes, dtype=torch.uint8), src=0, group=pg))
-    whole = None  # (freed before the bucketed runs)
-    for mb in bucket_mbs:
-        buckets = plan_buckets(state, int(mb * 2**20))
-        if rank == 0:
-            sender._buffers = [torch.empty(0, dtype=torch.uint8) for _ in range(2)]  # grown within the first run
-            results[(mb, rank)] = best(lambda b=buckets: sender.send(state, b, 1))
-        else:  # fresh buffers each time, as an engine receives them
-            results[(mb, rank)] = best(lambda b=buckets: [receive_bucket(pg, bucket) for bucket in b])
+    plans = {mb: plan_buckets(state, int(mb * 2**20)) for mb in bucket_mbs}
+    if rank == 0:
+        sender._buffers = [torch.empty(0, dtype=torch.uint8) for _ in range(2)]  # grown within the first round
+    for r in range(rounds):
+        results[("raw", rank, r)] = timed_together(lambda: dist.broadcast(  # into a fresh tensor, as an engine
+            whole if whole is not None else torch.empty(num_bytes, dtype=torch.uint8), src=0, group=pg))
+        for mb, buckets in plans.items():
+            if rank == 0:
+                results[(mb, rank, r)] = timed_together(lambda b=buckets: sender.send(state, b, 1))
+            else:  # fresh buffers each time, as an engine receives them
+                results[(mb, rank, r)] = timed_together(lambda b=buckets: [receive_bucket(pg, bucket) for bucket in b])
     dist.destroy_process_group(pg)
 
 
@@ -164,7 +173,7 @@ def main() -> None:
     parser.add_argument("--model-shape", default="qwen3-1.7b")
     parser.add_argument("--bucket-mb", type=float, nargs="+", default=[64.0, 256.0, 512.0],
                         help="bucket sizes to broadcast with (the disk file is written by the first)")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=None, help="where the disk rows write (default: as a one-node run)")
     args = parser.parse_args()
     import torch.multiprocessing as mp
@@ -178,36 +187,41 @@ def main() -> None:
     state = qwen3_state(QWEN3_SHAPES[args.model_shape])
     size = sum(t.numel() * t.element_size() for t in state.values())
     wall = time.perf_counter()
-    rows = {"memory copy": best(lambda: memory_copy(state), args.repeats)}
+    copy, write, read, write_mac, read_check = "memory copy", *DISK_ROWS
+    rows: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(dir=where, prefix="rolloutpipe-bench-") as tmp:
         path = Path(tmp) / "policy.safetensors"
-        write = rows["disk: write (trainer, the floor)"] = best(lambda: plain_write(state, path, bucket_bytes),
-                                                                args.repeats)
-        read = rows["disk: read (engine, the floor)"] = best(lambda: engine_read(path), args.repeats)
-        macs: list[str] = []
-        rows["disk: write + MAC (trainer, one pass)"] = best(
-            lambda: macs.append(one_pass_write(state, path, bucket_bytes)), args.repeats)
-        rows["disk: read + check (rollout, at once)"] = best(lambda: read_and_check(path, macs[-1]), args.repeats)
-    disk_total = rows["disk: total (write + MAC, read + check)"] = (rows["disk: write + MAC (trainer, one pass)"]
-                                                                    + rows["disk: read + check (rollout, at once)"])
+        for _ in range(args.rounds):
+            written: list = []
+            for name, fn in [(copy, lambda: memory_copy(state)),
+                             (write, lambda: plain_write(state, path, bucket_bytes)),
+                             (read, lambda: engine_read(path)),
+                             (write_mac, lambda: written.append(one_pass_write(state, path, bucket_bytes))),
+                             (read_check, lambda: read_and_check(path, written[-1]))]:
+                rows.setdefault(name, []).append(timed(fn))
+    rows[DISK_TOTAL] = [a + b for a, b in zip(rows[write_mac], rows[read_check], strict=True)]
     shapes = {k: tuple(v.shape) for k, v in state.items()}
     state.clear()  # the broadcast processes allocate their own
     results = mp.Manager().dict()
-    mp.spawn(broadcast_rank, args=(free_port(), shapes, args.bucket_mb, args.repeats, results), nprocs=2, join=True)
-    raw = rows["raw broadcast (gloo, one flat tensor)"] = max(results[("raw", 0)], results[("raw", 1)])
+    mp.spawn(broadcast_rank, args=(free_port(), shapes, args.bucket_mb, args.rounds, results), nprocs=2, join=True)
+    raw = "raw broadcast (gloo, one flat tensor)"
+    rows[raw] = [max(results[("raw", 0, r)], results[("raw", 1, r)]) for r in range(args.rounds)]
     for mb in args.bucket_mb:
-        rows[f"broadcast (gloo, {mb:g} MiB buckets)"] = max(results[(mb, 0)], results[(mb, 1)])
-    floor = rows["memory copy"]
+        rows[bucket_row(mb)] = [max(results[(mb, 0, r)], results[(mb, 1, r)]) for r in range(args.rounds)]
+    floor = median(rows[copy])
     print(f"{args.model_shape} bfloat16: {size / GB:.2f} GB, {os.cpu_count()} CPUs, disk rows in {where}, "
-          f"best of {args.repeats}, {time.perf_counter() - wall:.0f} s wall")
+          f"median of {args.rounds} rounds, {time.perf_counter() - wall:.0f} s wall")
     print("| transport | seconds | GB/s | x memory copy |")
     print("|---|---|---|---|")
-    for name, seconds in rows.items():
+    for name, times in rows.items():
+        seconds = median(times)
         print(f"| {name} | {seconds:.2f} | {size / GB / seconds:.2f} | {seconds / floor:.1f} |")
-    print(f"disk total / (write + read) = {disk_total / (write + read):.2f} (goal <= 1.3)")
+    disk = [t / (w + r) for t, w, r in zip(rows[DISK_TOTAL], rows[write], rows[read], strict=True)]
+    print(f"disk total / (write + read) = {median(disk):.2f} [{min(disk):.2f}, {max(disk):.2f}] (goal <= 1.3)")
     for mb in args.bucket_mb:
-        ratio = rows[f"broadcast (gloo, {mb:g} MiB buckets)"] / raw
-        print(f"broadcast with {mb:g} MiB buckets / raw broadcast = {ratio:.2f} (goal <= 1.2)")
+        ratio = [b / f for b, f in zip(rows[bucket_row(mb)], rows[raw], strict=True)]
+        print(f"broadcast with {mb:g} MiB buckets / raw broadcast = {median(ratio):.2f} "
+              f"[{min(ratio):.2f}, {max(ratio):.2f}] (goal <= 1.2)")
 
 
 if __name__ == "__main__":

@@ -48,7 +48,8 @@ def receiver(run_dir: Path, engines=None, timeout_s: float = 60.0) -> Receiver:
 
 
 def record(version: int, out) -> dict:
-    return {"path": weights_file(version), "policy_version": version, "size": out.size, "mac": out.mac}
+    return {"path": weights_file(version), "policy_version": version, "size": out.size, "mac": out.mac,
+            "salt": out.salt}
 
 
 # --- the disk way: one pass over the bytes on each side -----------------------------------------------------------
@@ -64,17 +65,28 @@ def test_the_file_written_in_one_pass_is_what_safetensors_reads_and_carries_the_
         assert loaded[name].dtype == tensor.dtype and loaded[name].shape == tensor.shape
         assert torch.equal(loaded[name], tensor), name
     assert out.weights_digest == weights_digest(state)  # the step's digest, without reading the file back
-    assert out.size == path.stat().st_size and file_mac(path, file_key(ATTEMPT_KEY)) == out.mac
+    assert out.size == path.stat().st_size and file_mac(path, file_key(ATTEMPT_KEY), bytes.fromhex(out.salt)) == out.mac
     assert not path.with_suffix(".tmp").exists()
 
 
-@pytest.mark.parametrize("where", ["first data byte", "last data byte", "header", "appended byte", "cut"])
-def test_a_changed_weights_file_is_refused(tmp_path, where):
+@pytest.mark.parametrize("where", ["first data byte", "last data byte", "header", "appended byte", "cut",
+                                   "a middle chunk", "two chunks swapped"])
+def test_a_changed_weights_file_is_refused(tmp_path, monkeypatch, where):
+    """Any change to the file: a byte of a tensor or of the header, one added or cut. With 8-byte MAC chunks (each
+    tensor in several, each its own GMAC), also a byte in a chunk between others, and two equal-length chunks of one
+    tensor swapped (each chunk genuine, in the wrong place)."""
+    monkeypatch.setattr("rolloutpipe.control.weights.disk.MAC_CHUNK_BYTES", 8)
     path = tmp_path / weights_file(2)
     out = written(path, policy())
+    receiver(tmp_path).check_file(path, record(2, out), 2)  # unchanged, it passes
     data = bytearray(path.read_bytes())
     start = 8 + int.from_bytes(data[:8], "little")
-    if where == "first data byte":
+    if where == "a middle chunk":
+        data[start + 20] ^= 4  # the embedding's third chunk of seven
+    elif where == "two chunks swapped":
+        data[start:start + 16] = data[start + 8:start + 16] + data[start:start + 8]
+        assert data[start:start + 8] != data[start + 8:start + 16]
+    elif where == "first data byte":
         data[start] ^= 1
     elif where == "last data byte":
         data[-1] ^= 0x80
@@ -99,9 +111,43 @@ def test_a_record_naming_another_attempts_or_a_made_up_mac_is_refused(tmp_path):
     with pytest.raises(RuntimeError, match="does not have the MAC"):
         receiver(tmp_path).check_file(path, record(3, other), 3)
     key = "rp/run/weights/policy_version=3"
-    forged = seal(b"an outsider's secret", key, {**record(3, out), "mac": file_mac(path, file_key(b"guess"))})
+    forged = seal(b"an outsider's secret", key, {**record(3, out), "mac": file_mac(path, file_key(b"guess"), b"")})
     with pytest.raises(Forged):
         unseal(ATTEMPT_KEY, key, forged)
+
+
+def test_each_file_has_a_fresh_salt_and_a_record_with_another_salt_is_refused(tmp_path):
+    """The same policy written twice: two salts, two MACs (no GMAC key and nonce pair authenticates two files); the
+    second file's MAC under the first file's salt, or with no salt in the record, is refused."""
+    path = tmp_path / weights_file(4)
+    first, second = written(tmp_path / "first.safetensors", policy()), written(path, policy())
+    assert first.salt != second.salt and first.mac != second.mac and first.weights_digest == second.weights_digest
+    receiver(tmp_path).check_file(path, record(4, second), 4)
+    for salt in (first.salt, None, "not hex"):
+        with pytest.raises(RuntimeError, match="does not have the MAC"):
+            receiver(tmp_path).check_file(path, {**record(4, second), "salt": salt}, 4)
+
+
+def test_no_gmac_key_and_nonce_pair_authenticates_two_chunks(tmp_path, monkeypatch):
+    """GMAC's one rule (a key and nonce pair used twice gives its key away): over two writes of one policy, in 8-byte
+    chunks, every chunk the trainer authenticates has a pair of its own."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    used: list[tuple[bytes, bytes]] = []
+
+    class Recording:
+        def __init__(self, key: bytes) -> None:
+            self.key, self.aead = key, AESGCM(key)
+
+        def encrypt(self, nonce: bytes, data: bytes, associated_data) -> bytes:
+            used.append((self.key, nonce))
+            return self.aead.encrypt(nonce, data, associated_data)
+
+    monkeypatch.setattr("rolloutpipe.control.weights.disk.AESGCM", Recording)
+    monkeypatch.setattr("rolloutpipe.control.weights.disk.MAC_CHUNK_BYTES", 8)
+    for _ in range(2):
+        written(tmp_path / weights_file(1), policy())
+    assert len(used) == 2 * (7 + 4 + 1 + 1 + 4 + 3) and len(set(used)) == len(used)  # policy()'s chunks, twice
 
 
 def _plan(state):
