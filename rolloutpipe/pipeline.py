@@ -155,6 +155,7 @@ def run_trainer(node: TrainerNode) -> None:
         stats = train_step(node, step)
         with node.trainer.writer_reads():  # a sharded backend's other ranks join rank 0's gathers
             stats.weight_sync_s, stats.weights_digest = sync_weights(node, step + 1) if node.is_writer else (0.0, "")
+        node.trainer.apply_deferred_update()  # (all of it applied by weight sync, bucket by bucket, as a rule)
         node.end_step(step, stats)
         node.stop_if_requeued(step)  # Slurm warned of the time limit: stop at this step's checkpoint, be requeued
     node.finish()
@@ -205,7 +206,10 @@ def train_step(node: TrainerNode, step: int) -> TrainStats:
             num_micro_batches = [0] * world
             with spans.span("train/optimizer_step", step=step, batch=work.batch, policy_version=step,
                             groups=work.groups):
-                result = trainer.finish_batch()  # all-reduce, normalise once, clip, step
+                # all-reduce, normalise once, clip, step; the step's last update on rank 0 as weight sync sends
+                # each bucket, so that the first buckets leave while the last are updated (grpo_trainer.py)
+                result = trainer.finish_batch(defer_update=node.is_writer
+                                              and work.batch == cfg.num_steps_per_rollout - 1)
             optimizer_s = time.time() - start
             stats.losses.append(result.loss)
             stats.grad_norms.append(result.grad_norm)

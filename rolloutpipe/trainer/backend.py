@@ -50,8 +50,13 @@ class PolicyBackend(Protocol):
     def forward_backward(self, samples: list[TrainSample], *, first_batch_of_step: bool) -> LossSums:
         """One micro-batch: accumulate the gradient of its loss sum; communicates nothing."""
 
-    def finish_batch(self) -> BatchResult:
-        """The training batch is complete (on every rank): its one optimizer step."""
+    def finish_batch(self, *, defer_update: bool = False) -> BatchResult:
+        """The training batch is complete (on every rank): its one optimizer step. ``defer_update`` (the step's last
+        batch, on the rank that sends the weights): applied bucket by bucket as ``hf_buckets`` yields, where the
+        backend can (grpo_trainer.py)."""
+
+    def apply_deferred_update(self) -> None:
+        """Apply what ``hf_buckets`` has not of a deferred update (nothing if none)."""
 
     def load_reference(self, model: torch.nn.Module) -> None:
         """Keep the HF ``model`` frozen as the reference of grpo.kl_loss_coef (GRPOTrainer's, through its hook

@@ -60,7 +60,7 @@ from rolloutpipe.trainer.grpo import LossSums
 from rolloutpipe.trainer.grpo_trainer import GRPOTrainer, TrainSample, pack
 from rolloutpipe.trainer.lead import LeadReads
 from rolloutpipe.trainer.logprobs import token_entropy, token_logprobs
-from rolloutpipe.trainer.torch_backend import MASTER, clip_grad_norm, enable_recompute, logprob_head
+from rolloutpipe.trainer.torch_backend import MASTER, clip_grad_norm, enable_recompute, logprob_head, step_only
 
 _GATHER = 1
 """Rank 0's request to the other ranks inside ``writer_reads`` (lead.py)."""
@@ -69,6 +69,7 @@ _GATHER = 1
 class FSDPTrainer(GRPOTrainer):
     collective_micro_batches = True
     sharded_checkpoint = True
+    updates_by_bucket = True
 
     def __init__(self, *, model: torch.nn.Module, cfg: TrainerConfig, grpo: GRPOConfig, temperature: float,
                  pad_id: int, multi_step: bool, process_group_active: bool, old_logprobs: OldLogprobSource) -> None:
@@ -179,16 +180,18 @@ class FSDPTrainer(GRPOTrainer):
             self._exact.take_into_grads(next(self.root.parameters()).dtype, scale=scale)
             params = [p for p in self.root.parameters() if p.grad is not None]
             grad_norm = clip_gathered_grad_norm(params, self.cfg.max_grad_norm)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            self._update_or_defer()
             return grad_norm
         grads = [p.grad for p in self.root.parameters() if p.grad is not None]
         for g in grads:
             g.mul_(scale)
         grad_norm = clip_sharded_grad_norm(grads, self.cfg.max_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._update_or_defer()
         return grad_norm
+
+    def _update(self, names: list[str] | None) -> None:
+        """AdamW on this rank's shards of the parameters of ``names`` (None: all) still holding a gradient."""
+        step_only(self.optimizer.optimizer, None if names is None else [self._names[n] for n in names])
 
     # -- sharded checkpoints ----------------------------------------------------------------------------
     def training_shards(self) -> dict[str, Shard]:
@@ -254,8 +257,8 @@ class FSDPTrainer(GRPOTrainer):
             state |= bucket
         return state
 
-    def hf_buckets(self) -> tuple[list[Bucket], Iterator[dict[str, torch.Tensor]]]:
-        """The policy by buckets, each gathered only when its turn comes (broadcast weight sync)."""
+    def _hf_buckets(self) -> tuple[list[Bucket], Iterator[dict[str, torch.Tensor]]]:
+        """The policy by buckets, each gathered only when its turn comes."""
         return self._plan(), self._lead_gather()
 
     def hf_on_gpu(self) -> bool:

@@ -24,6 +24,16 @@ fallback); the engine's are the samples' own. KL to a reference (``grpo.kl_loss_
 log-probs from the policy's own ``_logprobs`` under the reference's parameters, which ``load_reference`` keeps
 (the hook ``_reference_params``: each backend's layout and sharding of an HF model's weights).
 
+The step's last update, bucket by bucket. Weight sync sends the policy bucket by bucket right after the step's last
+optimizer update. Trainer rank 0 defers that update (``finish_batch(defer_update=True)``: the gradients are summed,
+scaled and clipped, but not yet applied), and ``hf_buckets`` applies it to each bucket's parameters just before it
+takes that bucket's tensors, on a thread one bucket ahead of weight sync: while bucket j is written or broadcast,
+bucket j + 1 is updated and gathered, so the last bucket leaves a bucket's time after the update instead of a whole
+model's. The update is the same to the bit (AdamW is elementwise; each parameter is stepped once, from the same
+gradient, clipped by the same global norm), and ``apply_deferred_update`` applies whatever is left (the node calls
+it before anything else reads the weights). A backend that cannot step part of its parameters (Megatron's
+distributed optimizer steps as one) applies the whole update before the first bucket.
+
 Precision. Token counts come from the response mask's non-zeros (exact integers in every dtype); log-probs, the
 loss and its sums are float32 at least, whatever the model's dtype.
 """
@@ -32,6 +42,8 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import queue
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -99,6 +111,8 @@ class GRPOTrainer(abc.ABC):
     bucket_bytes = 512 << 20
     sharded_checkpoint = False
     """Whether each rank checkpoints its own shards (backend.PolicyBackend); FSDP's do."""
+    updates_by_bucket = False
+    """Whether ``_update`` can step part of the parameters (module docstring: the step's last update)."""
     """How much of the unsharded policy a sharded backend gathers at once (the node sets
     pipeline.weight_sync_bucket_mb)."""
 
@@ -117,6 +131,9 @@ class GRPOTrainer(abc.ABC):
         """The frozen reference's parameters under the policy's names (``load_reference``), for grpo.kl_loss_coef."""
         self._totals = BatchTotals()
         self._exact: ExactGradientSum | None = None
+        self._deferring = False
+        self._deferred = False
+        """Whether a batch's update is summed, scaled and clipped but not applied yet (``apply_deferred_update``)."""
         """With trainer.exact_accumulation: each micro-batch's gradient, summed as integers (``sum_exactly``)."""
 
     def sum_exactly(self, num_samples_per_batch: int) -> None:
@@ -155,12 +172,18 @@ class GRPOTrainer(abc.ABC):
         self._totals.add(sums)
         return sums
 
-    def finish_batch(self) -> BatchResult:
-        """Sum over the data-parallel ranks, normalise once, clip and step: the batch's one optimizer update."""
+    def finish_batch(self, *, defer_update: bool = False) -> BatchResult:
+        """Sum over the data-parallel ranks, normalise once, clip and step: the batch's one optimizer update.
+        ``defer_update``: the step's last batch on the rank that sends the weights; the update is applied bucket by
+        bucket as ``hf_buckets`` yields (module docstring), where the backend can."""
         with self._framework_calls():
             total = self._totals.reduce(self.all_reduce, with_max=self.grpo.corrects_rollout)
             scale = 1.0 / normaliser(self.grpo, num_tokens=total.num_loss_tokens, num_samples=total.num_loss_samples)
-            grad_norm = self._optimizer_step(scale)
+            self._deferring = defer_update and self.updates_by_bucket
+            try:
+                grad_norm = self._optimizer_step(scale)
+            finally:
+                self._deferring = False
         self._totals = BatchTotals()
         return BatchResult(loss=total.loss * scale, grad_norm=grad_norm, num_tokens=total.num_tokens,
                            num_clipped_tokens=total.num_clipped_tokens, entropy_sum=total.entropy_sum, totals=total,
@@ -195,10 +218,84 @@ class GRPOTrainer(abc.ABC):
 
     def hf_buckets(self) -> tuple[list[Bucket], Iterator[dict[str, torch.Tensor]]]:
         """The policy under HF names by ``plan_buckets`` buckets of ``bucket_bytes``: the plan, and each bucket's
-        tensors in turn (a sharded backend gathers one bucket at a time)."""
+        tensors in turn (a sharded backend gathers one bucket at a time). A deferred update is applied to each
+        bucket's parameters before its tensors are taken, one bucket ahead on a thread (module docstring)."""
+        if not self._deferred:
+            return self._hf_buckets()
+        buckets, tensors = self._hf_buckets()
+        return buckets, self._updated_ahead(buckets, tensors)
+
+    def apply_deferred_update(self) -> None:
+        """Apply what is left of a deferred update (every rank calls it after weight sync; nothing if none)."""
+        if self._deferred:
+            with self._framework_calls():
+                self._update(None)
+            self._deferred = False
+
+    def _updated_ahead(self, buckets: list[Bucket],
+                       tensors: Iterator[dict[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
+        """``tensors``, each bucket's parameters updated first, produced on a thread while the caller sends the
+        bucket before (two buckets alive at most besides the caller's: the one it sends, the next one).
+
+        Weights-ahead thread (one per ``hf_buckets`` call)
+            consumes   the deferred update, bucket by bucket; the backend's bucket iterator (FSDP: its gathers)
+            produces   each bucket's tensors, in order, for the caller
+            waits for  room: the caller asking for the next bucket
+            shuts down after the last bucket, or when the caller leaves (it finishes the bucket in hand)"""
+        ready: queue.SimpleQueue = queue.SimpleQueue()
+        room, leaving = threading.Semaphore(2), threading.Event()
+
+        def produce() -> None:
+            try:
+                if self.device is not None:
+                    torch.cuda.set_device(self.device)
+                for bucket in buckets:
+                    room.acquire()
+                    if leaving.is_set():
+                        return
+                    with self._framework_calls():
+                        self._update(list(bucket.names))
+                        ready.put((True, next(tensors)))
+                ready.put((True, None))
+            except BaseException as err:  # noqa: BLE001 - raised in the caller's thread
+                ready.put((False, err))
+
+        thread = threading.Thread(target=produce, name="weights-ahead", daemon=True)
+        thread.start()
+        try:
+            while True:
+                ok, item = ready.get()
+                if not ok:
+                    raise item
+                if item is None:
+                    break
+                yield item
+                room.release()
+        finally:
+            leaving.set()
+            room.release()
+            thread.join()
+        self.apply_deferred_update()
+
+    def _hf_buckets(self) -> tuple[list[Bucket], Iterator[dict[str, torch.Tensor]]]:
+        """Hook: ``hf_buckets`` without a deferred update. Each bucket's tensors must be taken when it is asked for
+        (not before): its parameters are updated just before. The default takes ``hf_state`` whole, so a backend
+        using it must not set ``updates_by_bucket``."""
         state = self.hf_state()
         buckets = plan_buckets(state, self.bucket_bytes)
         return buckets, ({name: state[name] for name in bucket.names} for bucket in buckets)
+
+    def _update_or_defer(self) -> None:
+        """The end of ``_optimizer_step``: the gradients are in place, summed, scaled and clipped; step."""
+        if self._deferring:
+            self._deferred = True
+        else:
+            self._update(None)
+
+    def _update(self, names: list[str] | None) -> None:
+        """Hook (``updates_by_bucket`` backends): step the optimizer on the parameters of HF ``names`` (None:
+        every one) that still hold a gradient, and drop their gradients (``step_only``)."""
+        raise NotImplementedError(f"{type(self).__name__} steps its optimizer in _optimizer_step")
 
     def hf_on_gpu(self) -> bool:
         """Whether ``hf_state``'s tensors are CUDA tensors (broadcast weight sync then uses NCCL)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from rolloutpipe.control.weights.buckets import plan_buckets
 from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
 from rolloutpipe.trainer.exact_sum import ExactGradientSum, all_reduce_flat
 from rolloutpipe.trainer.grpo_trainer import GRPOTrainer
@@ -32,6 +33,8 @@ MASTER = "master"
 
 
 class PolicyTrainer(GRPOTrainer):
+    updates_by_bucket = True
+
     def __init__(self, *, model: torch.nn.Module, cfg: TrainerConfig, grpo: GRPOConfig, temperature: float,
                  pad_id: int, multi_step: bool, process_group_active: bool, old_logprobs: OldLogprobSource) -> None:
         super().__init__(cfg=cfg, grpo=grpo, temperature=temperature, pad_id=pad_id, multi_step=multi_step,
@@ -54,6 +57,10 @@ class PolicyTrainer(GRPOTrainer):
         )
         if self._master is not None:  # a checkpoint's float32 masters, as its state is loaded (resume)
             self.optimizer.register_load_state_dict_post_hook(_adopt_masters)
+        named = list(model.named_parameters())
+        self._pairs = list(zip([p for _, p in named], self._master or [p for _, p in named], strict=True))
+        """(model parameter, the tensor AdamW steps: the parameter, or its float32 master)."""
+        self._pairs_by_name = {name: pair for (name, _), pair in zip(named, self._pairs, strict=True)}
 
     def sum_exactly(self, num_samples_per_batch: int) -> None:
         self._exact = ExactGradientSum([p for p in self.model.parameters() if p.requires_grad],
@@ -61,10 +68,20 @@ class PolicyTrainer(GRPOTrainer):
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """The policy under HF names on the CPU (tied lm_head left out, as save_pretrained does)."""
-        state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        return {k: v.cpu() for k, v in self._hf_tensors().items()}
+
+    def _hf_tensors(self) -> dict[str, torch.Tensor]:
+        """The policy under HF names where it lives (views of the parameters: no copy)."""
+        state = {k: v.detach() for k, v in self.model.state_dict().items()}
         if getattr(self.model.config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
         return state
+
+    def _hf_buckets(self):
+        """Each bucket's CPU tensors taken when it is asked for (after its parameters' deferred update)."""
+        state = self._hf_tensors()
+        buckets = plan_buckets(state, self.bucket_bytes)
+        return buckets, ({name: state[name].cpu() for name in bucket.names} for bucket in buckets)
 
     def hf_model(self) -> torch.nn.Module:
         """The policy as an HF model (for save_pretrained): the trained model itself."""
@@ -90,19 +107,23 @@ class PolicyTrainer(GRPOTrainer):
             for _, s in params:
                 s.grad.mul_(scale)
         grad_norm = clip_grad_norm([s.grad for _, s in params], self.cfg.max_grad_norm)
-        if self._master is None:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            return grad_norm
-        with torch.no_grad():
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            for p, s in zip(model_params, self._master):
-                if p.requires_grad:  # (after the step: AdamW initialises a state it finds empty)
-                    self.optimizer.state[s][MASTER] = s
-                p.copy_(s)
-                p.grad = None
+        self._update_or_defer()
         return grad_norm
+
+    def _update(self, names: list[str] | None) -> None:
+        """AdamW on the parameters of ``names`` (None: all) still holding a gradient. Mixed precision: it steps
+        their float32 masters, and the model gets them back rounded to its dtype."""
+        pairs = (self._pairs if names is None
+                 else [self._pairs_by_name[n] for n in names if n in self._pairs_by_name])
+        stepped = {id(s) for s in step_only(self.optimizer, None if names is None else [s for _, s in pairs])}
+        if self._master is None:
+            return
+        with torch.no_grad():
+            for p, s in pairs:
+                if id(s) in stepped:  # (after the step: AdamW initialises a state it finds empty)
+                    self.optimizer.state[s][MASTER] = s
+                    p.copy_(s)
+                    p.grad = None
 
     def _reduce_float_grads(self, params: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Each (model parameter, stepped copy): the accumulated gradient onto the copy, all-reduced as one flat
@@ -156,6 +177,28 @@ def enable_recompute(model: torch.nn.Module) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def step_only(optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor] | None) -> list[torch.Tensor]:
+    """Step ``optimizer`` on those of ``tensors`` (None: all its parameters) holding a gradient, and drop their
+    gradients; the others keep theirs for a later call. Returns the stepped ones. AdamW skips a parameter without a
+    gradient and is elementwise, so the parameters stepped in parts, each once, get the update one step of all gives,
+    to the bit."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    chosen = None if tensors is None else {id(t) for t in tensors}
+    stepped = [p for p in params if p.grad is not None and (chosen is None or id(p) in chosen)]
+    held = [(p, p.grad) for p in params if p.grad is not None and chosen is not None and id(p) not in chosen]
+    for p, _ in held:
+        p.grad = None
+    try:
+        if stepped:
+            optimizer.step()
+    finally:
+        for p, grad in held:
+            p.grad = grad
+    for p in stepped:
+        p.grad = None
+    return stepped
 
 
 def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, *, all_reduce: bool = False) -> float:

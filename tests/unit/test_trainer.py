@@ -175,7 +175,7 @@ def test_every_backend_value_names_a_class_the_trainer_node_can_drive(backend):
     have every member of PolicyBackend (the calls of trainer/node.py, pipeline.py and weight sync)."""
     calls = {name for name, member in vars(PolicyBackend).items() if inspect.isfunction(member) and name[0] != "_"}
     assert calls == {"begin_step", "forward_backward", "finish_batch", "load_reference", "hf_state",
-                     "hf_model", "close", "writer_reads", "sum_exactly"}
+                     "hf_model", "close", "writer_reads", "sum_exactly", "apply_deferred_update"}
     cls = trainer_class(backend)
     assert not inspect.isabstract(cls)
     expected = inspect.signature(PolicyBackend.__init__).parameters.keys()
