@@ -222,6 +222,14 @@ def main() -> None:
         ratio = [b / f for b, f in zip(rows[bucket_row(mb)], rows[raw], strict=True)]
         print(f"broadcast with {mb:g} MiB buckets / raw broadcast = {median(ratio):.2f} "
               f"[{min(ratio):.2f}, {max(ratio):.2f}] (goal <= 1.2)")
+    # the simulator's weight sync (sim/models.py OverheadModel: the trainer's save, then the engines' load)
+    fastest = min(args.bucket_mb, key=lambda mb: median(rows[bucket_row(mb)]))
+    print("the simulator's weight sync for this machine and policy (docs/simulator.md):")
+    print(f"  disk:        python tools/simulate.py sim.overheads.weight_save_s={median(rows[write_mac]):.3g} "
+          f"sim.overheads.weight_load_s={median(rows[read_check]):.3g}")
+    print(f"  distributed: python tools/simulate.py sim.overheads.weight_save_s="
+          f"{median(rows[bucket_row(fastest)]):.3g} sim.overheads.weight_load_s=0  ({fastest:g} MiB buckets; the "
+          "engines receive while it sends)")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Spans and per-step metrics: stages return typed records, and this is the one place that reduces them.
 
 Definitions (DESIGN.md, "Measured stages"). For step k, with t0 the step's first admission on the
-rollout node and t_end the end of its last optimizer step:
+rollout node and t_end the end of its last optimizer step (on trainer rank 0, whose record this is, that step's
+update itself is applied during weight sync, bucket by bucket, and counted in perf/weight_sync_s: grpo_trainer.py):
     perf/rollout_to_train_end_s       t_end - t0 (weight sync is reported apart, perf/weight_sync_s)
     perf/rollout_s                    last group complete - t0
     perf/first_group_s                first group complete - t0
