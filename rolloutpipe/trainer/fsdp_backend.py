@@ -180,13 +180,13 @@ class FSDPTrainer(GRPOTrainer):
             self._exact.take_into_grads(next(self.root.parameters()).dtype, scale=scale)
             params = [p for p in self.root.parameters() if p.grad is not None]
             grad_norm = clip_gathered_grad_norm(params, self.cfg.max_grad_norm)
-            self._update_or_defer()
+            self._update_unless_deferred()
             return grad_norm
         grads = [p.grad for p in self.root.parameters() if p.grad is not None]
         for g in grads:
             g.mul_(scale)
         grad_norm = clip_sharded_grad_norm(grads, self.cfg.max_grad_norm)
-        self._update_or_defer()
+        self._update_unless_deferred()
         return grad_norm
 
     def _update(self, names: list[str] | None) -> None:

@@ -109,12 +109,12 @@ class GRPOTrainer(abc.ABC):
     collective_micro_batches = False
     """Whether every forward/backward is a collective (backend.PolicyBackend); FSDP's are."""
     bucket_bytes = 512 << 20
+    """How much of the unsharded policy a sharded backend gathers at once (the node sets
+    pipeline.weight_sync_bucket_mb)."""
     sharded_checkpoint = False
     """Whether each rank checkpoints its own shards (backend.PolicyBackend); FSDP's do."""
     updates_by_bucket = False
     """Whether ``_update`` can step part of the parameters (module docstring: the step's last update)."""
-    """How much of the unsharded policy a sharded backend gathers at once (the node sets
-    pipeline.weight_sync_bucket_mb)."""
 
     def __init__(self, *, cfg: TrainerConfig, grpo: GRPOConfig, temperature: float, pad_id: int, multi_step: bool,
                  old_logprobs: OldLogprobSource) -> None:
@@ -131,10 +131,9 @@ class GRPOTrainer(abc.ABC):
         """The frozen reference's parameters under the policy's names (``load_reference``), for grpo.kl_loss_coef."""
         self._totals = BatchTotals()
         self._exact: ExactGradientSum | None = None
-        self._deferring = False
+        """With trainer.exact_accumulation: each micro-batch's gradient, summed as integers (``sum_exactly``)."""
         self._deferred = False
         """Whether a batch's update is summed, scaled and clipped but not applied yet (``apply_deferred_update``)."""
-        """With trainer.exact_accumulation: each micro-batch's gradient, summed as integers (``sum_exactly``)."""
 
     def sum_exactly(self, num_samples_per_batch: int) -> None:
         """trainer.exact_accumulation: from now on each micro-batch's gradient goes into an exact integer sum
@@ -179,11 +178,12 @@ class GRPOTrainer(abc.ABC):
         with self._framework_calls():
             total = self._totals.reduce(self.all_reduce, with_max=self.grpo.corrects_rollout)
             scale = 1.0 / normaliser(self.grpo, num_tokens=total.num_loss_tokens, num_samples=total.num_loss_samples)
-            self._deferring = defer_update and self.updates_by_bucket
+            self._deferred = defer_update and self.updates_by_bucket
             try:
                 grad_norm = self._optimizer_step(scale)
-            finally:
-                self._deferring = False
+            except BaseException:
+                self._deferred = False  # no update is pending: none was prepared
+                raise
         self._totals = BatchTotals()
         return BatchResult(loss=total.loss * scale, grad_norm=grad_norm, num_tokens=total.num_tokens,
                            num_clipped_tokens=total.num_clipped_tokens, entropy_sum=total.entropy_sum, totals=total,
@@ -285,11 +285,10 @@ class GRPOTrainer(abc.ABC):
         buckets = plan_buckets(state, self.bucket_bytes)
         return buckets, ({name: state[name] for name in bucket.names} for bucket in buckets)
 
-    def _update_or_defer(self) -> None:
-        """The end of ``_optimizer_step``: the gradients are in place, summed, scaled and clipped; step."""
-        if self._deferring:
-            self._deferred = True
-        else:
+    def _update_unless_deferred(self) -> None:
+        """The end of ``_optimizer_step``: the gradients are in place, summed, scaled and clipped; step, unless
+        ``finish_batch`` defers the update to ``hf_buckets``."""
+        if not self._deferred:
             self._update(None)
 
     def _update(self, names: list[str] | None) -> None:

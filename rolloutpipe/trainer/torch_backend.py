@@ -17,10 +17,12 @@ copies, which is what the engines' weight files, broadcasts and checkpoints take
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 
-from rolloutpipe.control.weights.buckets import plan_buckets
+from rolloutpipe.control.weights.buckets import Bucket, plan_buckets
 from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
 from rolloutpipe.trainer.exact_sum import ExactGradientSum, all_reduce_flat
 from rolloutpipe.trainer.grpo_trainer import GRPOTrainer
@@ -77,7 +79,7 @@ class PolicyTrainer(GRPOTrainer):
             state.pop("lm_head.weight", None)
         return state
 
-    def _hf_buckets(self):
+    def _hf_buckets(self) -> tuple[list[Bucket], Iterator[dict[str, torch.Tensor]]]:
         """Each bucket's CPU tensors taken when it is asked for (after its parameters' deferred update)."""
         state = self._hf_tensors()
         buckets = plan_buckets(state, self.bucket_bytes)
@@ -107,7 +109,7 @@ class PolicyTrainer(GRPOTrainer):
             for _, s in params:
                 s.grad.mul_(scale)
         grad_norm = clip_grad_norm([s.grad for _, s in params], self.cfg.max_grad_norm)
-        self._update_or_defer()
+        self._update_unless_deferred()
         return grad_norm
 
     def _update(self, names: list[str] | None) -> None:

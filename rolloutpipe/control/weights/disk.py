@@ -109,9 +109,10 @@ def _chunks(begin: int, end: int) -> list[tuple[int, int]]:
     return [(at, min(at + MAC_CHUNK_BYTES, end)) for at in range(begin, end, MAC_CHUNK_BYTES)] or [(begin, end)]
 
 
-def _hash_and_tag(data: memoryview, chunk_mac: _ChunkMac, first: int) -> tuple[bytes, list[bytes]]:
-    """A tensor's ``tensor_hash`` (the weights digest) and its chunks' tags, numbered from ``first``."""
-    return tensor_hash(data), [chunk_mac.tag(first + i, data[b:e]) for i, (b, e) in enumerate(_chunks(0, len(data)))]
+def _hash_and_tag(data: memoryview, chunk_mac: _ChunkMac, first: int,
+                  chunks: list[tuple[int, int]]) -> tuple[bytes, list[bytes]]:
+    """A tensor's ``tensor_hash`` (the weights digest) and the tags of its ``chunks``, numbered from ``first``."""
+    return tensor_hash(data), [chunk_mac.tag(first + i, data[b:e]) for i, (b, e) in enumerate(chunks)]
 
 
 def write_weights(path: Path, buckets: list[Bucket], tensors: Iterator[dict[str, torch.Tensor]],
@@ -129,8 +130,9 @@ def write_weights(path: Path, buckets: list[Bucket], tensors: Iterator[dict[str,
             hashing = []
             for name in bucket.names:
                 data = tensor_bytes(state[name])
-                hashing.append((name, pool.submit(_hash_and_tag, data, chunk_mac, num_chunks)))
-                num_chunks += len(_chunks(0, len(data)))
+                chunks = _chunks(0, len(data))
+                hashing.append((name, pool.submit(_hash_and_tag, data, chunk_mac, num_chunks, chunks)))
+                num_chunks += len(chunks)
                 f.write(data)
             for name, hashing_it in hashing:
                 hashed, tags = hashing_it.result()

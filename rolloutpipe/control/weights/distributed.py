@@ -82,6 +82,7 @@ def regroup_key(transport: Transport, version: int) -> str:
     """The rollout node's request to re-form the group before policy ``version`` (an engine was replaced)."""
     return transport.key("weight_sync", f"regroup/policy_version={version}")
 
+
 def weight_sync_backend(engines_on_gpus: bool, on_gpu: bool) -> str:
     """nccl when both ends hold CUDA tensors (SGLang engines, a trainer on GPUs: Megatron with CUDA), else gloo.
 
