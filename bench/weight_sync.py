@@ -103,10 +103,11 @@ def plain_write(state: dict, path: Path, bucket_bytes: int) -> None:
 
 
 def one_pass_write(state: dict, path: Path, bucket_bytes: int):
-    from rolloutpipe.control.weights.disk import file_key, write_weights
+    from rolloutpipe.control.weights.disk import write_weights
+    from rolloutpipe.control.weights.mac import weights_key
 
     path.unlink(missing_ok=True)
-    return write_weights(path, *by_bucket(state, bucket_bytes), file_key(KEY))
+    return write_weights(path, *by_bucket(state, bucket_bytes), weights_key(KEY))
 
 
 def engine_read(path: Path) -> None:
@@ -117,11 +118,12 @@ def engine_read(path: Path) -> None:
 
 
 def read_and_check(path: Path, written) -> None:
-    from rolloutpipe.control.weights.disk import file_key, file_mac
+    from rolloutpipe.control.weights.disk import file_mac
+    from rolloutpipe.control.weights.mac import weights_key
 
     checked: list[str] = []
     salt = bytes.fromhex(written.salt)
-    checking = threading.Thread(target=lambda: checked.append(file_mac(path, file_key(KEY), salt)))
+    checking = threading.Thread(target=lambda: checked.append(file_mac(path, weights_key(KEY), salt)))
     checking.start()
     engine_read(path)
     checking.join()

@@ -54,7 +54,7 @@ class FakeEngine:
     def init_weights_update_group(self, group, rank_offset: int) -> None:
         self.groups.append((group.group_name, rank_offset))
 
-    def update_weights_from_distributed(self, buckets, group_name: str, policy_version: int) -> None:
+    def update_weights_from_distributed(self, buckets, group_name: str, policy_version: int, macs) -> None:
         self.weights = (group_name, policy_version)
 
     def shutdown(self) -> None:

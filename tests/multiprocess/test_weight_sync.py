@@ -17,7 +17,10 @@ from safetensors.torch import load_file
 from rolloutpipe.config import ConfigError, load_config
 from rolloutpipe.control.env import free_port
 from rolloutpipe.control.weights.buckets import WeightGroup, plan_buckets
-from rolloutpipe.control.weights.distributed import Broadcaster, weight_sync_backend
+from rolloutpipe.control.weights.digest import Digest
+from rolloutpipe.control.weights.distributed import Broadcaster, bucket_mac, mac_record, weight_sync_backend
+from rolloutpipe.control.weights.mac import weights_key
+from rolloutpipe.rollout.engines.supervisor import EngineFailed
 from rolloutpipe.model import DType, ModelConfig, load_model
 from rolloutpipe.observe.metrics import read_spans
 from rolloutpipe.rollout.engines import server_process, sglang_api
@@ -28,6 +31,13 @@ from tests.helpers.http_engine import API_KEY, MODEL, VOCAB_SIZE, Results, in_pr
 from tests.helpers.parity import assert_digests_tell_identical_from_different
 
 NUM_SERVERS = 2
+KEY = weights_key(b"the attempt's key")
+
+
+def macs_of(state, buckets):
+    """Each bucket's MAC as trainer rank 0 seals it and the rollout node hands it to the engines."""
+    records = [mac_record(bucket, state, KEY, Digest()) for bucket in buckets]
+    return lambda index: bucket_mac(records[index], KEY)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +105,7 @@ def test_engines_serve_the_broadcast_weights_and_report_their_version(servers):
         assert len(buckets) > 2
         sending = threading.Thread(target=rank0["b"].send, args=(state, buckets, 1))
         sending.start()
-        supervisor.load_weights_distributed(buckets, 1)
+        supervisor.load_weights_distributed(buckets, 1, macs_of(state, buckets))
         sending.join()
 
         requests = [request(i, stop_token_ids=[1]) for i in range(3)]
@@ -109,6 +119,57 @@ def test_engines_serve_the_broadcast_weights_and_report_their_version(servers):
                 assert got.output_ids == local[r.request_id].output_ids
                 torch.testing.assert_close(torch.tensor(got.output_logprobs),
                                            torch.tensor(local[r.request_id].output_logprobs), rtol=0, atol=1e-10)
+    finally:
+        for engine in engines:
+            engine.shutdown()
+
+
+def test_a_bucket_changed_on_the_wire_is_refused_and_the_engine_serves_nothing_until_a_whole_policy_loads(servers):
+    """An outsider who reaches the group (its store takes no seal; gloo relays) changes a byte of the last bucket:
+    both engines refuse that bucket, the rollout node stops with the cause, and /generate answers 503 rather than
+    sample from half-new weights. A genuine policy then loads whole, and the engines serve it exactly."""
+    results = Results()
+    engines = [SGLangEngine(name=p.name, endpoint=p.endpoint, concurrency=4, on_result=results) for p in servers]
+    supervisor = EngineSupervisor(engines=engines, restart=None, where_to_look=lambda e: e.url, max_failures=0,
+                                  request_timeout_s=None, spans=None)
+    try:
+        group = WeightGroup(master_address="127.0.0.1", master_port=free_port(), world_size=1 + NUM_SERVERS,
+                            group_name="tampered")
+        rank0: dict[str, Broadcaster] = {}
+        joining = threading.Thread(target=lambda: rank0.update(b=Broadcaster(group=group, bucket_bytes=40_000,
+                                                                             timeout_s=60, check=lambda what: None)))
+        joining.start()
+        supervisor.join_weight_group(group, ranks_per_engine=1)
+        joining.join()
+
+        new_cfg = ModelConfig(dtype=DType.float64, init_seed=2)
+        state = load_model(new_cfg, VOCAB_SIZE).state_dict()
+        state.pop("lm_head.weight")
+        buckets = rank0["b"].plan(state)
+        changed = buckets[-1].names[-1]
+        tampered = {**state, changed: state[changed].clone()}
+        tampered[changed].view(-1)[0] += 2.0**-20
+        sending = threading.Thread(target=rank0["b"].send, args=(tampered, buckets, 5))
+        sending.start()
+        with pytest.raises(EngineFailed, match="does not match its MAC"):
+            supervisor.load_weights_distributed(buckets, 5, macs_of(state, buckets))
+        sending.join()
+        for proc in servers:
+            assert sglang_api.served_weight_version(sglang_api.call(proc.endpoint, sglang_api.MODEL_INFO)) != "5"
+            with pytest.raises(sglang_api.SGLangError, match="MAC") as refused:
+                sglang_api.generate(proc.endpoint, request(0), timeout_s=30)
+            assert refused.value.status == 503
+
+        sending = threading.Thread(target=rank0["b"].send, args=(state, buckets, 6))
+        sending.start()
+        supervisor.load_weights_distributed(buckets, 6, macs_of(state, buckets))
+        sending.join()
+        requests = [request(i, stop_token_ids=[1]) for i in range(3)]
+        local = in_process(new_cfg, requests, policy_version=6)
+        for proc in servers:
+            for r in requests:
+                got = sglang_api.generate(proc.endpoint, r, timeout_s=30)
+                assert got.weight_version == "6" and got.output_ids == local[r.request_id].output_ids
     finally:
         for engine in engines:
             engine.shutdown()

@@ -58,7 +58,7 @@ def test_under_broadcast_weight_sync_a_replacement_waits_for_the_next_group_and_
     requested = []
     supervisor.on_replaced = lambda num_engines, version: requested.append((num_engines, version))
     supervisor.join_weight_group(WeightGroup(master_address="h", master_port=1, world_size=3, group_name="g-1"), 1)
-    supervisor.load_weights_distributed([], 3)
+    supervisor.load_weights_distributed([], 3, macs=None)
     for g in range(2):
         rollout.admission.add_group(g, group_requests(g, n=2))
     e0.error = RuntimeError("server exited with code -9")
@@ -70,7 +70,7 @@ def test_under_broadcast_weight_sync_a_replacement_waits_for_the_next_group_and_
     supervisor.rejoin_weight_group(WeightGroup(master_address="h", master_port=2, world_size=3, group_name="g-2"), 1)
     assert rollout.engines == [e1, replacement] and supervisor.replacements_waiting() == []
     assert replacement.groups == [("g-2", 1)] and e1.groups == [("g-1", 2), ("g-2", 2)]
-    supervisor.load_weights_distributed([], 4)
+    supervisor.load_weights_distributed([], 4, macs=None)
     assert replacement.weights == e1.weights == ("g-2", 4)
     (name, span), = rollout.spans.spans
     assert name == "rollout/engine_restart" and span["replacement"] == "engine0-restart1"

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rolloutpipe.control.weights.buckets import WeightGroup, plan_buckets
+from rolloutpipe.control.weights.buckets import BucketMac, WeightGroup, plan_buckets
 from rolloutpipe.rollout.engines import server_process, sglang_api
 from rolloutpipe.types import FinishReason, GenerationRequest, GenerationResult
 
@@ -236,7 +236,9 @@ def drive_the_client(fake: FakeServer, tmp_path: Path) -> None:
     group = WeightGroup(master_address="10.0.0.1", master_port=29600, world_size=3)
     sglang_api.init_weights_update_group(url, group, 1, timeout_s=5)
     state = {"model.embed_tokens.weight": torch.zeros(4, 2, dtype=torch.bfloat16), "model.norm.weight": torch.ones(2)}
-    sglang_api.update_weights_from_distributed(url, plan_buckets(state, 1), group.group_name, 2, timeout_s=5)
+    mac = BucketMac(key=bytes(32), tags=[bytes(16)])
+    sglang_api.update_weights_from_distributed(url, plan_buckets(state, 1), group.group_name, 2, macs=lambda i: mac,
+                                               timeout_s=5)
     assert fake.weight_version == "2"
 
 

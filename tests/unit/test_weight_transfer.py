@@ -1,5 +1,5 @@
 """Weight sync's byte paths (control/weights/): the disk file hashed once while written and checked while the engines
-read it, the flat broadcast bucket, and which way ``pipeline.weight_sync=null`` picks."""
+read it, the flat broadcast bucket and its MAC, and which way ``pipeline.weight_sync=null`` picks."""
 
 from __future__ import annotations
 
@@ -16,9 +16,11 @@ from safetensors.torch import load_file
 from rolloutpipe.config import load_config, save_config
 from rolloutpipe.control.seal import Forged, seal, unseal
 from rolloutpipe.control.weights import WeightSync, WeightSyncSettings
-from rolloutpipe.control.weights.buckets import pack, plan_buckets, unpack
-from rolloutpipe.control.weights.digest import weights_digest
-from rolloutpipe.control.weights.disk import Receiver, file_key, file_mac, weights_file, write_weights
+from rolloutpipe.control.weights.buckets import BucketMac, pack, plan_buckets, unpack
+from rolloutpipe.control.weights.digest import Digest, weights_digest
+from rolloutpipe.control.weights.disk import Receiver, file_mac, weights_file, write_weights
+from rolloutpipe.control.weights.distributed import bucket_mac, check_bucket, mac_record
+from rolloutpipe.control.weights.mac import weights_key
 
 REPO = Path(__file__).resolve().parents[2]
 ATTEMPT_KEY = b"k" * 32
@@ -37,7 +39,7 @@ def policy() -> dict[str, torch.Tensor]:
 def written(path: Path, state: dict[str, torch.Tensor], bucket_bytes: int = 64):
     buckets = plan_buckets(state, bucket_bytes)
     tensors = ({name: state[name] for name in bucket.names} for bucket in buckets)
-    return write_weights(path, buckets, tensors, file_key(ATTEMPT_KEY))
+    return write_weights(path, buckets, tensors, weights_key(ATTEMPT_KEY))
 
 
 def receiver(run_dir: Path, engines=None, timeout_s: float = 60.0) -> Receiver:
@@ -65,7 +67,8 @@ def test_the_file_written_in_one_pass_is_what_safetensors_reads_and_carries_the_
         assert loaded[name].dtype == tensor.dtype and loaded[name].shape == tensor.shape
         assert torch.equal(loaded[name], tensor), name
     assert out.weights_digest == weights_digest(state)  # the step's digest, without reading the file back
-    assert out.size == path.stat().st_size and file_mac(path, file_key(ATTEMPT_KEY), bytes.fromhex(out.salt)) == out.mac
+    assert out.size == path.stat().st_size
+    assert file_mac(path, weights_key(ATTEMPT_KEY), bytes.fromhex(out.salt)) == out.mac
     assert not path.with_suffix(".tmp").exists()
 
 
@@ -75,7 +78,7 @@ def test_a_changed_weights_file_is_refused(tmp_path, monkeypatch, where):
     """Any change to the file: a byte of a tensor or of the header, one added or cut. With 8-byte MAC chunks (each
     tensor in several, each its own GMAC), also a byte in a chunk between others, and two equal-length chunks of one
     tensor swapped (each chunk genuine, in the wrong place)."""
-    monkeypatch.setattr("rolloutpipe.control.weights.disk.MAC_CHUNK_BYTES", 8)
+    monkeypatch.setattr("rolloutpipe.control.weights.mac.MAC_CHUNK_BYTES", 8)
     path = tmp_path / weights_file(2)
     out = written(path, policy())
     receiver(tmp_path).check_file(path, record(2, out), 2)  # unchanged, it passes
@@ -107,11 +110,11 @@ def test_a_record_naming_another_attempts_or_a_made_up_mac_is_refused(tmp_path):
     path = tmp_path / weights_file(3)
     out = written(path, policy())
     receiver(tmp_path).check_file(path, record(3, out), 3)  # the genuine one passes
-    other = write_weights(tmp_path / "other.safetensors", *_plan(policy()), file_key(b"another attempt's key"))
+    other = write_weights(tmp_path / "other.safetensors", *_plan(policy()), weights_key(b"another attempt's key"))
     with pytest.raises(RuntimeError, match="does not have the MAC"):
         receiver(tmp_path).check_file(path, record(3, other), 3)
     key = "rp/run/weights/policy_version=3"
-    forged = seal(b"an outsider's secret", key, {**record(3, out), "mac": file_mac(path, file_key(b"guess"), b"")})
+    forged = seal(b"an outsider's secret", key, {**record(3, out), "mac": file_mac(path, weights_key(b"guess"), b"")})
     with pytest.raises(Forged):
         unseal(ATTEMPT_KEY, key, forged)
 
@@ -143,8 +146,8 @@ def test_no_gmac_key_and_nonce_pair_authenticates_two_chunks(tmp_path, monkeypat
             used.append((self.key, nonce))
             return self.aead.encrypt(nonce, data, associated_data)
 
-    monkeypatch.setattr("rolloutpipe.control.weights.disk.AESGCM", Recording)
-    monkeypatch.setattr("rolloutpipe.control.weights.disk.MAC_CHUNK_BYTES", 8)
+    monkeypatch.setattr("rolloutpipe.control.weights.mac.AESGCM", Recording)
+    monkeypatch.setattr("rolloutpipe.control.weights.mac.MAC_CHUNK_BYTES", 8)
     for _ in range(2):
         written(tmp_path / weights_file(1), policy())
     assert len(used) == 2 * (7 + 4 + 1 + 1 + 4 + 3) and len(set(used)) == len(used)  # policy()'s chunks, twice
@@ -251,6 +254,69 @@ def test_a_tensor_that_would_sit_unaligned_in_a_flat_bucket_starts_the_next_one(
         for size, dtype in zip(bucket.sizes, bucket.dtypes, strict=True):
             assert offset % getattr(torch, dtype).itemsize == 0
             offset += size
+
+
+def _bucket_macs(state, bucket_bytes: int = 64):
+    """Each bucket of ``state`` with trainer rank 0's sealed record of it and the MAC the rollout node derives."""
+    key, digest = weights_key(ATTEMPT_KEY), Digest()
+    buckets = plan_buckets(state, bucket_bytes)
+    records = [mac_record(bucket, state, key, digest) for bucket in buckets]
+    return buckets, records, [bucket_mac(r, key) for r in records], digest
+
+
+@pytest.mark.parametrize("where", ["a middle chunk", "two chunks swapped", "another bucket's bytes", "last byte"])
+def test_a_changed_bucket_is_refused(monkeypatch, where):
+    """What an engine checks a received bucket with (distributed.py ``check_bucket``): with 8-byte MAC chunks, a byte
+    changed in a chunk between others, two chunks of a tensor swapped, a genuine bucket in another's place."""
+    monkeypatch.setattr("rolloutpipe.control.weights.mac.MAC_CHUNK_BYTES", 8)
+    state = policy()
+    buckets, _, macs, _ = _bucket_macs(state)
+    assert len(buckets) >= 3
+    flat = [pack(bucket, state, torch.empty(bucket.num_bytes, dtype=torch.uint8)).clone() for bucket in buckets]
+    for bucket, data, mac in zip(buckets, flat, macs):  # unchanged, each passes
+        assert check_bucket(bucket, unpack(bucket, data), mac)
+    bucket, data, mac = buckets[0], flat[0], macs[0]  # the embedding alone (56 bytes: 7 chunks)
+    if where == "a middle chunk":
+        data[20] ^= 4
+    elif where == "two chunks swapped":
+        data[:16] = torch.cat([data[8:16], data[:8]])
+    elif where == "another bucket's bytes":
+        bucket, data, mac = buckets[1], flat[1], macs[0]
+    else:
+        data[-1] ^= 0x80
+    assert not check_bucket(bucket, unpack(bucket, data), mac)
+
+
+def test_a_bucket_mac_travels_as_a_header_and_a_malformed_one_is_an_error():
+    _, _, macs, _ = _bucket_macs(policy())
+    assert BucketMac.parse(macs[1].header()) == macs[1]
+    for value in ("", "zz:00", f"{'00' * 32}:{'00' * 15}", f"{'00' * 31}:{'00' * 16}"):
+        with pytest.raises(ValueError):
+            BucketMac.parse(value)
+
+
+def test_every_bucket_is_a_message_of_its_own_and_the_digest_is_the_policys(monkeypatch):
+    """Fresh salt per bucket, so every (GMAC key, nonce) pair is used once over two sends of one policy; the tensors'
+    bytes are hashed once for both the MAC and the step's weights digest, which is the policy's."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    used: list[tuple[bytes, bytes]] = []
+
+    class Recording:
+        def __init__(self, key: bytes) -> None:
+            self.key, self.aead = key, AESGCM(key)
+
+        def encrypt(self, nonce: bytes, data: bytes, associated_data) -> bytes:
+            used.append((self.key, nonce))
+            return self.aead.encrypt(nonce, data, associated_data)
+
+    monkeypatch.setattr("rolloutpipe.control.weights.mac.AESGCM", Recording)
+    monkeypatch.setattr("rolloutpipe.control.weights.mac.MAC_CHUNK_BYTES", 8)
+    state = policy()
+    (_, first, _, digest), (_, second, _, _) = _bucket_macs(state), _bucket_macs(state)
+    assert digest.hexdigest() == weights_digest(state)
+    assert len(used) == 2 * (7 + 4 + 1 + 1 + 4 + 3) and len(set(used)) == len(used)
+    assert len({r["salt"] for r in first + second}) == len(first) + len(second)
 
 
 # --- pipeline.weight_sync=null ------------------------------------------------------------------------------------

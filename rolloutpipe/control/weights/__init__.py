@@ -15,8 +15,9 @@ rank 0's side, ``WeightSender``) and ``Receiver`` (the rollout node's side, ``We
 weight_sync`` names the module, and ``sender`` / ``receiver`` below are the one place a way is chosen. A new way
 is one new module here plus one member of ``WeightSync``.
 
-The store carries, per policy, one sealed record ``weights/policy_version=<k>`` that only the chosen way reads,
-and the rollout node's acknowledgement ``serving/policy_version=<k>`` once every engine serves k.
+The store carries, per policy, one sealed record ``weights/policy_version=<k>`` that only the chosen way reads (the
+distributed way adds one per bucket under it), and the rollout node's acknowledgement ``serving/policy_version=<k>``
+once every engine serves k. Both ways authenticate what an engine loads with the weights MAC (mac.py).
 
 May import: types, model, control/.
 """
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     import torch
 
     from rolloutpipe.control.transport import Transport
-    from rolloutpipe.control.weights.buckets import Bucket, WeightGroup
+    from rolloutpipe.control.weights.buckets import Bucket, BucketMac, WeightGroup
 
 
 class WeightSync(enum.Enum):
@@ -102,7 +103,9 @@ class EngineGroup(Protocol):
     def replacements_waiting(self) -> list[str]:
         """Replacements of failed engines that wait for the next weight-update group (names)."""
 
-    def load_weights_distributed(self, buckets: list[Bucket], policy_version: int) -> None: ...
+    def load_weights_distributed(self, buckets: list[Bucket], policy_version: int,
+                                 macs: Callable[[int], BucketMac]) -> None:
+        """Every engine receives the broadcast ``buckets``, each with its MAC (``macs(i)``: distributed.py)."""
 
 
 class WeightSender(Protocol):

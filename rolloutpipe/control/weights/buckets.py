@@ -1,23 +1,30 @@
-"""The distributed way's wire shapes: the weight-update process group's address, the bucket plan, and a bucket's
-flat layout.
+"""The distributed way's wire shapes: the weight-update process group's address, the bucket plan, a bucket's flat
+layout, and a bucket's MAC.
 
 Trainer rank 0 publishes the first two (distributed.py); the engines' HTTP side (rollout/engines: SGLang's API and the
 embedded server) reads them, so they live apart from the torch.distributed code. A bucket travels as one flat uint8
 tensor: its tensors' bytes back to back in the plan's order, no padding (SGLang's ``FlattenedTensorBucket``, which
 ``/update_weights_from_distributed`` receives with ``load_format="flattened_bucket"``). The disk way writes its file
-by the same plan.
+by the same plan. A bucket's MAC (``BucketMac``) goes to the engine with the call that receives the bucket, in the
+MAC_HEADER header: the embedded engine checks it before it loads a byte; SGLang ignores the header (distributed.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hmac
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
+
+from rolloutpipe.control.weights.mac import ChunkMac
 
 if TYPE_CHECKING:
     import torch
 
 GROUP_NAME = "rolloutpipe_weights"
+
+MAC_HEADER = "X-RolloutPipe-Bucket-MAC"
+"""The HTTP header of /update_weights_from_distributed that carries the bucket's ``BucketMac`` (ours, not SGLang's)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -96,3 +103,31 @@ def unpack(bucket: Bucket, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         tensors[name] = flat[offset:offset + size].view(getattr(torch, dtype)).reshape(shape)
         offset += size
     return tensors
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BucketMac:
+    """What an engine checks one bucket's bytes against (mac.py): the GMAC key of this bucket alone, which the rollout
+    node derives from the attempt's key and the bucket's salt, and its chunks' tags, from trainer rank 0's sealed
+    record of the bucket. The key authenticates nothing else, so handing it to the engine gives nothing away."""
+
+    key: bytes
+    tags: list[bytes]
+
+    def header(self) -> str:
+        """The MAC_HEADER value: the key and the tags in hex, ``key:tag,tag,..``."""
+        return f"{self.key.hex()}:{','.join(tag.hex() for tag in self.tags)}"
+
+    @classmethod
+    def parse(cls, value: str) -> BucketMac:
+        """The inverse of ``header``; ValueError if ``value`` is not one."""
+        key, _, tags = value.partition(":")
+        mac = cls(key=bytes.fromhex(key), tags=[bytes.fromhex(tag) for tag in tags.split(",")])
+        if len(mac.key) != 32 or any(len(tag) != 16 for tag in mac.tags):
+            raise ValueError("a bucket MAC is a 32-byte key and 16-byte tags")
+        return mac
+
+    def matches(self, tensors: Iterable[memoryview]) -> bool:
+        """Whether ``tensors`` (the bucket's, in the plan's order, as raw bytes) are the ones the tags authenticate."""
+        tags = ChunkMac(self.key).tags(tensors)
+        return len(tags) == len(self.tags) and hmac.compare_digest(b"".join(tags), b"".join(self.tags))

@@ -12,12 +12,10 @@ byte once:
               from the page cache (one thread); a mismatch stops the run before any request reaches the new weights
               (the node admits step k+1 only after ``load`` returns), as a refused file did before.
 
-The MAC. GMAC (AES-GCM authenticating without encrypting) runs at several times BLAKE3's speed per core on any host
-with AES and carry-less multiply instructions (x86 since 2010, ARMv8): on the rollout side, where it is the only
-hash, it hides behind the engines' read. Each file has a fresh random salt; its GMAC key is the attempt's file key
-and the salt through HMAC-SHA256, and chunk i of the data (tensors in file order, each in MAC_CHUNK_BYTES pieces)
-has nonce i, so no key and nonce pair ever authenticates two messages. The file's MAC is a BLAKE3 keyed with the
-file key over the header and the chunk tags in order: a changed, moved, cut or appended byte changes it.
+The MAC. AES-GMAC over the file's data (mac.py: a fresh salt per file, chunk i of the tensors in file order has
+nonce i); on the rollout side, where it is the only hash, it hides behind the engines' read. The file's MAC is a
+BLAKE3 keyed with the weights key over the header and the chunk tags in order: a changed, moved, cut or appended
+byte changes it.
 
 The record stays sealed like every other (it also carries the path and the size); the MAC adds no key that
 survives the attempt. Needs a file system both node groups see. A replacement engine (after a failure) loads the
@@ -32,7 +30,6 @@ with room for SHM_COPIES policies. Otherwise, and on several nodes, they stay in
 from __future__ import annotations
 
 import atexit
-import hashlib
 import hmac
 import ipaddress
 import json
@@ -50,12 +47,12 @@ from pathlib import Path
 
 import blake3
 import torch
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from rolloutpipe.control.transport import Transport
 from rolloutpipe.control.weights import EngineGroup, PolicyWeights, WeightSyncSettings, weights_record_key
 from rolloutpipe.control.weights.buckets import Bucket
 from rolloutpipe.control.weights.digest import Digest, tensor_bytes, tensor_hash
+from rolloutpipe.control.weights.mac import SALT_BYTES, ChunkMac, chunks, gmac_key, weights_key
 
 log = logging.getLogger(__name__)
 
@@ -74,45 +71,19 @@ def weights_file(version: int) -> str:
     return f"weights/policy_v{version}.safetensors"
 
 
-def file_key(attempt_key: bytes) -> bytes:
-    """The 32-byte BLAKE3 key of this attempt's weights files (an earlier attempt's MAC is worthless in this one)."""
-    return hmac.new(attempt_key, b"rolloutpipe weights file", hashlib.sha256).digest()
-
-
-MAC_CHUNK_BYTES = 256 << 20
-"""The bytes one GMAC authenticates at most (cryptography's AES-GCM takes under 2 GiB in one call)."""
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Written:
     size: int
     mac: str
-    """BLAKE3 keyed with ``file_key``: the file's header, then each chunk's GMAC tag in file order (``file_mac``)."""
+    """BLAKE3 keyed with the weights key: the file's header, then each chunk's GMAC tag in file order (``file_mac``)."""
     salt: str
-    """This file's random salt (hex), published with the MAC: the GMAC key is ``file_key`` and the salt."""
+    """This file's random salt (hex), published with the MAC: the GMAC key is the weights key and the salt."""
     weights_digest: str
 
 
-class _ChunkMac:
-    """AES-GMAC of a file's data chunks, under a key of the file's own (module docstring: the MAC)."""
-
-    def __init__(self, key: bytes, salt: bytes) -> None:
-        self._aead = AESGCM(hmac.new(key, b"gmac" + salt, hashlib.sha256).digest())
-
-    def tag(self, index: int, data: memoryview) -> bytes:
-        """The 16-byte tag of chunk ``index`` (its nonce) holding ``data``; releases the GIL meanwhile."""
-        return self._aead.encrypt(index.to_bytes(12, "big"), b"", data)
-
-
-def _chunks(begin: int, end: int) -> list[tuple[int, int]]:
-    """The byte range [begin, end) in MAC_CHUNK_BYTES pieces; an empty range is one empty chunk."""
-    return [(at, min(at + MAC_CHUNK_BYTES, end)) for at in range(begin, end, MAC_CHUNK_BYTES)] or [(begin, end)]
-
-
-def _hash_and_tag(data: memoryview, chunk_mac: _ChunkMac, first: int,
-                  chunks: list[tuple[int, int]]) -> tuple[bytes, list[bytes]]:
-    """A tensor's ``tensor_hash`` (the weights digest) and the tags of its ``chunks``, numbered from ``first``."""
-    return tensor_hash(data), [chunk_mac.tag(first + i, data[b:e]) for i, (b, e) in enumerate(chunks)]
+def _hash_and_tag(data: memoryview, chunk_mac: ChunkMac, first: int) -> tuple[bytes, list[bytes]]:
+    """A tensor's ``tensor_hash`` (the weights digest) and the tags of its chunks, numbered from ``first``."""
+    return tensor_hash(data), chunk_mac.tags([data], first)
 
 
 def write_weights(path: Path, buckets: list[Bucket], tensors: Iterator[dict[str, torch.Tensor]],
@@ -120,8 +91,8 @@ def write_weights(path: Path, buckets: list[Bucket], tensors: Iterator[dict[str,
     """Write the policy that ``tensors`` yields bucket by bucket as one safetensors file, atomically (the header
     first: ``buckets`` has every name, dtype and shape). Each tensor is hashed on a second thread while this one
     writes it; host memory holds one bucket."""
-    header, salt = safetensors_header(buckets), os.urandom(16)
-    mac, digest, chunk_mac, num_chunks = blake3.blake3(header, key=key), Digest(), _ChunkMac(key, salt), 0
+    header, salt = safetensors_header(buckets), os.urandom(SALT_BYTES)
+    mac, digest, chunk_mac, num_chunks = blake3.blake3(header, key=key), Digest(), ChunkMac(gmac_key(key, salt)), 0
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     with ThreadPoolExecutor(1, thread_name_prefix="weights-hash") as pool, tmp.open("wb") as f:
@@ -130,9 +101,8 @@ def write_weights(path: Path, buckets: list[Bucket], tensors: Iterator[dict[str,
             hashing = []
             for name in bucket.names:
                 data = tensor_bytes(state[name])
-                chunks = _chunks(0, len(data))
-                hashing.append((name, pool.submit(_hash_and_tag, data, chunk_mac, num_chunks, chunks)))
-                num_chunks += len(chunks)
+                hashing.append((name, pool.submit(_hash_and_tag, data, chunk_mac, num_chunks)))
+                num_chunks += len(chunks(0, len(data)))
                 f.write(data)
             for name, hashing_it in hashing:
                 hashed, tags = hashing_it.result()
@@ -151,10 +121,10 @@ def file_mac(path: Path, key: bytes, salt: bytes) -> str:
         view = memoryview(mapped)
         try:
             start, ranges = _data_layout(view)
-            chunks = [chunk for begin, end in ranges for chunk in _chunks(start + begin, start + end)]
-            chunk_mac = _ChunkMac(key, salt)
+            pieces = [chunk for begin, end in ranges for chunk in chunks(start + begin, start + end)]
+            chunk_mac = ChunkMac(gmac_key(key, salt))
             mac = blake3.blake3(view[:start], key=key)
-            for index, (begin, end) in enumerate(chunks):
+            for index, (begin, end) in enumerate(pieces):
                 mac.update(chunk_mac.tag(index, view[begin:end]))
             return mac.hexdigest()
         finally:
@@ -238,7 +208,7 @@ class Sender:
         if not self.placed:
             self.place(sum(bucket.num_bytes for bucket in buckets))
         written = write_weights(self.run_dir / weights_file(version), buckets, tensors,
-                                file_key(self.transport.secret))
+                                weights_key(self.transport.secret))
         self.transport.put_record(weights_record_key(self.transport, version), {
             "path": weights_file(version), "policy_version": version, "size": written.size, "mac": written.mac,
             "salt": written.salt})
@@ -310,7 +280,8 @@ class Receiver:
         """Raise unless ``path`` is the file the trainer wrote for ``version`` (its MAC)."""
         try:
             salt = bytes.fromhex(str(record.get("salt")))
-            genuine = hmac.compare_digest(file_mac(path, file_key(self.transport.secret), salt), str(record.get("mac")))
+            genuine = hmac.compare_digest(file_mac(path, weights_key(self.transport.secret), salt),
+                                          str(record.get("mac")))
         except ValueError as err:
             genuine = False
             log.warning("%s: %s", path, err)

@@ -10,12 +10,14 @@ a multi-GPU SGLang engine), and broadcasts the HF-named tensors to them; nothing
              rollout node: read it, POST /init_weights_update_group to every engine at once (rank_offset 1, 2,
              ...); each call returns once the whole group is formed
     step k   trainer rank 0: plan buckets of at most ``pipeline.weight_sync_bucket_mb`` (names, dtypes,
-             shapes), publish the plan as ``weights/policy_version=<k+1>``, broadcast the buckets, each as one
-             flat tensor (buckets.py ``pack``: one broadcast per bucket, SGLang's ``flattened_bucket``), then wait
-             for ``serving/policy_version=<k+1>``
+             shapes), publish the plan as ``weights/policy_version=<k+1>``; then per bucket: digest it, publish
+             its MAC as ``weights/policy_version=<k+1>/bucket=<i>``, broadcast it as one flat tensor
+             (buckets.py ``pack``: one broadcast per bucket, SGLang's ``flattened_bucket``); then wait for
+             ``serving/policy_version=<k+1>``
              rollout node (at the step boundary): per engine, in parallel: pause -> begin_weight_update ->
-             one /update_weights_from_distributed per bucket (the last one carries ``weight_version``) ->
-             end_weight_update -> flush -> continue, then /model_info must report the new version
+             one /update_weights_from_distributed per bucket, with the bucket's MAC (the last one carries
+             ``weight_version``) -> end_weight_update -> flush -> continue, then /model_info must report the new
+             version
 
 Rank 0 sends at the transport's own floor: a broadcast per tensor pays a collective's fixed cost hundreds of times,
 so each bucket goes as one flat buffer, and two buffers alternate so that bucket i+1 is gathered, digested and
@@ -41,6 +43,19 @@ group is re-formed at the next step boundary instead:
     the step's tail) finds no new group in it: the run stops, saying so, and resumes from the step's checkpoint.
     A replacement on another rollout node (an engine host's restart) is not re-grouped yet: that stops the run.
 
+Authentication. Nobody outside the run may put bytes into an engine, and a process group authenticates nothing: its
+rendezvous store is SGLang's and takes no seal, and anyone who reaches it or a member's port can pose as a member
+(gloo relays a broadcast through members, so a member can change what reaches the next). So each bucket is a message
+of its own under the weights MAC (mac.py): trainer rank 0 gives it a fresh salt and GMAC tags over its tensors, and
+seals them in the store (``BucketMacs``: a record per bucket, written before the bucket is sent, as the deferred
+update and a sharded gather only make its bytes final then). The rollout node reads each record, derives that
+bucket's GMAC key from the attempt's key and the salt, and passes key and tags with the bucket's call
+(buckets.py ``BucketMac``). The embedded engine receives the bucket, checks it, and loads nothing of a bucket that
+does not match (it then serves nothing until a whole policy loads), so the rollout node stops the run. SGLang's
+route has no field for a MAC and ignores the header: SGLang engines take the buckets unchecked, so a run with
+SGLang engines and this way keeps the group's ports within the run's nodes (docs/faults-and-security.md), or uses
+``pipeline.weight_sync=disk``, whose file the rollout node checks whatever the engine.
+
 The process group is formed the way SGLang 0.5.23 forms it on the engine side (``init_custom_process_group``:
 a ``tcp://`` rendezvous whose rank 0 hosts the store, a ``PrefixStore`` named after the group, torch's group
 helper), so the embedded engine's server (rollout/engines/http_server.py) and trainer rank 0 use ``join_group``
@@ -49,6 +64,7 @@ below and meet a real SGLang server on the same keys.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -63,8 +79,9 @@ import torch.distributed as dist
 from rolloutpipe.control.env import free_port, node_address
 from rolloutpipe.control.transport import Transport
 from rolloutpipe.control.weights import EngineGroup, PolicyWeights, WeightSyncSettings, weights_record_key
-from rolloutpipe.control.weights.buckets import GROUP_NAME, Bucket, WeightGroup, pack, plan_buckets, unpack
-from rolloutpipe.control.weights.digest import Digest
+from rolloutpipe.control.weights.buckets import GROUP_NAME, Bucket, BucketMac, WeightGroup, pack, plan_buckets, unpack
+from rolloutpipe.control.weights.digest import Digest, tensor_bytes, tensor_hash
+from rolloutpipe.control.weights.mac import SALT_BYTES, ChunkMac, gmac_key, weights_key
 
 ENGINES_REPLACEABLE = False
 """A lost engine host's engines are not re-grouped (a failed engine on the rollout node is: module docstring)."""
@@ -76,6 +93,11 @@ GROUP_RECORD = ("weight_sync", "group")
 def plan_key(transport: Transport, version: int) -> str:
     """Which group policy ``version`` is broadcast on (trainer rank 0 writes it before it sends)."""
     return transport.key("weight_sync", f"plan/policy_version={version}")
+
+
+def bucket_mac_key(transport: Transport, version: int, index: int) -> str:
+    """Bucket ``index`` of policy ``version``'s salt and tags (trainer rank 0 writes it before it sends the bucket)."""
+    return transport.key("weights", f"policy_version={version}", f"bucket={index}")
 
 
 def regroup_key(transport: Transport, version: int) -> str:
@@ -132,6 +154,29 @@ def wait_all(works: list, check: Callable[[], None], poll_s: float = 0.02, check
                 next_check_s = time.monotonic() + check_every_s
             time.sleep(poll_s)
         work.wait()  # raises if the collective failed
+
+
+def mac_record(bucket: Bucket, state: Mapping[str, torch.Tensor], key: bytes, digest: Digest) -> dict:
+    """Trainer rank 0's sealed record of ``bucket``: a fresh salt, and the GMAC tags of its tensors' bytes under the
+    weights ``key`` and that salt. Each tensor goes into the policy's ``digest`` from the same host bytes (one copy
+    off the device)."""
+    salt = os.urandom(SALT_BYTES)
+    chunk_mac, tags = ChunkMac(gmac_key(key, salt)), []
+    for name in bucket.names:
+        data = tensor_bytes(state[name])
+        digest.add(name, state[name], tensor_hash(data))
+        tags += chunk_mac.tags([data], first=len(tags))
+    return {"salt": salt.hex(), "tags": [tag.hex() for tag in tags]}
+
+
+def bucket_mac(record: dict, key: bytes) -> BucketMac:
+    """What an engine checks a bucket against: its GMAC key (the weights ``key`` and the record's salt) and tags."""
+    return BucketMac(key=gmac_key(key, bytes.fromhex(record["salt"])), tags=[bytes.fromhex(t) for t in record["tags"]])
+
+
+def check_bucket(bucket: Bucket, tensors: Mapping[str, torch.Tensor], mac: BucketMac) -> bool:
+    """Whether a received bucket's ``tensors`` are the bytes trainer rank 0 authenticated (an engine's side)."""
+    return mac.matches(tensor_bytes(tensors[name]) for name in bucket.names)
 
 
 def receive_bucket(pg: dist.ProcessGroup, bucket: Bucket) -> dict[str, torch.Tensor]:
@@ -218,6 +263,8 @@ class Sender:
         self.broadcaster: Broadcaster | None = None
         self.generation = 0
         """Groups formed so far (a new one each time an engine was replaced)."""
+        self._num_buckets: dict[int, int] = {}
+        """Per policy sent: its bucket records, deleted by ``retire``."""
 
     def open(self) -> None:
         group = self._new_group(1 + self.settings.num_engine_ranks)
@@ -237,9 +284,10 @@ class Sender:
                            check=lambda what: self.transport.liveness.check(waiting_for=what))
 
     def publish(self, version: int, *, serves: bool) -> str:
-        """Each bucket is broadcast as the policy yields it (a sharded one gathers it then), and digested; the last
-        policy only goes to the final checkpoint: its buckets are digested, not sent. Before sending, the group is
-        re-formed if the rollout node replaced an engine (module docstring)."""
+        """Each bucket is digested, authenticated and broadcast as the policy yields it (a sharded one gathers it
+        then; the step's deferred update makes it final then); the last policy only goes to the final checkpoint: its
+        buckets are digested, not sent. Before sending, the group is re-formed if the rollout node replaced an engine
+        (module docstring)."""
         assert self.broadcaster is not None, "open() first"
         if serves:
             regroup = self.transport.read_record(regroup_key(self.transport, version))
@@ -250,24 +298,28 @@ class Sender:
                 self.broadcaster.leave()
                 self.broadcaster = self._join(group)
         buckets, tensors = self.policy.hf_buckets()
-        digest = Digest()
+        digest, key = Digest(), weights_key(self.transport.secret)
+        if not serves:
+            for state in tensors:
+                digest.update(state)
+            return digest.hexdigest()
 
-        def digested() -> Iterator[tuple[Bucket, dict[str, torch.Tensor]]]:
-            for bucket, state in zip(buckets, tensors, strict=True):
+        def authenticated() -> Iterator[tuple[Bucket, dict[str, torch.Tensor]]]:
+            for index, (bucket, state) in enumerate(zip(buckets, tensors, strict=True)):
+                # while the bucket before is on the wire
+                self.transport.put_record(bucket_mac_key(self.transport, version, index),
+                                          mac_record(bucket, state, key, digest))
                 yield bucket, state
-                digest.update(state)  # while the bucket is on the wire
 
-        if serves:
-            self.transport.put_record(weights_record_key(self.transport, version),
-                                      {"policy_version": version, "buckets": [asdict(b) for b in buckets]})
-            self.broadcaster.stream(digested(), version)
-        else:
-            for _ in digested():
-                pass
+        self.transport.put_record(weights_record_key(self.transport, version),
+                                  {"policy_version": version, "buckets": [asdict(b) for b in buckets]})
+        self._num_buckets[version] = len(buckets)
+        self.broadcaster.stream(authenticated(), version)
         return digest.hexdigest()
 
     def retire(self, version: int) -> None:
-        pass
+        for index in range(self._num_buckets.pop(version, 0)):
+            self.transport.delete(bucket_mac_key(self.transport, version, index))
 
 
 class Receiver:
@@ -307,4 +359,26 @@ class Receiver:
         if "buckets" not in record:
             raise RuntimeError(f"the weights record of policy_version {version} has no buckets: the trainer and the "
                                "rollout node disagree on pipeline.weight_sync; refusing it.")
-        self.engines.load_weights_distributed([Bucket(**b) for b in record["buckets"]], version)
+        self.engines.load_weights_distributed([Bucket(**b) for b in record["buckets"]], version,
+                                              BucketMacs(self.transport, version))
+
+
+class BucketMacs:
+    """The rollout node's side of the buckets' MACs: bucket ``index``'s, read from trainer rank 0's sealed record
+    once, by whichever engine's thread asks first (each asks before its call for the bucket)."""
+
+    def __init__(self, transport: Transport, version: int) -> None:
+        self.transport = transport
+        self.version = version
+        self._key = weights_key(transport.secret)
+        self._macs: dict[int, BucketMac] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, index: int) -> BucketMac:
+        with self._lock:
+            if index not in self._macs:
+                record = self.transport.wait_record(
+                    bucket_mac_key(self.transport, self.version, index),
+                    what=f"trainer rank 0's MAC of bucket {index} of policy_version {self.version}")
+                self._macs[index] = bucket_mac(record, self._key)
+            return self._macs[index]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 from rolloutpipe.types import GenerationRequest, GenerationResult
 
 if TYPE_CHECKING:
-    from rolloutpipe.control.weights.buckets import Bucket, WeightGroup
+    from rolloutpipe.control.weights.buckets import Bucket, BucketMac, WeightGroup
 
 OnResult = Callable[[GenerationResult], None]
 
@@ -56,5 +56,7 @@ class JoinsWeightGroup(Engine, Protocol):
     def init_weights_update_group(self, group: WeightGroup, rank_offset: int) -> None:
         """Join ``group`` as ranks ``rank_offset`` ..; returns once every member has joined."""
 
-    def update_weights_from_distributed(self, buckets: list[Bucket], group_name: str, policy_version: int) -> None:
-        """Receive the broadcast ``buckets`` (every engine of the group at once) and serve ``policy_version``."""
+    def update_weights_from_distributed(self, buckets: list[Bucket], group_name: str, policy_version: int,
+                                        macs: Callable[[int], BucketMac]) -> None:
+        """Receive the broadcast ``buckets`` (every engine of the group at once) and serve ``policy_version``; bucket
+        i goes with its MAC ``macs(i)``, which the engine checks before it loads the bucket where it can."""

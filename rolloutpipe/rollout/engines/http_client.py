@@ -47,7 +47,7 @@ from rolloutpipe.rollout.engines.base import OnResult
 from rolloutpipe.types import FinishReason, GenerationRequest, GenerationResult
 
 if TYPE_CHECKING:
-    from rolloutpipe.control.weights.buckets import Bucket, WeightGroup
+    from rolloutpipe.control.weights.buckets import Bucket, BucketMac, WeightGroup
 
 log = logging.getLogger(__name__)
 
@@ -179,11 +179,12 @@ class SGLangEngine:
         self._control("init_weights_update_group", lambda: sglang_api.init_weights_update_group(
             self.endpoint, group, rank_offset, timeout_s=self._weight_update_timeout_s))
 
-    def update_weights_from_distributed(self, buckets: list[Bucket], group_name: str, policy_version: int) -> None:
+    def update_weights_from_distributed(self, buckets: list[Bucket], group_name: str, policy_version: int,
+                                        macs: Callable[[int], BucketMac]) -> None:
         """Receive ``policy_version`` from the trainer's broadcasts (all engines of the group at the same time)."""
         self._check_idle("update_weights_from_distributed")
         self._control("update_weights_from_distributed", lambda: sglang_api.update_weights_from_distributed(
-            self.endpoint, buckets, group_name, policy_version, timeout_s=self._weight_update_timeout_s))
+            self.endpoint, buckets, group_name, policy_version, macs=macs, timeout_s=self._weight_update_timeout_s))
         self._policy_version = policy_version
 
     def _control(self, what: str, call: Callable[[], None]) -> None:

@@ -21,7 +21,10 @@ requests run), /begin_weight_update and /end_weight_update around /update_weight
 session, as 0.5.23 does for its other weight-update routes) and /update_weights_from_distributed (400 outside a
 session, as in 0.5.23), after /init_weights_update_group (gloo only: this engine runs on CPU; the group is formed
 as SGLang forms it, see rolloutpipe/control/weights/distributed.py). A bucket's tensors are loaded as they
-arrive; the version changes with the bucket that carries ``weight_version``.
+arrive, once they match the bucket's MAC (the ``X-RolloutPipe-Bucket-MAC`` header, which SGLang does not have: a
+bucket without one, or whose bytes do not match it, is refused with 400, and the server then answers /generate with
+503 until a weight-update session loads a whole policy); the version changes with the bucket that carries
+``weight_version``.
 
 Threads: ``ThreadingHTTPServer`` runs one thread per connection; a /generate thread submits to the engine and waits
 for its result, which the engine's scheduler thread hands over through ``_Waiter``. The process stops on SIGTERM
@@ -43,8 +46,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from rolloutpipe.control.weights.buckets import Bucket, WeightGroup
-from rolloutpipe.control.weights.distributed import join_group, receive_bucket
+from rolloutpipe.control.weights.buckets import MAC_HEADER, Bucket, BucketMac, WeightGroup
+from rolloutpipe.control.weights.distributed import check_bucket, join_group, receive_bucket
 from rolloutpipe.rollout.engines import server_process, sglang_api
 from rolloutpipe.rollout.engines.embedded import EmbeddedEngine
 from rolloutpipe.types import GenerationResult
@@ -90,6 +93,9 @@ class EmbeddedServer:
         self._session_open = False
         self._groups: dict = {}
         """Weight-update process groups by name (/init_weights_update_group)."""
+        self._torn: str | None = None
+        """Why the weights are part old, part new (a refused bucket), until a session loads a whole policy."""
+        self._refused_in_session = False
         self.engine: EmbeddedEngine = engine_factory(self._on_result)
         self.httpd = _Server((host, port), _handler_for(self))
 
@@ -114,6 +120,8 @@ class EmbeddedServer:
         waiter = _Waiter()
         with self._lock:
             self._resumed.wait_for(lambda: not self._paused)
+            if self._torn is not None:
+                return HTTPStatus.SERVICE_UNAVAILABLE, {"error": {"message": self._torn}}
             if request.request_id in self._waiters:  # SGLang's check and words (TokenizerManager)
                 return HTTPStatus.BAD_REQUEST, {"error": {"message": "Duplicate request ID detected: "
                                                                      f"{request.request_id}"}}
@@ -169,7 +177,7 @@ class EmbeddedServer:
         with self._lock:
             if self._session_open:
                 return HTTPStatus.BAD_REQUEST, {"success": False, "message": "a weight-update session is already open"}
-            self._session_open = True
+            self._session_open, self._refused_in_session = True, False
         return HTTPStatus.OK, {"success": True, "message": "Success"}
 
     def end_weight_update(self, body: dict[str, Any]) -> tuple[int, Any]:
@@ -214,7 +222,8 @@ class EmbeddedServer:
                                             "message": f"Failed to initialize custom process group: {err}."}
         return HTTPStatus.OK, {"success": True, "message": "Succeeded to initialize custom process group."}
 
-    def update_weights_from_distributed(self, body: dict[str, Any]) -> tuple[int, Any]:
+    def update_weights_from_distributed(self, body: dict[str, Any], mac: str | None) -> tuple[int, Any]:
+        """Receive one bucket and load it if its bytes match ``mac`` (the MAC_HEADER value)."""
         bucket, group_name, policy_version = sglang_api.parse_update_weights_from_distributed_body(body)
         with self._lock:
             session_open = self._session_open
@@ -224,11 +233,30 @@ class EmbeddedServer:
         if group_name not in self._groups:
             return HTTPStatus.BAD_REQUEST, {"success": False, "message": f"Group {group_name} not in "
                                             f"{list(self._groups)}. Please call `init_weights_update_group` first."}
-        tensors = receive_bucket(self._groups[group_name], Bucket(**bucket))
+        bucket = Bucket(**bucket)
+        tensors = receive_bucket(self._groups[group_name], bucket)  # first: the broadcast waits for every member
+        try:
+            genuine = mac is not None and check_bucket(bucket, tensors, BucketMac.parse(mac))
+        except ValueError:
+            genuine = False
+        if not genuine:
+            why = (f"the bucket of {bucket.names[0]} and {len(bucket.names) - 1} more tensors "
+                   f"{'came without' if mac is None else 'does not match'} its MAC ({MAC_HEADER}): its bytes are not "
+                   "the ones trainer rank 0 sent, so it was not loaded, and this engine serves nothing until a "
+                   "weight-update session loads a whole policy. Whoever reached the weight-update group's ports "
+                   "changed them: keep those ports within the run's nodes (docs/faults-and-security.md)")
+            with self._lock:
+                self._torn, self._refused_in_session = why, True
+            log.error("refused a weight bucket: %s", why)
+            return HTTPStatus.BAD_REQUEST, {"success": False, "message": f"Failed to update parameter online: {why}"}
         try:
             self.engine.load_weights(tensors, policy_version, complete=False)
         except (RuntimeError, ValueError) as err:
             return HTTPStatus.BAD_REQUEST, {"success": False, "message": f"Failed to update parameter online: {err}"}
+        if policy_version is not None:
+            with self._lock:
+                if not self._refused_in_session:
+                    self._torn = None
         return HTTPStatus.OK, {"success": True, "message": "Succeeded to update parameter online."}
 
     def model_info(self) -> tuple[int, Any]:
@@ -280,6 +308,7 @@ def _handler_for(server: EmbeddedServer) -> type[BaseHTTPRequestHandler]:
         sglang_api.INIT_WEIGHTS_UPDATE_GROUP: server.init_weights_update_group,
         sglang_api.UPDATE_WEIGHTS_FROM_DISTRIBUTED: server.update_weights_from_distributed,
     }
+    with_mac = {server.update_weights_from_distributed}
     gets = {sglang_api.HEALTH: server.health, sglang_api.MODEL_INFO: server.model_info, V1_MODELS: server.models,
             sglang_api.SERVER_INFO: server.server_info}
 
@@ -303,7 +332,7 @@ def _handler_for(server: EmbeddedServer) -> type[BaseHTTPRequestHandler]:
                 return
             try:
                 body = json.loads(raw) if raw else {}
-                answer = route(body)
+                answer = route(body, self.headers.get(MAC_HEADER)) if route in with_mac else route(body)
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
                 answer = HTTPStatus.BAD_REQUEST, {"error": {"message": f"bad request body: {err!r}"}}
             self._answer(*answer)

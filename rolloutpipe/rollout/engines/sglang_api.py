@@ -42,13 +42,15 @@ Facts about 0.5.23 that shape this module (read in its source):
 - ``/init_weights_update_group`` (InitWeightsUpdateGroupReqInput: master_address, master_port, rank_offset,
   world_size, group_name, backend) makes the server's tensor-parallel rank r join a torch process group as rank
   ``rank_offset + r``; it answers once every member has joined. ``/update_weights_from_distributed``
-  (UpdateWeightsFromDistributedReqInput: names, dtypes, shapes as lists, group_name, flush_cache, weight_version)
-  receives one broadcast from rank 0 per listed tensor, in list order, and loads them. Both answer
-  ``{"success", "message"}``, HTTP 400 on failure. rolloutpipe/control/weights/distributed.py is the trainer's side.
+  (UpdateWeightsFromDistributedReqInput: names, dtypes, shapes as lists, group_name, flush_cache, weight_version,
+  load_format) receives the listed tensors from rank 0, with ``load_format="flattened_bucket"`` as one flat
+  broadcast, and loads them. Both answer ``{"success", "message"}``, HTTP 400 on failure.
+  rolloutpipe/control/weights/distributed.py is the trainer's side. The bucket's MAC goes in a header of our own
+  (buckets.py ``MAC_HEADER``), which SGLang ignores and the embedded server checks: the body stays SGLang's.
 - ``/update_weights_from_disk`` takes a *directory* (``model_path``) and loads every ``*.safetensors`` in it;
   ``model_dir_for`` turns the trainer's one-file-per-version layout into that. A load that fails takes the server
-  down (its rollback reloads from the bad path), so the rollout node hands it only a file that is there with the
-  size and sha256 the trainer published (``RolloutNode.checked_weights_file``).
+  down (its rollback reloads from the bad path), so the rollout node hands it only a file that is there complete
+  with the size the trainer published (control/weights/disk.py ``Receiver.visible_file``).
 """
 
 from __future__ import annotations
@@ -66,10 +68,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rolloutpipe.control.weights.buckets import MAC_HEADER
 from rolloutpipe.types import FinishReason, GenerationRequest, GenerationResult
 
 if TYPE_CHECKING:
-    from rolloutpipe.control.weights.buckets import Bucket, WeightGroup
+    from rolloutpipe.control.weights.buckets import Bucket, BucketMac, WeightGroup
 
 PINNED_VERSION = "0.5.23"
 
@@ -361,15 +364,15 @@ def authorized(path: str, authorization: str | None, api_key: str | None) -> boo
 
 
 def call(server: Endpoint, route: str, body: dict[str, Any] | None = None, *, timeout_s: float = CONTROL_TIMEOUT_S,
-         method: str | None = None) -> Any:
-    """POST ``body`` as JSON (GET when None), with the server's API key; returns the decoded JSON answer, or its
-    text, or None when empty.
+         method: str | None = None, headers: dict[str, str] | None = None) -> Any:
+    """POST ``body`` as JSON (GET when None), with the server's API key and ``headers``; returns the decoded JSON
+    answer, or its text, or None when empty.
 
     Raises SGLangError naming the URL and route on an HTTP error status or when the server cannot be reached.
     """
     url = server.url.rstrip("/") + route
     data = None if body is None else json.dumps(body).encode()
-    headers = {"Content-Type": "application/json"}
+    headers = {"Content-Type": "application/json", **(headers or {})}
     if server.api_key is not None:
         headers["Authorization"] = f"Bearer {server.api_key}"
     req = urllib.request.Request(url, data=data, method=method or ("GET" if body is None else "POST"), headers=headers)
@@ -465,8 +468,9 @@ def init_weights_update_group(server: Endpoint, group: WeightGroup, rank_offset:
 
 
 def update_weights_from_distributed(server: Endpoint, buckets: list[Bucket], group_name: str, policy_version: int, *,
-                                    timeout_s: float) -> None:
+                                    macs: Callable[[int], BucketMac], timeout_s: float) -> None:
     """Receive ``policy_version`` from the trainer's broadcasts, between steps, and check the version served.
+    Bucket i's call carries its MAC, ``macs(i)`` (which may wait for the trainer to publish it).
 
     The trainer broadcasts the same buckets in the same order; every engine of the group must make these calls at
     the same time (each broadcast waits for all of them).
@@ -476,7 +480,7 @@ def update_weights_from_distributed(server: Endpoint, buckets: list[Bucket], gro
             last = i == len(buckets) - 1
             call(server, UPDATE_WEIGHTS_FROM_DISTRIBUTED,
                  update_weights_from_distributed_body(bucket, group_name, policy_version if last else None),
-                 timeout_s=timeout_s)
+                 timeout_s=timeout_s, headers={MAC_HEADER: macs(i).header()})
     check_serves(server, policy_version, hint=f"(after {len(buckets)} broadcast buckets)")
 
 

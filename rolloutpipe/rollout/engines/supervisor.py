@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from rolloutpipe.control.weights.buckets import Bucket, WeightGroup
+from rolloutpipe.control.weights.buckets import Bucket, BucketMac, WeightGroup
 from rolloutpipe.observe.metrics import SpanRecorder
 from rolloutpipe.rollout.admission import Admission
 from rolloutpipe.rollout.engines.base import Engine
@@ -155,12 +155,14 @@ class EngineSupervisor:
                               f"{group.master_port}",
                               lambda slot, engine: engine.init_weights_update_group(group, 1 + slot * ranks_per_engine))
 
-    def load_weights_distributed(self, buckets: list[Bucket], policy_version: int) -> None:
-        """Serve ``policy_version`` on every engine from trainer rank 0's broadcast of ``buckets`` (between steps)."""
+    def load_weights_distributed(self, buckets: list[Bucket], policy_version: int,
+                                 macs: Callable[[int], BucketMac]) -> None:
+        """Serve ``policy_version`` on every engine from trainer rank 0's broadcast of ``buckets``, each checked
+        against its MAC where the engine can (between steps)."""
         self._on_every_engine(
             f"the engines to receive policy_version {policy_version}",
             lambda slot, engine: engine.update_weights_from_distributed(buckets, self.weight_group.group_name,
-                                                                         policy_version))
+                                                                         policy_version, macs))
         self.policy_version = policy_version
 
     def rejoin_weight_group(self, group: WeightGroup, ranks_per_engine: int) -> None:
