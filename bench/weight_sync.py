@@ -15,8 +15,11 @@ Rows:
                          thread while it is written
     disk: read + check   what the rollout node does (disk.py ``Receiver.load``): one engine reads the file while the
                          node recomputes its MAC
-    broadcast            ``pipeline.weight_sync=distributed`` over gloo to one engine process (distributed.py: a flat
+    broadcast            the distributed way's transport over gloo to one engine process (distributed.py: a flat
                          buffer per bucket of ``--bucket-mb``, two alternating; the engine unpacks each bucket)
+    broadcast + MAC      what ``pipeline.weight_sync=distributed`` does: as above, and the trainer gives each bucket
+                         its MAC (GMAC) before it sends it and digests it (BLAKE3, a second thread), the MAC reaches
+                         the engine through a TCPStore, and the engine checks the bucket before it would load it
     raw broadcast        the floor of that transport: one ``torch.distributed.broadcast`` of every byte as one flat
                          tensor, on the same process group
 
@@ -46,8 +49,8 @@ DISK_ROWS = ("disk: write (trainer, the floor)", "disk: read (engine, the floor)
 DISK_TOTAL = "disk: total (write + MAC, read + check)"
 
 
-def bucket_row(mb: float) -> str:
-    return f"broadcast (gloo, {mb:g} MiB buckets)"
+def bucket_row(mb: float, mac: bool = True) -> str:
+    return f"broadcast{' + MAC' if mac else ''} (gloo, {mb:g} MiB buckets)"
 
 
 def qwen3_state(shape) -> dict:
@@ -130,14 +133,29 @@ def read_and_check(path: Path, written) -> None:
     assert checked == [written.mac]
 
 
-def broadcast_rank(rank: int, port: int, shapes: dict, bucket_mbs: list[float], rounds: int, results) -> None:
+def broadcast_rank(rank: int, port: int, store_port: int, shapes: dict, bucket_mbs: list[float], rounds: int,
+                   results) -> None:
+    import json
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
 
     from rolloutpipe.control.weights.buckets import WeightGroup, plan_buckets
-    from rolloutpipe.control.weights.distributed import Broadcaster, join_group, receive_bucket
+    from rolloutpipe.control.weights.digest import Digest
+    from rolloutpipe.control.weights.distributed import (
+        Broadcaster,
+    authenticated,
+        bucket_mac,
+        check_bucket,
+        join_group,
+            receive_bucket,
+    )
+    from rolloutpipe.control.weights.mac import weights_key
 
     torch.set_num_threads(1)
+    key = weights_key(KEY)
+    store = dist.TCPStore("127.0.0.1", store_port, 2, is_master=rank == 0, timeout=timedelta(seconds=120))
     group = WeightGroup(master_address="127.0.0.1", master_port=port, world_size=2)
     if rank == 0:
         state = {k: torch.full(s, 0.5, dtype=torch.bfloat16) for k, s in shapes.items()}
@@ -156,17 +174,35 @@ def broadcast_rank(rank: int, port: int, shapes: dict, bucket_mbs: list[float], 
         return time.perf_counter() - start
 
     whole = torch.full((num_bytes,), 7, dtype=torch.uint8) if rank == 0 else None
+    # The engine receives into memory it holds already, as the embedded engine's server reuses its receive buffer
+    # and SGLang's CUDA caching allocator its blocks: a fresh CPU buffer costs a page fault every 4 KiB, which on a
+    # VM that hands freed memory back to its host takes longer than the bytes' move (2026-12-05: 8.5 s, not 1 s).
+    inbox = torch.zeros(num_bytes, dtype=torch.uint8) if rank == 1 else None
     plans = {mb: plan_buckets(state, int(mb * 2**20)) for mb in bucket_mbs}
     if rank == 0:
         sender._buffers = [torch.empty(0, dtype=torch.uint8) for _ in range(2)]  # grown within the first round
+    def send(buckets: list, at: str) -> None:
+        """distributed.py ``Sender.publish``: each bucket's MAC published before it is sent, its digest taken after."""
+        publish = lambda i, record: store.set(f"{at}/{i}", json.dumps(record))  # noqa: E731
+        sender.stream(authenticated(buckets, (state for _ in buckets), key, Digest(), publish), 1)
+
+    def receive(buckets: list, at: str) -> None:
+        """The rollout node reads each bucket's MAC, the engine receives the bucket and checks it."""
+        for i, bucket in enumerate(buckets):
+            mac = bucket_mac(json.loads(store.get(f"{at}/{i}")), key)
+            assert check_bucket(bucket, receive_bucket(pg, bucket, inbox), mac)
+
     for r in range(rounds):
-        results[("raw", rank, r)] = timed_together(lambda: dist.broadcast(  # into a fresh tensor, as an engine
-            whole if whole is not None else torch.empty(num_bytes, dtype=torch.uint8), src=0, group=pg))
+        results[("raw", rank, r)] = timed_together(lambda: dist.broadcast(whole if rank == 0 else inbox, src=0,
+                                                                          group=pg))
         for mb, buckets in plans.items():
             if rank == 0:
-                results[(mb, rank, r)] = timed_together(lambda b=buckets: sender.send(state, b, 1))
-            else:  # fresh buffers each time, as an engine receives them
-                results[(mb, rank, r)] = timed_together(lambda b=buckets: [receive_bucket(pg, bucket) for bucket in b])
+                results[(mb, False, rank, r)] = timed_together(lambda b=buckets: sender.send(state, b, 1))
+            else:
+                results[(mb, False, rank, r)] = timed_together(
+                    lambda b=buckets: [receive_bucket(pg, bucket, inbox) for bucket in b])
+            move = send if rank == 0 else receive
+            results[(mb, True, rank, r)] = timed_together(lambda b=buckets, at=f"{r}/{mb}": move(b, at))
     dist.destroy_process_group(pg)
 
 
@@ -205,11 +241,14 @@ def main() -> None:
     shapes = {k: tuple(v.shape) for k, v in state.items()}
     state.clear()  # the broadcast processes allocate their own
     results = mp.Manager().dict()
-    mp.spawn(broadcast_rank, args=(free_port(), shapes, args.bucket_mb, args.rounds, results), nprocs=2, join=True)
+    mp.spawn(broadcast_rank, args=(free_port(), free_port(), shapes, args.bucket_mb, args.rounds, results), nprocs=2,
+             join=True)
     raw = "raw broadcast (gloo, one flat tensor)"
     rows[raw] = [max(results[("raw", 0, r)], results[("raw", 1, r)]) for r in range(args.rounds)]
     for mb in args.bucket_mb:
-        rows[bucket_row(mb)] = [max(results[(mb, 0, r)], results[(mb, 1, r)]) for r in range(args.rounds)]
+        for mac in (False, True):
+            rows[bucket_row(mb, mac)] = [max(results[(mb, mac, 0, r)], results[(mb, mac, 1, r)])
+                                         for r in range(args.rounds)]
     floor = median(rows[copy])
     print(f"{args.model_shape} bfloat16: {size / GB:.2f} GB, {os.cpu_count()} CPUs, disk rows in {where}, "
           f"median of {args.rounds} rounds, {time.perf_counter() - wall:.0f} s wall")
@@ -222,8 +261,10 @@ def main() -> None:
     print(f"disk total / (write + read) = {median(disk):.2f} [{min(disk):.2f}, {max(disk):.2f}] (goal <= 1.3)")
     for mb in args.bucket_mb:
         ratio = [b / f for b, f in zip(rows[bucket_row(mb)], rows[raw], strict=True)]
-        print(f"broadcast with {mb:g} MiB buckets / raw broadcast = {median(ratio):.2f} "
-              f"[{min(ratio):.2f}, {max(ratio):.2f}] (goal <= 1.2)")
+        mac = [b / f for b, f in zip(rows[bucket_row(mb)], rows[bucket_row(mb, False)], strict=True)]
+        print(f"broadcast + MAC with {mb:g} MiB buckets / raw broadcast = {median(ratio):.2f} "
+              f"[{min(ratio):.2f}, {max(ratio):.2f}] (goal <= 1.2); / broadcast alone = {median(mac):.2f} "
+              f"[{min(mac):.2f}, {max(mac):.2f}]")
     # the simulator's weight sync (sim/models.py OverheadModel: the trainer's save, then the engines' load)
     fastest = min(args.bucket_mb, key=lambda mb: median(rows[bucket_row(mb)]))
     print("the simulator's weight sync for this machine and policy (docs/simulator.md):")

@@ -17,15 +17,14 @@ from safetensors.torch import load_file
 from rolloutpipe.config import ConfigError, load_config
 from rolloutpipe.control.env import free_port
 from rolloutpipe.control.weights.buckets import WeightGroup, plan_buckets
-from rolloutpipe.control.weights.digest import Digest
+from rolloutpipe.control.weights.digest import tensor_bytes
 from rolloutpipe.control.weights.distributed import Broadcaster, bucket_mac, mac_record, weight_sync_backend
 from rolloutpipe.control.weights.mac import weights_key
-from rolloutpipe.rollout.engines.supervisor import EngineFailed
 from rolloutpipe.model import DType, ModelConfig, load_model
 from rolloutpipe.observe.metrics import read_spans
 from rolloutpipe.rollout.engines import server_process, sglang_api
 from rolloutpipe.rollout.engines.http_client import SGLangEngine
-from rolloutpipe.rollout.engines.supervisor import EngineSupervisor
+from rolloutpipe.rollout.engines.supervisor import EngineFailed, EngineSupervisor
 from tests.conftest import DENSE_REWARD, SMALL, read_samples, run_job
 from tests.helpers.http_engine import API_KEY, MODEL, VOCAB_SIZE, Results, in_process, request
 from tests.helpers.parity import assert_digests_tell_identical_from_different
@@ -36,7 +35,7 @@ KEY = weights_key(b"the attempt's key")
 
 def macs_of(state, buckets):
     """Each bucket's MAC as trainer rank 0 seals it and the rollout node hands it to the engines."""
-    records = [mac_record(bucket, state, KEY, Digest()) for bucket in buckets]
+    records = [mac_record([tensor_bytes(state[name]) for name in bucket.names], KEY) for bucket in buckets]
     return lambda index: bucket_mac(records[index], KEY)
 
 

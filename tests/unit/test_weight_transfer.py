@@ -19,7 +19,7 @@ from rolloutpipe.control.weights import WeightSync, WeightSyncSettings
 from rolloutpipe.control.weights.buckets import BucketMac, pack, plan_buckets, unpack
 from rolloutpipe.control.weights.digest import Digest, weights_digest
 from rolloutpipe.control.weights.disk import Receiver, file_mac, weights_file, write_weights
-from rolloutpipe.control.weights.distributed import bucket_mac, check_bucket, mac_record
+from rolloutpipe.control.weights.distributed import authenticated, bucket_mac, check_bucket
 from rolloutpipe.control.weights.mac import weights_key
 
 REPO = Path(__file__).resolve().parents[2]
@@ -257,10 +257,14 @@ def test_a_tensor_that_would_sit_unaligned_in_a_flat_bucket_starts_the_next_one(
 
 
 def _bucket_macs(state, bucket_bytes: int = 64):
-    """Each bucket of ``state`` with trainer rank 0's sealed record of it and the MAC the rollout node derives."""
-    key, digest = weights_key(ATTEMPT_KEY), Digest()
+    """Each bucket of ``state`` with trainer rank 0's sealed record of it and the MAC the rollout node derives, as
+    ``Sender.publish`` makes them, and the policy's digest from the same pass."""
+    key, digest, records = weights_key(ATTEMPT_KEY), Digest(), {}
     buckets = plan_buckets(state, bucket_bytes)
-    records = [mac_record(bucket, state, key, digest) for bucket in buckets]
+    tensors = ({name: state[name] for name in bucket.names} for bucket in buckets)
+    sent = list(authenticated(buckets, tensors, key, digest, records.__setitem__))
+    assert [bucket for bucket, _ in sent] == buckets and sorted(records) == list(range(len(buckets)))
+    records = [records[i] for i in range(len(buckets))]
     return buckets, records, [bucket_mac(r, key) for r in records], digest
 
 

@@ -59,7 +59,9 @@ def choose(*, sglang_started: bool, attached: bool, overlapped: bool) -> tuple[W
     if not sglang_started:
         return WeightSync.disk, "the engines run on CPU (rollout.engine is not sglang)"
     return WeightSync.distributed, ("SGLang engines on GPU nodes: trainer rank 0 broadcasts to them, no file; a "
-                                    "failed engine's replacement joins a new group at the next step boundary")
+                                    "failed engine's replacement joins a new group at the next step boundary. SGLang "
+                                    "cannot check a bucket's MAC: keep the weight-update group's ports within the "
+                                    "run's nodes, or set pipeline.weight_sync=disk")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

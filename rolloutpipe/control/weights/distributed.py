@@ -68,6 +68,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -156,17 +157,35 @@ def wait_all(works: list, check: Callable[[], None], poll_s: float = 0.02, check
         work.wait()  # raises if the collective failed
 
 
-def mac_record(bucket: Bucket, state: Mapping[str, torch.Tensor], key: bytes, digest: Digest) -> dict:
-    """Trainer rank 0's sealed record of ``bucket``: a fresh salt, and the GMAC tags of its tensors' bytes under the
-    weights ``key`` and that salt. Each tensor goes into the policy's ``digest`` from the same host bytes (one copy
-    off the device)."""
+def mac_record(tensors: Iterable[memoryview], key: bytes) -> dict:
+    """A bucket's sealed record: a fresh salt, and the GMAC tags of its ``tensors``' bytes (in the plan's order) under
+    the weights ``key`` and that salt."""
     salt = os.urandom(SALT_BYTES)
-    chunk_mac, tags = ChunkMac(gmac_key(key, salt)), []
-    for name in bucket.names:
-        data = tensor_bytes(state[name])
-        digest.add(name, state[name], tensor_hash(data))
-        tags += chunk_mac.tags([data], first=len(tags))
-    return {"salt": salt.hex(), "tags": [tag.hex() for tag in tags]}
+    return {"salt": salt.hex(), "tags": [tag.hex() for tag in ChunkMac(gmac_key(key, salt)).tags(tensors)]}
+
+
+def authenticated(buckets: list[Bucket], tensors: Iterable[Mapping[str, torch.Tensor]], key: bytes, digest: Digest,
+                  publish: Callable[[int, dict], None]) -> Iterator[tuple[Bucket, Mapping[str, torch.Tensor]]]:
+    """Each bucket of ``tensors`` (in turn, as the policy yields them), once its MAC record is published
+    (``publish(index, record)``, on this thread). The same host bytes (one copy off the device) go into the policy's
+    ``digest`` (BLAKE3) on a second thread, one bucket behind: it overlaps the bucket's send and the next bucket's
+    MAC, and holds at most two buckets' host copies. ``digest`` is complete when the generator is."""
+
+    def add(state: Mapping[str, torch.Tensor], data: dict[str, memoryview]) -> None:
+        for name, view in data.items():
+            digest.add(name, state[name], tensor_hash(view))
+
+    with ThreadPoolExecutor(1, thread_name_prefix="weights-digest") as pool:
+        hashing = None
+        for index, (bucket, state) in enumerate(zip(buckets, tensors, strict=True)):
+            data = {name: tensor_bytes(state[name]) for name in bucket.names}
+            publish(index, mac_record(data.values(), key))
+            if hashing is not None:
+                hashing.result()
+            hashing = pool.submit(add, state, data)
+            yield bucket, state
+        if hashing is not None:
+            hashing.result()
 
 
 def bucket_mac(record: dict, key: bytes) -> BucketMac:
@@ -179,10 +198,11 @@ def check_bucket(bucket: Bucket, tensors: Mapping[str, torch.Tensor], mac: Bucke
     return mac.matches(tensor_bytes(tensors[name]) for name in bucket.names)
 
 
-def receive_bucket(pg: dist.ProcessGroup, bucket: Bucket) -> dict[str, torch.Tensor]:
+def receive_bucket(pg: dist.ProcessGroup, bucket: Bucket,
+                   buffer: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """An engine's side of one bucket (the embedded engine's server): one flat tensor from rank 0, unpacked into
-    views of a fresh buffer (as SGLang's ``FlattenedTensorBucket.empty`` receives it)."""
-    flat = torch.empty(bucket.num_bytes, dtype=torch.uint8)
+    views of ``buffer`` (uint8, at least the bucket's size; views valid until it is reused) or of a fresh one."""
+    flat = (torch.empty(bucket.num_bytes, dtype=torch.uint8) if buffer is None else buffer)[:bucket.num_bytes]
     dist.broadcast(flat, src=0, group=pg)
     return unpack(bucket, flat)
 
@@ -304,17 +324,13 @@ class Sender:
                 digest.update(state)
             return digest.hexdigest()
 
-        def authenticated() -> Iterator[tuple[Bucket, dict[str, torch.Tensor]]]:
-            for index, (bucket, state) in enumerate(zip(buckets, tensors, strict=True)):
-                # while the bucket before is on the wire
-                self.transport.put_record(bucket_mac_key(self.transport, version, index),
-                                          mac_record(bucket, state, key, digest))
-                yield bucket, state
+        def publish_mac(index: int, record: dict) -> None:
+            self.transport.put_record(bucket_mac_key(self.transport, version, index), record)
 
         self.transport.put_record(weights_record_key(self.transport, version),
                                   {"policy_version": version, "buckets": [asdict(b) for b in buckets]})
         self._num_buckets[version] = len(buckets)
-        self.broadcaster.stream(authenticated(), version)
+        self.broadcaster.stream(authenticated(buckets, tensors, key, digest, publish_mac), version)
         return digest.hexdigest()
 
     def retire(self, version: int) -> None:

@@ -46,6 +46,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from rolloutpipe.control.weights.buckets import MAC_HEADER, Bucket, BucketMac, WeightGroup
 from rolloutpipe.control.weights.distributed import check_bucket, join_group, receive_bucket
 from rolloutpipe.rollout.engines import server_process, sglang_api
@@ -93,6 +95,9 @@ class EmbeddedServer:
         self._session_open = False
         self._groups: dict = {}
         """Weight-update process groups by name (/init_weights_update_group)."""
+        self._inbox = torch.empty(0, dtype=torch.uint8)
+        """The buffer buckets are received into, grown to the largest; a bucket is loaded (copied) before the next
+        arrives. A fresh one per bucket would fault in every page of every policy again."""
         self._torn: str | None = None
         """Why the weights are part old, part new (a refused bucket), until a session loads a whole policy."""
         self._refused_in_session = False
@@ -234,7 +239,9 @@ class EmbeddedServer:
             return HTTPStatus.BAD_REQUEST, {"success": False, "message": f"Group {group_name} not in "
                                             f"{list(self._groups)}. Please call `init_weights_update_group` first."}
         bucket = Bucket(**bucket)
-        tensors = receive_bucket(self._groups[group_name], bucket)  # first: the broadcast waits for every member
+        if self._inbox.numel() < bucket.num_bytes:
+            self._inbox = torch.empty(bucket.num_bytes, dtype=torch.uint8)
+        tensors = receive_bucket(self._groups[group_name], bucket, self._inbox)  # first: the broadcast waits for all
         try:
             genuine = mac is not None and check_bucket(bucket, tensors, BucketMac.parse(mac))
         except ValueError:
