@@ -1,7 +1,7 @@
 """Weight sync's transports on this machine for a Qwen3-1.7B-shaped bfloat16 policy (3.4 GB), each against its own
 floor, in one invocation.
 
-    python bench/weight_sync.py                          # about two minutes on 2 CPU cores, ~11 GB of memory
+    python bench/weight_sync.py                          # about two minutes on 2 CPU cores, ~12 GB of memory
     python bench/weight_sync.py --bucket-mb 128 512 --dir /path/on/the/run/file/system
 
 The rows run in rounds, each round every row once in turn, so a burst of other work on a shared machine lands on
@@ -259,12 +259,14 @@ def main() -> None:
         print(f"| {name} | {seconds:.2f} | {size / GB / seconds:.2f} | {seconds / floor:.1f} |")
     disk = [t / (w + r) for t, w, r in zip(rows[DISK_TOTAL], rows[write], rows[read], strict=True)]
     print(f"disk total / (write + read) = {median(disk):.2f} [{min(disk):.2f}, {max(disk):.2f}] (goal <= 1.3)")
+    def ratio(over: str, under: str) -> str:
+        ratios = [a / b for a, b in zip(rows[over], rows[under], strict=True)]
+        return f"{median(ratios):.2f} [{min(ratios):.2f}, {max(ratios):.2f}]"
+
     for mb in args.bucket_mb:
-        ratio = [b / f for b, f in zip(rows[bucket_row(mb)], rows[raw], strict=True)]
-        mac = [b / f for b, f in zip(rows[bucket_row(mb)], rows[bucket_row(mb, False)], strict=True)]
-        print(f"broadcast + MAC with {mb:g} MiB buckets / raw broadcast = {median(ratio):.2f} "
-              f"[{min(ratio):.2f}, {max(ratio):.2f}] (goal <= 1.2); / broadcast alone = {median(mac):.2f} "
-              f"[{min(mac):.2f}, {max(mac):.2f}]")
+        print(f"{mb:g} MiB buckets: broadcast / raw broadcast = {ratio(bucket_row(mb, False), raw)} (goal <= 1.2); "
+              f"broadcast + MAC / raw broadcast = {ratio(bucket_row(mb), raw)}; broadcast + MAC / broadcast = "
+              f"{ratio(bucket_row(mb), bucket_row(mb, False))}")
     # the simulator's weight sync (sim/models.py OverheadModel: the trainer's save, then the engines' load)
     fastest = min(args.bucket_mb, key=lambda mb: median(rows[bucket_row(mb)]))
     print("the simulator's weight sync for this machine and policy (docs/simulator.md):")

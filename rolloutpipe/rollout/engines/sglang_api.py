@@ -42,11 +42,9 @@ Facts about 0.5.23 that shape this module (read in its source):
 - ``/init_weights_update_group`` (InitWeightsUpdateGroupReqInput: master_address, master_port, rank_offset,
   world_size, group_name, backend) makes the server's tensor-parallel rank r join a torch process group as rank
   ``rank_offset + r``; it answers once every member has joined. ``/update_weights_from_distributed``
-  (UpdateWeightsFromDistributedReqInput: names, dtypes, shapes as lists, group_name, flush_cache, weight_version,
-  load_format) receives the listed tensors from rank 0, with ``load_format="flattened_bucket"`` as one flat
-  broadcast, and loads them. Both answer ``{"success", "message"}``, HTTP 400 on failure.
-  rolloutpipe/control/weights/distributed.py is the trainer's side. The bucket's MAC goes in a header of our own
-  (buckets.py ``MAC_HEADER``), which SGLang ignores and the embedded server checks: the body stays SGLang's.
+  (names, dtypes, shapes, group_name, flush_cache, weight_version, load_format) receives the tensors as one flat
+  broadcast (``flattened_bucket``) and loads them; its MAC goes in a header of ours (buckets.py ``MAC_HEADER``)
+  that SGLang ignores. Both answer ``{"success", "message"}``, HTTP 400 on failure (distributed.py: the trainer).
 - ``/update_weights_from_disk`` takes a *directory* (``model_path``) and loads every ``*.safetensors`` in it;
   ``model_dir_for`` turns the trainer's one-file-per-version layout into that. A load that fails takes the server
   down (its rollback reloads from the bad path), so the rollout node hands it only a file that is there complete
@@ -469,12 +467,9 @@ def init_weights_update_group(server: Endpoint, group: WeightGroup, rank_offset:
 
 def update_weights_from_distributed(server: Endpoint, buckets: list[Bucket], group_name: str, policy_version: int, *,
                                     macs: Callable[[int], BucketMac], timeout_s: float) -> None:
-    """Receive ``policy_version`` from the trainer's broadcasts, between steps, and check the version served.
-    Bucket i's call carries its MAC, ``macs(i)`` (which may wait for the trainer to publish it).
-
-    The trainer broadcasts the same buckets in the same order; every engine of the group must make these calls at
-    the same time (each broadcast waits for all of them).
-    """
+    """Receive ``policy_version`` from the trainer's broadcasts, between steps, and check the version served. Bucket
+    i's call carries its MAC, ``macs(i)`` (which may wait for the trainer). Every engine of the group makes these
+    calls at the same time: each broadcast waits for all of them."""
     with weight_update_session(server):
         for i, bucket in enumerate(buckets):
             last = i == len(buckets) - 1
