@@ -228,7 +228,7 @@ class Config:
             visible_timeout_s=pipeline.weights_visible_timeout_s,
             join_timeout_s=rollout.server_start_timeout_s + pipeline.connect_timeout_s,
             num_engine_ranks=rollout.num_engines * rollout.ranks_per_engine, ranks_per_engine=rollout.ranks_per_engine,
-            engines_on_gpus=rollout.engines_on_gpus)
+            engines_on_gpus=rollout.engines_on_gpus, engines_check_buckets=rollout.engine is EngineKind.embedded_http)
 
     @property
     def groups_per_batch(self) -> int:

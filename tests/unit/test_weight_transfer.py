@@ -323,6 +323,21 @@ def test_every_bucket_is_a_message_of_its_own_and_the_digest_is_the_policys(monk
     assert len({r["salt"] for r in first + second}) == len(first) + len(second)
 
 
+@pytest.mark.parametrize("engine,checks", [("embedded_http", True), ("sglang", False)])
+def test_the_trainer_makes_bucket_macs_only_for_engines_that_check_them(engine, checks):
+    """The embedded engine's server refuses a bucket without its MAC; SGLang has no way to take one, so none is made
+    (for a 32B policy, seconds of GMAC a step for nothing), and the rollout node sends none."""
+    settings = load_config({"rollout": {"engine": engine}, "pipeline": {"weight_sync": "distributed"}}).weight_sync()
+    assert settings.engines_check_buckets is checks
+    state, published = policy(), {}
+    buckets = plan_buckets(state, 64)
+    tensors = ({name: state[name] for name in bucket.names} for bucket in buckets)
+    digest = Digest()
+    publish = published.__setitem__ if settings.engines_check_buckets else None
+    assert [b for b, _ in authenticated(buckets, tensors, weights_key(ATTEMPT_KEY), digest, publish)] == buckets
+    assert len(published) == (len(buckets) if checks else 0) and digest.hexdigest() == weights_digest(state)
+
+
 # --- pipeline.weight_sync=null ------------------------------------------------------------------------------------
 
 

@@ -79,6 +79,9 @@ class WeightSyncSettings:
     """distributed: the engines' ranks in the process group (engines x ranks per engine)."""
     ranks_per_engine: int
     engines_on_gpus: bool
+    engines_check_buckets: bool = True
+    """distributed: whether the engines check each bucket's MAC (the embedded engine's server does; SGLang's route
+    has no field for one), and so whether trainer rank 0 makes them."""
 
 
 class PolicyWeights(Protocol):
@@ -106,8 +109,9 @@ class EngineGroup(Protocol):
         """Replacements of failed engines that wait for the next weight-update group (names)."""
 
     def load_weights_distributed(self, buckets: list[Bucket], policy_version: int,
-                                 macs: Callable[[int], BucketMac]) -> None:
-        """Every engine receives the broadcast ``buckets``, each with its MAC (``macs(i)``: distributed.py)."""
+                                 macs: Callable[[int], BucketMac] | None) -> None:
+        """Every engine receives the broadcast ``buckets``, each with its MAC (``macs(i)``: distributed.py; None
+        where the engines cannot check one)."""
 
 
 class WeightSender(Protocol):

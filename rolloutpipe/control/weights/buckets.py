@@ -6,7 +6,7 @@ embedded server) reads them, so they live apart from the torch.distributed code.
 tensor: its tensors' bytes back to back in the plan's order, no padding (SGLang's ``FlattenedTensorBucket``, which
 ``/update_weights_from_distributed`` receives with ``load_format="flattened_bucket"``). The disk way writes its file
 by the same plan. A bucket's MAC (``BucketMac``) goes to the engine with the call that receives the bucket, in the
-MAC_HEADER header: the embedded engine checks it before it loads a byte; SGLang ignores the header (distributed.py).
+MAC_HEADER header: the embedded engine checks it before it loads a byte; SGLang has no way to (distributed.py).
 """
 
 from __future__ import annotations

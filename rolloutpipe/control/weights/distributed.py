@@ -52,7 +52,7 @@ update and a sharded gather only make its bytes final then). The rollout node re
 bucket's GMAC key from the attempt's key and the salt, and passes key and tags with the bucket's call
 (buckets.py ``BucketMac``). The embedded engine receives the bucket, checks it, and loads nothing of a bucket that
 does not match (it then serves nothing until a whole policy loads), so the rollout node stops the run. SGLang's
-route has no field for a MAC and ignores the header: SGLang engines take the buckets unchecked, so a run with
+route has no field for a MAC: SGLang engines take the buckets unchecked (no MAC is made for them), so a run with
 SGLang engines and this way keeps the group's ports within the run's nodes (docs/faults-and-security.md), or uses
 ``pipeline.weight_sync=disk``, whose file the rollout node checks whatever the engine.
 
@@ -165,11 +165,12 @@ def mac_record(tensors: Iterable[memoryview], key: bytes) -> dict:
 
 
 def authenticated(buckets: list[Bucket], tensors: Iterable[Mapping[str, torch.Tensor]], key: bytes, digest: Digest,
-                  publish: Callable[[int, dict], None]) -> Iterator[tuple[Bucket, Mapping[str, torch.Tensor]]]:
+                  publish: Callable[[int, dict], None] | None) -> Iterator[tuple[Bucket, Mapping[str, torch.Tensor]]]:
     """Each bucket of ``tensors`` (in turn, as the policy yields them), once its MAC record is published
-    (``publish(index, record)``, on this thread). The same host bytes (one copy off the device) go into the policy's
-    ``digest`` (BLAKE3) on a second thread, one bucket behind: it overlaps the bucket's send and the next bucket's
-    MAC, and holds at most two buckets' host copies. ``digest`` is complete when the generator is."""
+    (``publish(index, record)``, on this thread; None: no MAC, for engines that cannot check one). The same host
+    bytes (one copy off the device) go into the policy's ``digest`` (BLAKE3) on a second thread, one bucket behind:
+    it overlaps the bucket's send and the next bucket's MAC, and holds at most two buckets' host copies. ``digest``
+    is complete when the generator is."""
 
     def add(state: Mapping[str, torch.Tensor], data: dict[str, memoryview]) -> None:
         for name, view in data.items():
@@ -179,7 +180,8 @@ def authenticated(buckets: list[Bucket], tensors: Iterable[Mapping[str, torch.Te
         hashing = None
         for index, (bucket, state) in enumerate(zip(buckets, tensors, strict=True)):
             data = {name: tensor_bytes(state[name]) for name in bucket.names}
-            publish(index, mac_record(data.values(), key))
+            if publish is not None:
+                publish(index, mac_record(data.values(), key))
             if hashing is not None:
                 hashing.result()
             hashing = pool.submit(add, state, data)
@@ -329,8 +331,9 @@ class Sender:
 
         self.transport.put_record(weights_record_key(self.transport, version),
                                   {"policy_version": version, "buckets": [asdict(b) for b in buckets]})
-        self._num_buckets[version] = len(buckets)
-        self.broadcaster.stream(authenticated(buckets, tensors, key, digest, publish_mac), version)
+        checked = self.settings.engines_check_buckets
+        self._num_buckets[version] = len(buckets) if checked else 0
+        self.broadcaster.stream(authenticated(buckets, tensors, key, digest, publish_mac if checked else None), version)
         return digest.hexdigest()
 
     def retire(self, version: int) -> None:
@@ -347,6 +350,7 @@ class Receiver:
         self.transport = transport
         self.engines = engines
         self.ranks_per_engine = settings.ranks_per_engine
+        self.engines_check_buckets = settings.engines_check_buckets
 
     def open(self) -> None:
         group = self.transport.wait_record(self.transport.key(*GROUP_RECORD),
@@ -375,8 +379,8 @@ class Receiver:
         if "buckets" not in record:
             raise RuntimeError(f"the weights record of policy_version {version} has no buckets: the trainer and the "
                                "rollout node disagree on pipeline.weight_sync; refusing it.")
-        self.engines.load_weights_distributed([Bucket(**b) for b in record["buckets"]], version,
-                                              BucketMacs(self.transport, version))
+        macs = BucketMacs(self.transport, version) if self.engines_check_buckets else None
+        self.engines.load_weights_distributed([Bucket(**b) for b in record["buckets"]], version, macs)
 
 
 class BucketMacs:

@@ -57,6 +57,6 @@ class JoinsWeightGroup(Engine, Protocol):
         """Join ``group`` as ranks ``rank_offset`` ..; returns once every member has joined."""
 
     def update_weights_from_distributed(self, buckets: list[Bucket], group_name: str, policy_version: int,
-                                        macs: Callable[[int], BucketMac]) -> None:
+                                        macs: Callable[[int], BucketMac] | None) -> None:
         """Receive the broadcast ``buckets`` (every engine of the group at once) and serve ``policy_version``; bucket
-        i goes with its MAC ``macs(i)``, which the engine checks before it loads the bucket where it can."""
+        i goes with its MAC ``macs(i)`` (None: no MAC) for the engine to check before it loads the bucket."""

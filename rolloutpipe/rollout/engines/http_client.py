@@ -180,7 +180,7 @@ class SGLangEngine:
             self.endpoint, group, rank_offset, timeout_s=self._weight_update_timeout_s))
 
     def update_weights_from_distributed(self, buckets: list[Bucket], group_name: str, policy_version: int,
-                                        macs: Callable[[int], BucketMac]) -> None:
+                                        macs: Callable[[int], BucketMac] | None) -> None:
         """Receive ``policy_version`` from the trainer's broadcasts (all engines of the group at the same time)."""
         self._check_idle("update_weights_from_distributed")
         self._control("update_weights_from_distributed", lambda: sglang_api.update_weights_from_distributed(

@@ -466,7 +466,7 @@ def init_weights_update_group(server: Endpoint, group: WeightGroup, rank_offset:
 
 
 def update_weights_from_distributed(server: Endpoint, buckets: list[Bucket], group_name: str, policy_version: int, *,
-                                    macs: Callable[[int], BucketMac], timeout_s: float) -> None:
+                                    macs: Callable[[int], BucketMac] | None, timeout_s: float) -> None:
     """Receive ``policy_version`` from the trainer's broadcasts, between steps, and check the version served. Bucket
     i's call carries its MAC, ``macs(i)`` (which may wait for the trainer). Every engine of the group makes these
     calls at the same time: each broadcast waits for all of them."""
@@ -475,7 +475,7 @@ def update_weights_from_distributed(server: Endpoint, buckets: list[Bucket], gro
             last = i == len(buckets) - 1
             call(server, UPDATE_WEIGHTS_FROM_DISTRIBUTED,
                  update_weights_from_distributed_body(bucket, group_name, policy_version if last else None),
-                 timeout_s=timeout_s, headers={MAC_HEADER: macs(i).header()})
+                 timeout_s=timeout_s, headers=None if macs is None else {MAC_HEADER: macs(i).header()})
     check_serves(server, policy_version, hint=f"(after {len(buckets)} broadcast buckets)")
 
 

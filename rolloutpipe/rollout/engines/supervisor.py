@@ -156,7 +156,7 @@ class EngineSupervisor:
                               lambda slot, engine: engine.init_weights_update_group(group, 1 + slot * ranks_per_engine))
 
     def load_weights_distributed(self, buckets: list[Bucket], policy_version: int,
-                                 macs: Callable[[int], BucketMac]) -> None:
+                                 macs: Callable[[int], BucketMac] | None) -> None:
         """Serve ``policy_version`` on every engine from trainer rank 0's broadcast of ``buckets``, each checked
         against its MAC where the engine can (between steps)."""
         self._on_every_engine(
