@@ -17,9 +17,10 @@ Rows:
                          node recomputes its MAC
     broadcast            the distributed way's transport over gloo to one engine process (distributed.py: a flat
                          buffer per bucket of ``--bucket-mb``, two alternating; the engine unpacks each bucket)
-    broadcast + MAC      what ``pipeline.weight_sync=distributed`` does: as above, and the trainer gives each bucket
-                         its MAC (GMAC) before it sends it and digests it (BLAKE3, a second thread), the MAC reaches
-                         the engine through a TCPStore, and the engine checks the bucket before it would load it
+    broadcast + MAC      what ``pipeline.weight_sync=distributed`` does into embedded engines (SGLang ones get no MAC):
+                         as above, and the trainer gives each bucket its MAC (GMAC) before it sends it and digests
+                         it (BLAKE3, a second thread), the MAC reaches the engine through a TCPStore, and the engine
+                         checks the bucket before it would load it
     raw broadcast        the floor of that transport: one ``torch.distributed.broadcast`` of every byte as one flat
                          tensor, on the same process group
 
