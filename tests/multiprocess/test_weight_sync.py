@@ -8,6 +8,7 @@ plays in a run; the rollout node's side (EngineSupervisor -> SGLangEngine -> sgl
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from safetensors.torch import load_file
 
 from rolloutpipe.config import ConfigError, load_config
 from rolloutpipe.control.env import free_port
-from rolloutpipe.control.weights.buckets import WeightGroup, plan_buckets
+from rolloutpipe.control.weights.buckets import GROUP_NAME, WeightGroup, plan_buckets
 from rolloutpipe.control.weights.digest import tensor_bytes
 from rolloutpipe.control.weights.distributed import Broadcaster, bucket_mac, mac_record, weight_sync_backend
 from rolloutpipe.control.weights.mac import weights_key
@@ -78,34 +79,56 @@ def test_distributed_weight_sync_needs_http_engines_and_says_so():
                      "rollout": {"engine": "embedded_http"}})
 
 
-def test_engines_serve_the_broadcast_weights_and_report_their_version(servers):
+@contextmanager
+def in_a_group(servers, group_name: str):
+    """The servers' engines under a supervisor, joined to a new weight-update group whose rank 0 is this process (the
+    role trainer rank 0 plays in a run): (engines, supervisor, rank 0's Broadcaster)."""
     results = Results()
     engines = [SGLangEngine(name=p.name, endpoint=p.endpoint, concurrency=4, on_result=results) for p in servers]
     supervisor = EngineSupervisor(engines=engines, restart=None, where_to_look=lambda e: e.url, max_failures=0,
                                   request_timeout_s=None, spans=None)
     try:
-        outside = sglang_api.update_weights_from_distributed_body(plan_buckets({"x": torch.zeros(1)}, 8)[0],
-                                                                  "nope", 9)
-        with pytest.raises(sglang_api.SGLangError, match="HTTP 400"):  # outside a session, as 0.5.23 refuses
-            sglang_api.call(servers[0].endpoint, sglang_api.UPDATE_WEIGHTS_FROM_DISTRIBUTED, outside)
-
-        group = WeightGroup(master_address="127.0.0.1", master_port=free_port(), world_size=1 + NUM_SERVERS)
+        group = WeightGroup(master_address="127.0.0.1", master_port=free_port(), world_size=1 + NUM_SERVERS,
+                            group_name=group_name)
         rank0: dict[str, Broadcaster] = {}
         joining = threading.Thread(target=lambda: rank0.update(b=Broadcaster(group=group, bucket_bytes=40_000,
                                                                              timeout_s=60, check=lambda what: None)))
         joining.start()
         supervisor.join_weight_group(group, ranks_per_engine=1)
         joining.join()
+        yield engines, supervisor, rank0["b"]
+    finally:
+        for engine in engines:
+            engine.shutdown()
 
-        new_cfg = ModelConfig(dtype=DType.float64, init_seed=1)
-        state = load_model(new_cfg, VOCAB_SIZE).state_dict()
-        state.pop("lm_head.weight")  # tied, as the trainer sends it
-        buckets = rank0["b"].plan(state)
-        assert len(buckets) > 2
-        sending = threading.Thread(target=rank0["b"].send, args=(state, buckets, 1))
-        sending.start()
-        supervisor.load_weights_distributed(buckets, 1, macs_of(state, buckets))
+
+def policy(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    state = load_model(cfg, VOCAB_SIZE).state_dict()
+    state.pop("lm_head.weight")  # tied, as the trainer sends it
+    return state
+
+
+def broadcast(rank0: Broadcaster, supervisor: EngineSupervisor, state, buckets, version: int, *, sent=None) -> None:
+    """Rank 0 broadcasts ``sent`` (``state`` unless given) while the engines receive it with ``state``'s MACs."""
+    sending = threading.Thread(target=rank0.send, args=(state if sent is None else sent, buckets, version))
+    sending.start()
+    try:
+        supervisor.load_weights_distributed(buckets, version, macs_of(state, buckets))
+    finally:
         sending.join()
+
+
+def test_engines_serve_the_broadcast_weights_and_report_their_version(servers):
+    outside = sglang_api.update_weights_from_distributed_body(plan_buckets({"x": torch.zeros(1)}, 8)[0], "nope", 9)
+    with pytest.raises(sglang_api.SGLangError, match="HTTP 400"):  # outside a session, as 0.5.23 refuses
+        sglang_api.call(servers[0].endpoint, sglang_api.UPDATE_WEIGHTS_FROM_DISTRIBUTED, outside)
+
+    with in_a_group(servers, GROUP_NAME) as (engines, supervisor, rank0):
+        new_cfg = ModelConfig(dtype=DType.float64, init_seed=1)
+        state = policy(new_cfg)
+        buckets = rank0.plan(state)
+        assert len(buckets) > 2
+        broadcast(rank0, supervisor, state, buckets, 1)
 
         requests = [request(i, stop_token_ids=[1]) for i in range(3)]
         local = in_process(new_cfg, requests, policy_version=1)
@@ -118,60 +141,34 @@ def test_engines_serve_the_broadcast_weights_and_report_their_version(servers):
                 assert got.output_ids == local[r.request_id].output_ids
                 torch.testing.assert_close(torch.tensor(got.output_logprobs),
                                            torch.tensor(local[r.request_id].output_logprobs), rtol=0, atol=1e-10)
-    finally:
-        for engine in engines:
-            engine.shutdown()
 
 
 def test_a_bucket_changed_on_the_wire_is_refused_and_the_engine_serves_nothing_until_a_whole_policy_loads(servers):
     """An outsider who reaches the group (its store takes no seal; gloo relays) changes a byte of the last bucket:
     both engines refuse that bucket, the rollout node stops with the cause, and /generate answers 503 rather than
     sample from half-new weights. A genuine policy then loads whole, and the engines serve it exactly."""
-    results = Results()
-    engines = [SGLangEngine(name=p.name, endpoint=p.endpoint, concurrency=4, on_result=results) for p in servers]
-    supervisor = EngineSupervisor(engines=engines, restart=None, where_to_look=lambda e: e.url, max_failures=0,
-                                  request_timeout_s=None, spans=None)
-    try:
-        group = WeightGroup(master_address="127.0.0.1", master_port=free_port(), world_size=1 + NUM_SERVERS,
-                            group_name="tampered")
-        rank0: dict[str, Broadcaster] = {}
-        joining = threading.Thread(target=lambda: rank0.update(b=Broadcaster(group=group, bucket_bytes=40_000,
-                                                                             timeout_s=60, check=lambda what: None)))
-        joining.start()
-        supervisor.join_weight_group(group, ranks_per_engine=1)
-        joining.join()
-
+    with in_a_group(servers, "tampered") as (_, supervisor, rank0):
         new_cfg = ModelConfig(dtype=DType.float64, init_seed=2)
-        state = load_model(new_cfg, VOCAB_SIZE).state_dict()
-        state.pop("lm_head.weight")
-        buckets = rank0["b"].plan(state)
+        state = policy(new_cfg)
+        buckets = rank0.plan(state)
         changed = buckets[-1].names[-1]
         tampered = {**state, changed: state[changed].clone()}
         tampered[changed].view(-1)[0] += 2.0**-20
-        sending = threading.Thread(target=rank0["b"].send, args=(tampered, buckets, 5))
-        sending.start()
         with pytest.raises(EngineFailed, match="does not match its MAC"):
-            supervisor.load_weights_distributed(buckets, 5, macs_of(state, buckets))
-        sending.join()
+            broadcast(rank0, supervisor, state, buckets, 5, sent=tampered)
         for proc in servers:
             assert sglang_api.served_weight_version(sglang_api.call(proc.endpoint, sglang_api.MODEL_INFO)) != "5"
             with pytest.raises(sglang_api.SGLangError, match="MAC") as refused:
                 sglang_api.generate(proc.endpoint, request(0), timeout_s=30)
             assert refused.value.status == 503
 
-        sending = threading.Thread(target=rank0["b"].send, args=(state, buckets, 6))
-        sending.start()
-        supervisor.load_weights_distributed(buckets, 6, macs_of(state, buckets))
-        sending.join()
+        broadcast(rank0, supervisor, state, buckets, 6)
         requests = [request(i, stop_token_ids=[1]) for i in range(3)]
         local = in_process(new_cfg, requests, policy_version=6)
         for proc in servers:
             for r in requests:
                 got = sglang_api.generate(proc.endpoint, r, timeout_s=30)
                 assert got.weight_version == "6" and got.output_ids == local[r.request_id].output_ids
-    finally:
-        for engine in engines:
-            engine.shutdown()
 
 
 PARITY = [*SMALL, *DENSE_REWARD, "model.dtype=float64", "run.save_samples=true", "rollout.concurrency=6",

@@ -54,6 +54,26 @@ def record(version: int, out) -> dict:
             "salt": out.salt}
 
 
+@pytest.fixture
+def gmac_uses(monkeypatch) -> list[tuple[bytes, bytes]]:
+    """Every (GMAC key, nonce) pair the weights MAC uses from now on, with 8-byte MAC chunks."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    used: list[tuple[bytes, bytes]] = []
+
+    class Recording:
+        def __init__(self, key: bytes) -> None:
+            self.key, self.aead = key, AESGCM(key)
+
+        def encrypt(self, nonce: bytes, data: bytes, associated_data) -> bytes:
+            used.append((self.key, nonce))
+            return self.aead.encrypt(nonce, data, associated_data)
+
+    monkeypatch.setattr("rolloutpipe.control.weights.mac.AESGCM", Recording)
+    monkeypatch.setattr("rolloutpipe.control.weights.mac.MAC_CHUNK_BYTES", 8)
+    return used
+
+
 # --- the disk way: one pass over the bytes on each side -----------------------------------------------------------
 
 
@@ -131,26 +151,13 @@ def test_each_file_has_a_fresh_salt_and_a_record_with_another_salt_is_refused(tm
             receiver(tmp_path).check_file(path, {**record(4, second), "salt": salt}, 4)
 
 
-def test_no_gmac_key_and_nonce_pair_authenticates_two_chunks(tmp_path, monkeypatch):
+def test_no_gmac_key_and_nonce_pair_authenticates_two_chunks(tmp_path, gmac_uses):
     """GMAC's one rule (a key and nonce pair used twice gives its key away): over two writes of one policy, in 8-byte
     chunks, every chunk the trainer authenticates has a pair of its own."""
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
-    used: list[tuple[bytes, bytes]] = []
-
-    class Recording:
-        def __init__(self, key: bytes) -> None:
-            self.key, self.aead = key, AESGCM(key)
-
-        def encrypt(self, nonce: bytes, data: bytes, associated_data) -> bytes:
-            used.append((self.key, nonce))
-            return self.aead.encrypt(nonce, data, associated_data)
-
-    monkeypatch.setattr("rolloutpipe.control.weights.mac.AESGCM", Recording)
-    monkeypatch.setattr("rolloutpipe.control.weights.mac.MAC_CHUNK_BYTES", 8)
     for _ in range(2):
         written(tmp_path / weights_file(1), policy())
-    assert len(used) == 2 * (7 + 4 + 1 + 1 + 4 + 3) and len(set(used)) == len(used)  # policy()'s chunks, twice
+    # policy()'s chunks, twice
+    assert len(gmac_uses) == 2 * (7 + 4 + 1 + 1 + 4 + 3) and len(set(gmac_uses)) == len(gmac_uses)
 
 
 def _plan(state):
@@ -299,27 +306,13 @@ def test_a_bucket_mac_travels_as_a_header_and_a_malformed_one_is_an_error():
             BucketMac.parse(value)
 
 
-def test_every_bucket_is_a_message_of_its_own_and_the_digest_is_the_policys(monkeypatch):
+def test_every_bucket_is_a_message_of_its_own_and_the_digest_is_the_policys(gmac_uses):
     """Fresh salt per bucket, so every (GMAC key, nonce) pair is used once over two sends of one policy; the tensors'
     bytes are hashed once for both the MAC and the step's weights digest, which is the policy's."""
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
-    used: list[tuple[bytes, bytes]] = []
-
-    class Recording:
-        def __init__(self, key: bytes) -> None:
-            self.key, self.aead = key, AESGCM(key)
-
-        def encrypt(self, nonce: bytes, data: bytes, associated_data) -> bytes:
-            used.append((self.key, nonce))
-            return self.aead.encrypt(nonce, data, associated_data)
-
-    monkeypatch.setattr("rolloutpipe.control.weights.mac.AESGCM", Recording)
-    monkeypatch.setattr("rolloutpipe.control.weights.mac.MAC_CHUNK_BYTES", 8)
     state = policy()
     (_, first, _, digest), (_, second, _, _) = _bucket_macs(state), _bucket_macs(state)
     assert digest.hexdigest() == weights_digest(state)
-    assert len(used) == 2 * (7 + 4 + 1 + 1 + 4 + 3) and len(set(used)) == len(used)
+    assert len(gmac_uses) == 2 * (7 + 4 + 1 + 1 + 4 + 3) and len(set(gmac_uses)) == len(gmac_uses)
     assert len({r["salt"] for r in first + second}) == len(first) + len(second)
 
 
