@@ -82,10 +82,13 @@ def _run(env: NodeEnv, who: str) -> int:
 def exit_with(code: int) -> None:
     """Exit; without the interpreter's finalization while a store call is in flight (control/bounded_store.py: one
     given up on, or whose caller a stop signal took): the call returning during finalization would abort the
-    process. What the node had to write is written by now (checkpoint, outcome, logs: flushed here)."""
+    process. What the node had to write is written by now (checkpoint, outcome, logs: flushed here); what it keeps in
+    /dev/shm (disk weight sync's policies) is removed here, as atexit would have."""
     from rolloutpipe.control.bounded_store import calls_in_flight
+    from rolloutpipe.control.weights.disk import remove_private_dirs
 
     if calls_in_flight():
+        remove_private_dirs()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -23,13 +23,17 @@ same file, so engines are replaceable.
 
 Where the file goes. On one node (the store on loopback: a local run) the run directory's file system is slower than
 memory unless it is memory-backed itself, so the files go to a private directory in ``/dev/shm`` (mode 0700, made
-per attempt, removed at exit and by the next attempt; ``run_dir/weights`` links to it) when ``/dev/shm`` is a tmpfs
-with room for SHM_COPIES policies. Otherwise, and on several nodes, they stay in ``run_dir/weights``.
+per attempt; ``run_dir/weights`` links to it) when ``/dev/shm`` is a tmpfs with room for SHM_COPIES policies.
+Otherwise, and on several nodes, they stay in ``run_dir/weights``. RAM holds what is left there, so nothing may stay:
+the directory goes at exit (``remove_private_dirs``: atexit, and launch/node.py's ``exit_with`` before an
+``os._exit``), and a directory whose owner was killed goes with the next run's ``place`` (``sweep_orphans``: its
+owner holds a lock on it for life, which the kernel drops however the process ends).
 """
 
 from __future__ import annotations
 
 import atexit
+import fcntl
 import hmac
 import ipaddress
 import json
@@ -61,6 +65,11 @@ ENGINES_REPLACEABLE = True
 SHM = Path("/dev/shm")
 SHM_COPIES = 3
 """Policies /dev/shm must have room for: the one served, the one being written, one in reserve."""
+SHM_PREFIX = "rolloutpipe-"
+OWNER_LOCK = ".owner.lock"
+"""In a private directory: the file its owner holds an exclusive ``flock`` on while it lives."""
+_private_dirs: dict[Path, tuple[int, Callable[[], None]]] = {}
+"""This process's private directories: the owner lock's descriptor, and how to remove the directory."""
 
 _SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
                        "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
@@ -216,7 +225,7 @@ class Sender:
 
     def place(self, num_bytes: int) -> None:
         """Point ``run_dir/weights`` at a fresh private directory in /dev/shm where that is faster and safe (the
-        module docstring); drop an earlier attempt's."""
+        module docstring); drop an earlier attempt's, and those of runs that were killed."""
         self.placed = True
         weights = self.run_dir / "weights"
         if weights.is_symlink():
@@ -224,26 +233,76 @@ class Sender:
             weights.unlink()
         where = f"{weights} (run.dir's file system)"
         if (not weights.exists() and on_one_node(self.transport) and not memory_backed(self.run_dir)
-                and SHM.is_dir() and memory_backed(SHM) and shutil.disk_usage(SHM).free >= SHM_COPIES * num_bytes):
-            target = Path(tempfile.mkdtemp(prefix=f"rolloutpipe-{self.transport.run_id}-", dir=SHM))  # mode 0700
-            atexit.register(_remove_shm_link, weights, target)
-            weights.parent.mkdir(parents=True, exist_ok=True)
-            weights.symlink_to(target, target_is_directory=True)
-            where = f"{target} (/dev/shm: one node, and run.dir's file system is not memory-backed)"
+                and SHM.is_dir() and memory_backed(SHM)):
+            if orphans := sweep_orphans(SHM):
+                log.info("removed %d weights directories from %s that killed runs left behind: %s", len(orphans),
+                         SHM, ", ".join(path.name for path in orphans))
+            if shutil.disk_usage(SHM).free >= SHM_COPIES * num_bytes:
+                target = private_dir(SHM, f"{SHM_PREFIX}{self.transport.run_id}-",
+                                     lambda: _remove_shm_link(weights, target))
+                weights.parent.mkdir(parents=True, exist_ok=True)
+                weights.symlink_to(target, target_is_directory=True)
+                where = f"{target} (/dev/shm: one node, and run.dir's file system is not memory-backed)"
         log.info("disk weight sync writes policies of %.2f GB to %s", num_bytes / 1e9, where)
 
     def retire(self, version: int) -> None:
         (self.run_dir / weights_file(version)).unlink(missing_ok=True)
 
 
+def private_dir(parent: Path, prefix: str, remove: Callable[[], None]) -> Path:
+    """A new directory in ``parent`` (mode 0700) that this process owns until it ends: it holds the directory's owner
+    lock, and ``remove`` (which deletes the directory) runs at its exit (``remove_private_dirs``)."""
+    target = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    claiming = target / f"{OWNER_LOCK}.new"
+    fd = os.open(claiming, os.O_CREAT | os.O_WRONLY, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    claiming.rename(target / OWNER_LOCK)  # the lock is held by the time a sweep can find it
+    if not _private_dirs:
+        atexit.register(remove_private_dirs)
+    _private_dirs[target] = (fd, remove)
+    return target
+
+
+def remove_private_dirs() -> None:
+    """Remove this process's private directories (at exit; launch/node.py's ``exit_with`` calls it before an
+    ``os._exit``, which runs no atexit handler)."""
+    while _private_dirs:
+        _, (fd, remove) = _private_dirs.popitem()
+        remove()
+        os.close(fd)
+
+
+def sweep_orphans(parent: Path) -> list[Path]:
+    """Remove this user's private directories in ``parent`` whose owner is gone (killed, or ended by a signal it
+    could not handle), and return them. One whose owner lives, or that has no owner lock (another program's, or an
+    older version's), is left alone."""
+    removed = []
+    for path in sorted(parent.glob(f"{SHM_PREFIX}*")):
+        try:
+            if path.is_symlink() or path.stat().st_uid != os.getuid():
+                continue
+            fd = os.open(path / OWNER_LOCK, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # its owner holds it
+        finally:
+            os.close(fd)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
 def _remove_shm_dir(path: Path) -> None:
-    if path.parent == SHM and path.name.startswith("rolloutpipe-"):
+    if path.parent == SHM and path.name.startswith(SHM_PREFIX):
         shutil.rmtree(path, ignore_errors=True)
 
 
 def _remove_shm_link(weights: Path, target: Path) -> None:
-    """At exit: the /dev/shm directory, and ``run_dir/weights`` with it (no link left dangling in the run directory,
-    which a copy of it, ``shutil.copytree`` or ``cp -rL``, would fail on)."""
+    """The /dev/shm directory, and ``run_dir/weights`` with it (no link left dangling in the run directory, which a
+    copy of it, ``shutil.copytree`` or ``cp -rL``, would fail on)."""
     _remove_shm_dir(target)
     if weights.is_symlink() and weights.readlink() == target:
         weights.unlink()
