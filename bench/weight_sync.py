@@ -15,8 +15,12 @@ Rows:
                          thread while it is written
     disk: read + check   what the rollout node does (disk.py ``Receiver.load``): one engine reads the file while the
                          node recomputes its MAC
-    broadcast            the distributed way's transport over gloo to one engine process (distributed.py: a flat
-                         buffer per bucket of ``--bucket-mb``, two alternating; the engine unpacks each bucket)
+    broadcast            the distributed way's transport over gloo to one engine process (distributed.py: one
+                         broadcast per bucket of ``--bucket-mb``; the engine unpacks each bucket), from a policy laid
+                         out as the torch and FSDP backends hand it over: a bucket is one range of memory, sent as it
+                         lies (buckets.py ``packed``)
+    broadcast, packed    the same from tensors that each have memory of their own (Megatron's HF conversion): each
+                         bucket is copied into one of two alternating flat buffers while the one before is sent
     broadcast + MAC      what ``pipeline.weight_sync=distributed`` does into embedded engines (SGLang ones get no MAC):
                          as above, and the trainer gives each bucket its MAC (GMAC) before it sends it and digests
                          it (BLAKE3, a second thread), the MAC reaches the engine through a TCPStore, and the engine
@@ -50,8 +54,8 @@ DISK_ROWS = ("disk: write (trainer, the floor)", "disk: read (engine, the floor)
 DISK_TOTAL = "disk: total (write + MAC, read + check)"
 
 
-def bucket_row(mb: float, mac: bool = True) -> str:
-    return f"broadcast{' + MAC' if mac else ''} (gloo, {mb:g} MiB buckets)"
+def bucket_row(mb: float, mac: bool = True, apart: bool = False) -> str:
+    return f"broadcast{', packed' if apart else ''}{' + MAC' if mac else ''} (gloo, {mb:g} MiB buckets)"
 
 
 def qwen3_state(shape) -> dict:
@@ -142,15 +146,15 @@ def broadcast_rank(rank: int, port: int, store_port: int, shapes: dict, bucket_m
     import torch
     import torch.distributed as dist
 
-    from rolloutpipe.control.weights.buckets import WeightGroup, plan_buckets
+    from rolloutpipe.control.weights.buckets import Bucket, WeightGroup, plan_buckets, unpack
     from rolloutpipe.control.weights.digest import Digest
     from rolloutpipe.control.weights.distributed import (
         Broadcaster,
-    authenticated,
+        authenticated,
         bucket_mac,
         check_bucket,
         join_group,
-            receive_bucket,
+        receive_bucket,
     )
     from rolloutpipe.control.weights.mac import weights_key
 
@@ -158,14 +162,18 @@ def broadcast_rank(rank: int, port: int, store_port: int, shapes: dict, bucket_m
     key = weights_key(KEY)
     store = dist.TCPStore("127.0.0.1", store_port, 2, is_master=rank == 0, timeout=timedelta(seconds=120))
     group = WeightGroup(master_address="127.0.0.1", master_port=port, world_size=2)
-    if rank == 0:
-        state = {k: torch.full(s, 0.5, dtype=torch.bfloat16) for k, s in shapes.items()}
+    numels = {k: torch.Size(s).numel() for k, s in shapes.items()}
+    num_bytes = 2 * sum(numels.values())
+    whole = torch.full((num_bytes // 2,), 0.5, dtype=torch.bfloat16) if rank == 0 else None
+    state = apart = {k: torch.empty(s, dtype=torch.bfloat16, device="meta") for k, s in shapes.items()}
+    if rank == 0:  # the policy in one tensor (the torch backend's lay_out_flat), and each tensor apart
+        state = unpack(Bucket(names=list(shapes), dtypes=["bfloat16"] * len(shapes), shapes=list(shapes.values())),
+                       whole.view(torch.uint8))
+        apart = {k: torch.full(s, 0.5, dtype=torch.bfloat16) for k, s in shapes.items()}
         sender = Broadcaster(group=group, bucket_bytes=1, timeout_s=120, check=lambda what: None)
         pg = sender._pg
     else:
-        state = {k: torch.empty(s, dtype=torch.bfloat16, device="meta") for k, s in shapes.items()}
         pg = join_group(group, 1, timeout_s=120)
-    num_bytes = sum(t.numel() * t.element_size() for t in state.values())
 
     def timed_together(fn) -> float:
         dist.barrier(group=pg)
@@ -174,7 +182,6 @@ def broadcast_rank(rank: int, port: int, store_port: int, shapes: dict, bucket_m
         dist.barrier(group=pg)
         return time.perf_counter() - start
 
-    whole = torch.full((num_bytes,), 7, dtype=torch.uint8) if rank == 0 else None
     # The engine receives into memory it holds already, as the embedded engine's server reuses its receive buffer
     # and SGLang's CUDA caching allocator its blocks: a fresh CPU buffer costs a page fault every 4 KiB, which on a
     # VM that hands freed memory back to its host takes longer than the bytes' move (2026-12-05: 8.5 s, not 1 s).
@@ -182,6 +189,7 @@ def broadcast_rank(rank: int, port: int, store_port: int, shapes: dict, bucket_m
     plans = {mb: plan_buckets(state, int(mb * 2**20)) for mb in bucket_mbs}
     if rank == 0:
         sender._buffers = [torch.empty(0, dtype=torch.uint8) for _ in range(2)]  # grown within the first round
+
     def send(buckets: list, at: str) -> None:
         """distributed.py ``Sender.publish``: each bucket's MAC published before it is sent, its digest taken after."""
         publish = lambda i, record: store.set(f"{at}/{i}", json.dumps(record))  # noqa: E731
@@ -194,16 +202,17 @@ def broadcast_rank(rank: int, port: int, store_port: int, shapes: dict, bucket_m
             assert check_bucket(bucket, receive_bucket(pg, bucket, inbox), mac)
 
     for r in range(rounds):
-        results[("raw", rank, r)] = timed_together(lambda: dist.broadcast(whole if rank == 0 else inbox, src=0,
-                                                                          group=pg))
+        results[("raw", rank, r)] = timed_together(
+            lambda: dist.broadcast(whole.view(torch.uint8) if rank == 0 else inbox, src=0, group=pg))
         for mb, buckets in plans.items():
-            if rank == 0:
-                results[(mb, False, rank, r)] = timed_together(lambda b=buckets: sender.send(state, b, 1))
-            else:
-                results[(mb, False, rank, r)] = timed_together(
-                    lambda b=buckets: [receive_bucket(pg, bucket, inbox) for bucket in b])
+            for kind, tensors in (("flat", state), ("apart", apart)):
+                if rank == 0:
+                    results[(mb, kind, rank, r)] = timed_together(lambda b=buckets, t=tensors: sender.send(t, b, 1))
+                else:
+                    results[(mb, kind, rank, r)] = timed_together(
+                        lambda b=buckets: [receive_bucket(pg, bucket, inbox) for bucket in b])
             move = send if rank == 0 else receive
-            results[(mb, True, rank, r)] = timed_together(lambda b=buckets, at=f"{r}/{mb}": move(b, at))
+            results[(mb, "mac", rank, r)] = timed_together(lambda b=buckets, at=f"{r}/{mb}": move(b, at))
     dist.destroy_process_group(pg)
 
 
@@ -247,9 +256,9 @@ def main() -> None:
     raw = "raw broadcast (gloo, one flat tensor)"
     rows[raw] = [max(results[("raw", 0, r)], results[("raw", 1, r)]) for r in range(args.rounds)]
     for mb in args.bucket_mb:
-        for mac in (False, True):
-            rows[bucket_row(mb, mac)] = [max(results[(mb, mac, 0, r)], results[(mb, mac, 1, r)])
-                                         for r in range(args.rounds)]
+        for kind, row in (("flat", bucket_row(mb, False)), ("apart", bucket_row(mb, False, apart=True)),
+                          ("mac", bucket_row(mb))):
+            rows[row] = [max(results[(mb, kind, 0, r)], results[(mb, kind, 1, r)]) for r in range(args.rounds)]
     floor = median(rows[copy])
     print(f"{args.model_shape} bfloat16: {size / GB:.2f} GB, {os.cpu_count()} CPUs, disk rows in {where}, "
           f"median of {args.rounds} rounds, {time.perf_counter() - wall:.0f} s wall")
@@ -266,7 +275,8 @@ def main() -> None:
 
     for mb in args.bucket_mb:
         print(f"{mb:g} MiB buckets: broadcast / raw broadcast = {ratio(bucket_row(mb, False), raw)} (goal <= 1.2); "
-              f"broadcast + MAC / raw broadcast = {ratio(bucket_row(mb), raw)}; broadcast + MAC / broadcast = "
+              f"packed / raw = {ratio(bucket_row(mb, False, apart=True), raw)}; "
+              f"broadcast + MAC / raw = {ratio(bucket_row(mb), raw)}; broadcast + MAC / broadcast = "
               f"{ratio(bucket_row(mb), bucket_row(mb, False))}")
     # the simulator's weight sync (sim/models.py OverheadModel: the trainer's save, then the engines' load)
     fastest = min(args.bucket_mb, key=lambda mb: median(rows[bucket_row(mb)]))

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rolloutpipe.control.checkpoint import Shard, ShardedState
-from rolloutpipe.control.weights.buckets import Bucket, plan_buckets
+from rolloutpipe.control.weights.buckets import Bucket, plan_buckets, unpack
 from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
 from rolloutpipe.trainer.fsdp_exact import ShardedExactSum, clip_gathered_grad_norm
 from rolloutpipe.trainer.grpo import LossSums
@@ -295,15 +295,18 @@ class FSDPTrainer(GRPOTrainer):
 
     def _gathered_buckets(self) -> Iterator[dict[str, torch.Tensor]]:
         """Every rank: the full tensors, one ``plan_buckets`` bucket at a time (a collective per tensor); rank 0
-        gets CPU copies in the model's dtype, the others empty dicts."""
+        gets CPU copies in the model's dtype, back to back in one buffer per bucket (what a broadcast sends as it
+        lies: buckets.py ``packed``), the others empty dicts."""
         for bucket in self._plan():
             out: dict[str, torch.Tensor] = {}
+            if self.data_parallel_rank == 0:
+                out = unpack(bucket, torch.empty(bucket.num_bytes, dtype=torch.uint8))
             with torch.no_grad():
                 for name in bucket.names:
                     tensor = self._names[name]
                     full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
                     if self.data_parallel_rank == 0:
-                        out[name] = full.to("cpu", self.dtype, copy=True)
+                        out[name].copy_(full)
                     del full
             yield out
 

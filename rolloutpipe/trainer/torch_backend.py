@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from rolloutpipe.control.weights.buckets import Bucket, plan_buckets
+from rolloutpipe.control.weights.buckets import Bucket, packed, plan_buckets, unpack
 from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
 from rolloutpipe.trainer.exact_sum import ExactGradientSum, all_reduce_flat
 from rolloutpipe.trainer.grpo_trainer import GRPOTrainer
@@ -42,6 +42,7 @@ class PolicyTrainer(GRPOTrainer):
         super().__init__(cfg=cfg, grpo=grpo, temperature=temperature, pad_id=pad_id, multi_step=multi_step,
                          old_logprobs=old_logprobs)
         self.model = (model if self.device is None else model.to(self.device)).train()
+        lay_out_flat(self.model, list(self._hf_tensors()))
         if cfg.recompute:
             enable_recompute(model)
         self._head = logprob_head(self.model, cfg, temperature, cuda=self.device is not None)
@@ -80,10 +81,18 @@ class PolicyTrainer(GRPOTrainer):
         return state
 
     def _hf_buckets(self) -> tuple[list[Bucket], Iterator[dict[str, torch.Tensor]]]:
-        """Each bucket's CPU tensors taken when it is asked for (after its parameters' deferred update)."""
+        """Each bucket's CPU tensors taken when it is asked for (after its parameters' deferred update): on the CPU
+        the parameters themselves, one range of memory (``lay_out_flat``); from a GPU, one copy of that range."""
         state = self._hf_tensors()
         buckets = plan_buckets(state, self.bucket_bytes)
-        return buckets, ({name: state[name].cpu() for name in bucket.names} for bucket in buckets)
+
+        def on_host(bucket: Bucket) -> dict[str, torch.Tensor]:
+            flat = packed(bucket, state)
+            if flat is None:
+                return {name: state[name].cpu() for name in bucket.names}
+            return unpack(bucket, flat.cpu())
+
+        return buckets, (on_host(bucket) for bucket in buckets)
 
     def hf_model(self) -> torch.nn.Module:
         """The policy as an HF model (for save_pretrained): the trained model itself."""
@@ -168,6 +177,27 @@ def _adopt_masters(optimizer: torch.optim.Optimizer) -> None:
             if kept is not None and kept is not param:
                 param.copy_(kept)
                 state[MASTER] = param
+
+
+
+def lay_out_flat(model: torch.nn.Module, names: list[str]) -> None:
+    """Move the parameters under HF ``names`` into one tensor, in that order, where they share a dtype and device:
+    a weight-sync bucket (consecutive names) is then one range of memory, which the broadcast sends as it lies
+    (buckets.py ``packed``) and a GPU copies off in one transfer. Values, ``Parameter`` objects and what holds them
+    (optimizer, hooks) stay as they are. Left alone where a name is not a parameter, or they differ in dtype."""
+    by_name = dict(model.named_parameters(remove_duplicate=False))
+    params = [by_name.get(name) for name in names]
+    if (any(p is None for p in params) or len({id(p) for p in params}) != len(params)
+            or len({(p.dtype, p.device) for p in params}) != 1):
+        return
+    flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    offset = 0
+    with torch.no_grad():
+        for param in params:
+            view = flat[offset:offset + param.numel()].view(param.shape)
+            view.copy_(param)
+            param.data = view
+            offset += param.numel()
 
 
 def enable_recompute(model: torch.nn.Module) -> None:

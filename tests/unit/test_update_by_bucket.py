@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rolloutpipe.control.weights.buckets import packed
 from rolloutpipe.model import DType
+from rolloutpipe.trainer import torch_backend
 from rolloutpipe.trainer.config import TrainerBackend
 from rolloutpipe.trainer.fsdp_backend import FSDPTrainer
 from tests.unit.test_exact_sum import groups, trainer
@@ -90,3 +92,38 @@ def test_a_deferred_update_not_taken_by_buckets_is_applied_whole(backend, dtype)
         policy.close()
     whole = run(backend, dtype, defer=False)
     assert applied == whole["held"]
+
+
+@pytest.mark.parametrize("dtype", [DType.float32, DType.bfloat16])
+def test_the_torch_backends_buckets_are_ranges_of_its_parameters_and_the_layout_changes_no_bit(dtype, monkeypatch):
+    """``lay_out_flat``: the parameters lie in one tensor in HF order, so each bucket weight sync takes is one range
+    of that memory, which the broadcast sends uncopied (buckets.py ``packed``); training on it gives the same bits
+    as on parameters each in memory of its own."""
+    policy = trainer(dtype, exact=False)
+    try:
+        storage = policy.model.get_input_embeddings().weight.untyped_storage()
+        assert {p.untyped_storage().data_ptr() for p in policy.model.parameters()} == {storage.data_ptr()}
+        train(policy, defer=True)
+        policy.bucket_bytes = 2048
+        buckets, tensors = policy.hf_buckets()
+        for bucket, state in zip(buckets, tensors, strict=True):
+            flat = packed(bucket, state)
+            assert flat is not None and flat.untyped_storage().data_ptr() == storage.data_ptr()
+        assert len(buckets) >= 4
+    finally:
+        policy.close()
+    flat_layout = run(TrainerBackend.torch, dtype, defer=True)
+    monkeypatch.setattr(torch_backend, "lay_out_flat", lambda model, names: None)
+    assert run(TrainerBackend.torch, dtype, defer=True) == flat_layout
+
+
+def test_fsdp_rank_0_gathers_each_bucket_into_one_range():
+    """FSDP's rank 0 copies each gathered tensor into one buffer per bucket: the broadcast sends it as it lies."""
+    policy = trainer(DType.bfloat16, exact=False, backend=TrainerBackend.fsdp)
+    try:
+        policy.bucket_bytes = 2048
+        with policy.writer_reads():
+            buckets, tensors = policy.hf_buckets()
+            assert all(packed(bucket, state) is not None for bucket, state in zip(buckets, tensors, strict=True))
+    finally:
+        policy.close()

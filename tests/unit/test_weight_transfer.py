@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from rolloutpipe.config import load_config, save_config
 from rolloutpipe.control.seal import Forged, seal, unseal
 from rolloutpipe.control.weights import WeightSync, WeightSyncSettings
-from rolloutpipe.control.weights.buckets import BucketMac, pack, plan_buckets, unpack
+from rolloutpipe.control.weights.buckets import BucketMac, pack, packed, plan_buckets, unpack
 from rolloutpipe.control.weights.digest import Digest, weights_digest
 from rolloutpipe.control.weights.disk import Receiver, file_mac, weights_file, write_weights
 from rolloutpipe.control.weights.distributed import authenticated, bucket_mac, check_bucket
@@ -250,6 +250,24 @@ def test_a_flat_bucket_unpacks_to_the_same_names_dtypes_shapes_and_bits(bucket_b
         assert received[name].dtype == tensor.dtype and received[name].shape == tensor.shape, name
         assert torch.equal(received[name].view(-1).view(torch.uint8), tensor.view(-1).view(torch.uint8)), name
 
+
+
+def test_a_bucket_lying_back_to_back_in_memory_is_sent_from_there_and_any_other_is_packed():
+    """buckets.py ``packed``: the view is the tensors' own memory (a write through it shows in them), with the bytes
+    ``pack`` would copy; tensors apart, out of order, with a gap or not contiguous are not one range."""
+    whole = torch.arange(24, dtype=torch.float32)
+    state = {"a": whole[2:8].view(2, 3), "b": whole[8:12], "c": whole[12:20].view(4, 2)}
+    bucket = plan_buckets(state, 1 << 20)[0]
+    flat = packed(bucket, state)
+    assert torch.equal(flat, pack(bucket, state, torch.empty(bucket.num_bytes, dtype=torch.uint8)))
+    flat[:4] = 0xFF
+    assert state["a"][0, 0].isnan() and whole[1] == 1 and whole[20] == 20  # the range, not beyond
+    not_one_range = {"apart": {"a": torch.zeros(6), "b": torch.zeros(4)},
+                     "reversed": {"b": whole[8:12], "a": whole[2:8]},
+                     "a gap": {"a": whole[2:8], "b": whole[9:13]},
+                     "not contiguous": {"a": whole[:16].view(4, 4).t(), "b": whole[16:20]}}
+    for why, tensors in not_one_range.items():
+        assert packed(plan_buckets(tensors, 1 << 20)[0], tensors) is None, why
 
 def test_a_tensor_that_would_sit_unaligned_in_a_flat_bucket_starts_the_next_one():
     """SGLang's FlattenedTensorBucket refuses a tensor whose byte offset is no multiple of its element size."""

@@ -94,6 +94,24 @@ def pack(bucket: Bucket, state: Mapping[str, torch.Tensor], buffer: torch.Tensor
     return buffer[:offset]
 
 
+def packed(bucket: Bucket, state: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """``bucket``'s bytes as one uint8 view of the memory its tensors share, where they lie back to back in one
+    storage in the plan's order (the torch backend's parameters, laid out so; a gather into one buffer); else None.
+    Sending the view sends the tensors' own bytes: no copy."""
+    import torch
+
+    first = state[bucket.names[0]]
+    storage = first.untyped_storage()
+    start = offset = first.storage_offset() * first.element_size()
+    for name, size in zip(bucket.names, bucket.sizes, strict=True):
+        tensor = state[name]
+        if (not tensor.is_contiguous() or tensor.untyped_storage().data_ptr() != storage.data_ptr()
+                or tensor.storage_offset() * tensor.element_size() != offset):
+            return None
+        offset += size
+    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, start, (offset - start,))
+
+
 def unpack(bucket: Bucket, flat: torch.Tensor) -> dict[str, torch.Tensor]:
     """The tensors of a packed ``bucket``: views into ``flat``, with the plan's names, dtypes and shapes."""
     import torch

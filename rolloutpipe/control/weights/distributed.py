@@ -80,7 +80,16 @@ import torch.distributed as dist
 from rolloutpipe.control.env import free_port, node_address
 from rolloutpipe.control.transport import Transport
 from rolloutpipe.control.weights import EngineGroup, PolicyWeights, WeightSyncSettings, weights_record_key
-from rolloutpipe.control.weights.buckets import GROUP_NAME, Bucket, BucketMac, WeightGroup, pack, plan_buckets, unpack
+from rolloutpipe.control.weights.buckets import (
+    GROUP_NAME,
+    Bucket,
+    BucketMac,
+    WeightGroup,
+    pack,
+    packed,
+    plan_buckets,
+    unpack,
+)
 from rolloutpipe.control.weights.digest import Digest, tensor_bytes, tensor_hash
 from rolloutpipe.control.weights.mac import SALT_BYTES, ChunkMac, gmac_key, weights_key
 
@@ -253,20 +262,23 @@ class Broadcaster:
 
     def stream(self, buckets: Iterable[tuple[Bucket, Mapping[str, torch.Tensor]]], policy_version: int) -> None:
         """Broadcast each bucket as one flat tensor, in order. Two buffers alternate: a bucket is packed while the
-        one before it is on the wire, so whatever ``buckets`` does between yields (gather, digest) overlaps too.
+        one before it is on the wire, so whatever ``buckets`` does between yields (gather, digest) overlaps too. A
+        bucket whose tensors lie back to back in memory already goes from there, uncopied (buckets.py ``packed``).
         Returns once every engine has received the last one."""
         what = f"the engines to receive policy_version {policy_version}"
-        in_flight: list = [None, None]  # the broadcast from each buffer
+        in_flight: list = [None, None]  # (the broadcast, the flat tensor it sends) from each slot
         for i, (bucket, state) in enumerate(buckets):
             slot = i % 2
             if in_flight[slot] is not None:
-                wait_all([in_flight[slot]], lambda: self._check(what))
-            flat = pack(bucket, state, self._buffer(slot, bucket.num_bytes))
-            in_flight[slot] = dist.broadcast(flat, src=0, group=self._pg, async_op=True)
-        wait_all([work for work in in_flight if work is not None], lambda: self._check(what))
+                wait_all([in_flight[slot][0]], lambda: self._check(what))
+            flat = packed(bucket, state)
+            if flat is None or flat.device.type != self.device:
+                flat = pack(bucket, state, self._buffer(slot, bucket.num_bytes))
+            in_flight[slot] = (dist.broadcast(flat, src=0, group=self._pg, async_op=True), flat)
+        wait_all([sent[0] for sent in in_flight if sent is not None], lambda: self._check(what))
 
     def _buffer(self, slot: int, num_bytes: int) -> torch.Tensor:
-        """Send buffer ``slot`` (0 or 1), grown to ``num_bytes``; kept between policies."""
+        """Send buffer ``slot`` (0 or 1), grown to ``num_bytes``; kept between policies (none if nothing is packed)."""
         if self._buffers[slot].numel() < num_bytes:
             self._buffers[slot] = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
         return self._buffers[slot]
