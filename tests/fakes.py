@@ -37,6 +37,8 @@ class FakeEngine:
         self.groups: list[tuple[str, int]] = []
         """Weight-update groups joined: (group name, rank)."""
         self.shut_down = False
+        self.server_gone = False
+        """Its server died with nothing in flight: only ``probe`` finds out."""
 
     def submit(self, request) -> None:
         self.submitted.append(request)
@@ -53,6 +55,10 @@ class FakeEngine:
 
     def init_weights_update_group(self, group, rank_offset: int) -> None:
         self.groups.append((group.group_name, rank_offset))
+
+    def probe(self) -> None:
+        if self.server_gone and self.error is None:
+            self.error = RuntimeError(f"engine {self.name}: its server did not answer /health")
 
     def update_weights_from_distributed(self, buckets, group_name: str, policy_version: int, macs) -> None:
         self.weights = (group_name, policy_version)

@@ -7,8 +7,8 @@ Store keys all live under ``rp/<run_id>/`` and follow the one id scheme:
     rp/<run>/step=<k>/rollout_stats       the rollout's per-step record
     rp/<run>/step=<k>/source_state        the prompt source's state after step k (goes into checkpoints)
     rp/<run>/weights/policy_version=<v>   where the trainer wrote policy v and its digest, or its buckets
-    rp/<run>/weight_sync/group            the weight-update process group's address (distributed sync); plan/ and
-                                          regroup/policy_version=<k>: policy k's group, a request for a new one
+    rp/<run>/weight_sync/group            the weight-update process group's address (distributed sync); members/
+                                          and plan/policy_version=<k>: who receives policy k, the group it goes on
     rp/<run>/serving/policy_version=<v>   the rollout's acknowledgement that every engine serves v
     rp/<run>/trainer/ready, trainer/done  trainer rank 0's start and end
     rp/<run>/alive/<role>/<rank>          heart-beat count of one process
@@ -290,7 +290,7 @@ class Transport:
 
     def forget_policy(self, version: int) -> None:
         """Delete policy ``version``'s records (weights, serving, weight-group plan) once no engine needs them."""
-        for part in ("weights/", "serving/", "weight_sync/plan/", "weight_sync/regroup/"):
+        for part in ("weights/", "serving/", "weight_sync/plan/", "weight_sync/members/"):
             self.delete(self.key(f"{part}policy_version={version}"))
 
     # -- sealed records ----------------------------------------------------------------------------

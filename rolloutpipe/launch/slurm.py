@@ -181,12 +181,10 @@ def batch_script(cfg: Config, *, folder: Path, python: str) -> str:
 def survives_node_loss(cfg: Config) -> bool:
     """Whether the rollout het group runs with ``--no-kill`` (sbatch and srun): Slurm then keeps the job when one of
     its nodes fails, so an engine host's node is lost as its process would be (its engines retired, the run goes
-    on), instead of Slurm cancelling and requeuing the whole job. With several rollout nodes and weights loaded from
-    disk: under ``pipeline.weight_sync=distributed`` a lost engine host stops the run anyway (only a failed engine
-    on the rollout node is re-grouped: control/weights/distributed.py)."""
-    from rolloutpipe.control.weights import engines_replaceable
-
-    return cfg.launcher.rollout.nodes > 1 and engines_replaceable(cfg.pipeline.weight_sync)
+    on), instead of Slurm cancelling and requeuing the whole job. With several rollout nodes, whichever the weight
+    sync: under ``pipeline.weight_sync=distributed`` the lost host's engines leave the weight-update group at the
+    next step boundary (control/weights/distributed.py)."""
+    return cfg.launcher.rollout.nodes > 1
 
 
 def submission_environ(run_vars: dict[str, str]) -> dict[str, str]:

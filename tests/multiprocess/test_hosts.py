@@ -199,13 +199,16 @@ def server_pid(run_dir: Path, engine: str) -> int | None:
     return None
 
 
+@pytest.mark.parametrize("weight_sync", ["disk", "distributed"])
 def test_an_engine_server_killed_on_another_node_is_restarted_by_its_host(tmp_path, four_engine_data,
-                                                                          one_rollout_node):
+                                                                          one_rollout_node, weight_sync):
+    """Under distributed weight sync the next policy goes to a weight-update group without the killed engine, and
+    its replacement joins a later one (supervisor.py)."""
     run_dir, data, one_node = tmp_path / "run", four_engine_data, one_rollout_node
     run_dir.mkdir()
     launcher = subprocess.Popen([sys.executable, str(REPO / "launch.py"), f"run.dir={run_dir}", *workload(data),
-                                 *TWO_NODES], cwd=tmp_path, env=node_environ(), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)
+                                 *TWO_NODES, f"pipeline.weight_sync={weight_sync}"], cwd=tmp_path,
+                                env=node_environ(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: (run_dir / "metrics.jsonl").exists(), "step 0 to finish", running=[launcher],
                  details=lambda: launcher.communicate()[1][-3000:])
@@ -221,6 +224,8 @@ def test_an_engine_server_killed_on_another_node_is_restarted_by_its_host(tmp_pa
     assert "rollout rank 1: restarting engine engine3 as engine3-restart1 (the rollout manager asked)" in stderr
     assert (run_dir / "engines" / "host=1" / "engine3-restart1.log").exists(), "restarted on its own node"
     assert "did not confirm the stop" not in stderr, "the host finished its restart and stopped with the run"
+    if weight_sync == "distributed":
+        assert "goes to a new weight-update group of 3 engine ranks" in stderr, stderr[-3000:]
     # (whether the restarted engine is back before the run's last step depends on its start-up time against the
     # steps left; putting it back is checked with fake engines in tests/unit/test_engine_hosts.py)
     assert samples(run_dir) == samples(one_node)

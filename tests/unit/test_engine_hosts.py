@@ -3,6 +3,7 @@ with fake engines, no processes. Engine i is on host i // 2 (two engines per nod
 
 import pytest
 
+from rolloutpipe.control.weights.buckets import WeightGroup
 from rolloutpipe.rollout.admission import Admission, AdmissionPolicy
 from rolloutpipe.rollout.engines.hosts import HostLost
 from rolloutpipe.rollout.engines.supervisor import EngineFailed, EngineSupervisor
@@ -159,6 +160,75 @@ def test_below_rollout_min_engines_a_lost_host_stops_the_run():
                                            r"engines remain, fewer than rollout.min_engines=3: stopping the run"):
         hosts.supervisor.check()
 
+
+
+
+def broadcasting(hosts: TwoHosts) -> None:
+    """pipeline.weight_sync=distributed: the four engines in group g-1 (ranks 1-4), serving policy 3."""
+    hosts.supervisor.join_weight_group(group("g-1", 5), 1)
+    hosts.supervisor.load_weights_distributed([], 3, macs=None)
+
+
+def group(name: str, world_size: int) -> WeightGroup:
+    return WeightGroup(master_address="h", master_port=1, world_size=world_size, group_name=name)
+
+
+def test_under_broadcast_weight_sync_an_engine_on_another_node_leaves_the_group_and_its_replacement_joins_later():
+    """Its failed member cannot receive the next policy: the next group is formed without it while its host restarts
+    it; the replacement, once registered, waits out of service and joins the group after that, in its slot."""
+    hosts = TwoHosts()
+    broadcasting(hosts)
+    e0, e1, e2, e3 = hosts.engines
+    e2.error = RuntimeError("server exited with code -9")
+    hosts.supervisor.check()
+    assert hosts.names() == ["engine0", "engine1", "engine3"]
+    assert hosts.supervisor.next_group_size() == 3, "the next policy goes to a group without it"
+    hosts.supervisor.rejoin_weight_group(group("g-2", 4), 1)
+    assert [e.groups[-1] for e in (e0, e1, e3)] == [("g-2", 1), ("g-2", 2), ("g-2", 3)], "no gap in the ranks"
+    hosts.supervisor.load_weights_distributed([], 4, macs=None)
+    assert hosts.supervisor.next_group_size() is None, "still restarting: the group serves policy 5 too"
+
+    hosts.restarts["engine2"].ready = True
+    hosts.supervisor.check()
+    replacement = hosts.restarts["engine2"].engine
+    assert hosts.supervisor.replacements_waiting() == ["engine2-restart1"] and replacement.groups == []
+    assert hosts.names() == ["engine0", "engine1", "engine3"], "out of service until it joins a group"
+    assert hosts.supervisor.next_group_size() == 4
+    hosts.supervisor.rejoin_weight_group(group("g-3", 5), 1)
+    assert replacement.groups == [("g-3", 3)] and e3.groups[-1] == ("g-3", 4), "in slot order"
+    hosts.supervisor.load_weights_distributed([], 5, macs=None)
+    assert {e.weights for e in hosts.engines} == {("g-3", 5)} and len(hosts.engines) == 4
+    (name, span), = hosts.spans.spans
+    assert name == "rollout/engine_restart" and span["replacement"] == "engine2-restart1"
+
+
+def test_under_broadcast_weight_sync_a_server_that_died_idle_is_found_before_the_broadcast():
+    """Nothing was in flight on it, so no call failed: the probe before the policy finds it."""
+    hosts = TwoHosts()
+    broadcasting(hosts)
+    hosts.engines[3].server_gone = True
+    hosts.supervisor.check()
+    assert hosts.names() == ["engine0", "engine1", "engine2", "engine3"], "nothing noticed it yet"
+    assert hosts.supervisor.next_group_size() == 3
+    assert hosts.names() == ["engine0", "engine1", "engine2"] and "engine3" in hosts.restarts
+
+
+def test_under_broadcast_weight_sync_a_lost_host_leaves_the_group_and_comes_back_when_it_beats_again():
+    hosts = TwoHosts()
+    broadcasting(hosts)
+    hosts.lose_host_1()
+    assert hosts.supervisor.retired == ["engine2", "engine3"]
+    assert hosts.supervisor.next_group_size() == 2
+    hosts.supervisor.rejoin_weight_group(group("g-2", 3), 1)
+    hosts.supervisor.load_weights_distributed([], 4, macs=None)
+    for restart in hosts.restarts.values():
+        restart.lost, restart.ready = None, True
+    hosts.supervisor.check()
+    assert hosts.supervisor.retired == [] and hosts.supervisor.next_group_size() == 4
+    hosts.supervisor.rejoin_weight_group(group("g-3", 5), 1)
+    hosts.supervisor.load_weights_distributed([], 5, macs=None)
+    assert hosts.names() == ["engine0", "engine1", "engine2-restart1", "engine3-restart1"]
+    assert {e.weights for e in hosts.engines} == {("g-3", 5)}
 
 def test_fgd_sends_the_frontier_first_to_whichever_host_has_a_free_slot():
     hosts = TwoHosts(policy=AdmissionPolicy.fgd, concurrency=2)

@@ -105,8 +105,9 @@ class EngineGroup(Protocol):
     def rejoin_weight_group(self, group: WeightGroup, ranks_per_engine: int) -> None:
         """The engines in service and the replacements of failed ones join a new group (distributed.py)."""
 
-    def replacements_waiting(self) -> list[str]:
-        """Replacements of failed engines that wait for the next weight-update group (names)."""
+    def next_group_size(self) -> int | None:
+        """Before a policy is broadcast: how many engines a new weight-update group needs (those in service and the
+        replacements waiting), having checked every engine's server; None if the current group serves."""
 
     def load_weights_distributed(self, buckets: list[Bucket], policy_version: int,
                                  macs: Callable[[int], BucketMac] | None) -> None:
@@ -155,12 +156,6 @@ def receiver(settings: WeightSyncSettings, *, transport: Transport, run_dir: Pat
     """``check(what)`` runs while the receiver waits, and raises when the run should stop (a lost peer)."""
     return _module(settings.way).Receiver(settings, transport=transport, run_dir=run_dir, engines=engines,
                                           check=check)
-
-
-def engines_replaceable(way: WeightSync) -> bool:
-    """Whether a failed engine can be replaced by a fresh one that loads the current policy (a lost engine host
-    need not stop the run: launch/slurm.py keeps the job alive without it)."""
-    return _module(way).ENGINES_REPLACEABLE
 
 
 def weights_record_key(transport: Transport, version: int) -> str:

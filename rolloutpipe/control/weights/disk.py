@@ -60,8 +60,6 @@ from rolloutpipe.control.weights.mac import SALT_BYTES, ChunkMac, chunks, gmac_k
 
 log = logging.getLogger(__name__)
 
-ENGINES_REPLACEABLE = True
-
 SHM = Path("/dev/shm")
 SHM_COPIES = 3
 """Policies /dev/shm must have room for: the one served, the one being written, one in reserve."""

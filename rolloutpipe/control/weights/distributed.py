@@ -29,19 +29,23 @@ already owns the engine list, the weight-update session and the version check. T
 blocks until the engines join it. Backend (``weight_sync_backend``): nccl when SGLang engines on GPUs meet a
 trainer on GPUs (untested here: no GPU), gloo otherwise (the embedded engine; a CPU trainer).
 
-A lost engine. A group's membership is fixed when it forms, so a failed engine's replacement cannot join it; the
-group is re-formed at the next step boundary instead:
+A lost engine. A group's membership is fixed when it forms: a failed member cannot receive, and its replacement
+cannot join. So the rollout node says before each policy who receives it, and the group is re-formed when that
+changed:
 
     step k   rollout node: an engine fails; its requests go to the others (supervisor.py), its replacement starts
-             and waits out of service (it holds policy 0, not k); the node writes
-             ``weight_sync/regroup/policy_version=<k+1>`` (the engines' ranks in the new group)
-    k -> k+1 trainer rank 0 (``publish``): finds the request, leaves the old group, publishes the plan
-             ``weight_sync/plan/policy_version=<k+1>`` with a new group (new port, new name), joins it as rank 0
-             rollout node (``prepare``, before it waits for the weights record): reads the plan; the engines in
-             service and the replacements join the new group; then policy k+1 is broadcast to all of them
-    Every plan says which group policy k+1 goes on. An engine that fails after trainer rank 0 read its plan (in
-    the step's tail) finds no new group in it: the run stops, saying so, and resumes from the step's checkpoint.
-    A replacement on another rollout node (an engine host's restart) is not re-grouped yet: that stops the run.
+             and waits out of service (it holds policy 0, not k). On another rollout node the replacement starts on
+             its host, and waits once the host has registered it; a lost host's engines wait until it beats again.
+    k -> k+1 rollout node (``prepare``, before it waits for the weights record): asks every engine in service
+             whether its server is still there (one that died idle is found now, not by the broadcast), then writes
+             ``weight_sync/members/policy_version=<k+1>``: the engine ranks of a new group (those in service and
+             the replacements waiting), or none when no member failed and no replacement waits
+             trainer rank 0 (``publish``): waits for that record; for a new group, leaves the old one, publishes the
+             plan ``weight_sync/plan/policy_version=<k+1>`` with it (new port, new name) and joins it as rank 0
+             rollout node: reads the plan; the engines in service and the replacements join the new group, in slot
+             order; then policy k+1 is broadcast to all of them
+    An engine that fails after the members record (during the broadcast) stops the run, saying so; it resumes from
+    the step's checkpoint.
 
 Authentication. Nobody outside the run may put bytes into an engine, and a process group authenticates nothing: its
 rendezvous store is SGLang's and takes no seal, and anyone who reaches it or a member's port can pose as a member
@@ -64,6 +68,7 @@ below and meet a real SGLang server on the same keys.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -93,8 +98,7 @@ from rolloutpipe.control.weights.buckets import (
 from rolloutpipe.control.weights.digest import Digest, tensor_bytes, tensor_hash
 from rolloutpipe.control.weights.mac import SALT_BYTES, ChunkMac, gmac_key, weights_key
 
-ENGINES_REPLACEABLE = False
-"""A lost engine host's engines are not re-grouped (a failed engine on the rollout node is: module docstring)."""
+log = logging.getLogger(__name__)
 
 GROUP_RECORD = ("weight_sync", "group")
 """The first group (``open``)."""
@@ -110,9 +114,9 @@ def bucket_mac_key(transport: Transport, version: int, index: int) -> str:
     return transport.key("weights", f"policy_version={version}", f"bucket={index}")
 
 
-def regroup_key(transport: Transport, version: int) -> str:
-    """The rollout node's request to re-form the group before policy ``version`` (an engine was replaced)."""
-    return transport.key("weight_sync", f"regroup/policy_version={version}")
+def members_key(transport: Transport, version: int) -> str:
+    """Who receives policy ``version``: the rollout node's record (module docstring), which trainer rank 0 waits for."""
+    return transport.key("weight_sync", f"members/policy_version={version}")
 
 
 def weight_sync_backend(engines_on_gpus: bool, on_gpu: bool) -> str:
@@ -320,12 +324,13 @@ class Sender:
     def publish(self, version: int, *, serves: bool) -> str:
         """Each bucket is digested, authenticated and broadcast as the policy yields it (a sharded one gathers it
         then; the step's deferred update makes it final then); the last policy only goes to the final checkpoint: its
-        buckets are digested, not sent. Before sending, the group is re-formed if the rollout node replaced an engine
+        buckets are digested, not sent. Before sending, the group is re-formed if the engines that receive it changed
         (module docstring)."""
         assert self.broadcaster is not None, "open() first"
         if serves:
-            regroup = self.transport.read_record(regroup_key(self.transport, version))
-            group = None if regroup is None else self._new_group(1 + regroup["num_engine_ranks"])
+            members = self.transport.wait_record(members_key(self.transport, version),
+                                                 what=f"the rollout node's engines for policy_version {version}")
+            group = None if members["num_engine_ranks"] is None else self._new_group(1 + members["num_engine_ranks"])
             self.transport.put_record(plan_key(self.transport, version),
                                       {"group": None if group is None else group.to_json()})
             if group is not None:
@@ -368,24 +373,18 @@ class Receiver:
         group = self.transport.wait_record(self.transport.key(*GROUP_RECORD),
                                            what="trainer rank 0's weight-update process group")
         self.engines.join_weight_group(WeightGroup(**group), self.ranks_per_engine)
-        self.engines.on_replaced = self._request_regroup
-
-    def _request_regroup(self, num_engines: int, version: int) -> None:
-        """An engine was replaced while the engines serve ``version - 1``: ask for a new group before ``version``."""
-        self.transport.put_record(regroup_key(self.transport, version),
-                                  {"num_engine_ranks": num_engines * self.ranks_per_engine})
 
     def prepare(self, version: int) -> None:
+        num_engines = self.engines.next_group_size()
+        self.transport.put_record(members_key(self.transport, version), {
+            "num_engine_ranks": None if num_engines is None else num_engines * self.ranks_per_engine})
         plan = self.transport.wait_record(plan_key(self.transport, version),
                                           what=f"trainer rank 0's plan for policy_version {version}")
         if plan["group"] is not None:
-            self.engines.rejoin_weight_group(WeightGroup(**plan["group"]), self.ranks_per_engine)
-        elif waiting := self.engines.replacements_waiting():
-            raise RuntimeError(
-                f"with pipeline.weight_sync=distributed, {', '.join(waiting)} replaced a failed engine after trainer "
-                f"rank 0 had planned to send policy_version {version} on the old group, which the failed engine "
-                "can no longer join: stopping the run. Resume it (run.resume=auto): it restarts from the last "
-                "checkpoint with every engine in a new group.")
+            group = WeightGroup(**plan["group"])
+            log.warning("policy_version %d goes to a new weight-update group of %d engine ranks (%s): engines failed "
+                        "or came back since the last one", version, group.world_size - 1, group.group_name)
+            self.engines.rejoin_weight_group(group, self.ranks_per_engine)
 
     def load(self, record: dict, version: int) -> None:
         if "buckets" not in record:

@@ -56,6 +56,10 @@ class JoinsWeightGroup(Engine, Protocol):
     def init_weights_update_group(self, group: WeightGroup, rank_offset: int) -> None:
         """Join ``group`` as ranks ``rank_offset`` ..; returns once every member has joined."""
 
+    def probe(self) -> None:
+        """Ask the server whether it is still there; if not, the engine fails (``error``). Before a broadcast: a
+        member that died while idle would otherwise be found by the broadcast itself."""
+
     def update_weights_from_distributed(self, buckets: list[Bucket], group_name: str, policy_version: int,
                                         macs: Callable[[int], BucketMac] | None) -> None:
         """Receive the broadcast ``buckets`` (every engine of the group at once) and serve ``policy_version``; bucket

@@ -30,8 +30,8 @@ supervisor as on one node: its requests go back in line at once, and a restart i
 supervisor polls for the new registration (``RemoteRestart``) without holding up the rollout loop. A host that
 is lost (its heart-beat stops: ``HostWatch``) takes its engines out of service and the run goes on while
 ``rollout.min_engines`` remain (supervisor.py); if it beats again (it had only stalled), it handles the restart
-requests it missed and its engines come back. With ``pipeline.weight_sync=distributed`` the
-weight-update group's members are fixed, so a lost host (as any engine failure) stops the run instead.
+requests it missed and its engines come back. With ``pipeline.weight_sync=distributed`` the weight-update group is
+re-formed without the lost engines at the next step boundary, and with them at a later one once they are back.
 """
 
 from __future__ import annotations

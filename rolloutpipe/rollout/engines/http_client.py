@@ -55,6 +55,8 @@ ABORT_RETRY_S = 0.25
 SHUTDOWN_JOIN_S = 30.0
 CONTROL_POLL_S = 0.2
 """How often a control call in progress checks that its server is still there (``SGLangEngine._control``)."""
+PROBE_TIMEOUT_S = 10.0
+"""How long ``SGLangEngine.probe`` waits for /health (between steps: nothing else runs on the server)."""
 
 
 class RequestRefused(ValueError):
@@ -186,6 +188,11 @@ class SGLangEngine:
         self._control("update_weights_from_distributed", lambda: sglang_api.update_weights_from_distributed(
             self.endpoint, buckets, group_name, policy_version, macs=macs, timeout_s=self._weight_update_timeout_s))
         self._policy_version = policy_version
+
+    def probe(self) -> None:
+        if self.error is None and not self._stopping and not sglang_api.is_healthy(self.endpoint, PROBE_TIMEOUT_S):
+            self._failed(RuntimeError(f"engine {self.name}: the server at {self.url} did not answer "
+                                      f"{sglang_api.HEALTH} within {PROBE_TIMEOUT_S:g}s"), traceback=False)
 
     def _control(self, what: str, call: Callable[[], None]) -> None:
         """A control call (minutes of timeout: a weight load), made on a thread of its own and given up as soon as

@@ -25,9 +25,12 @@ policy, as after a restart.
 With ``pipeline.weight_sync=distributed`` (control/weights/distributed.py) the engines form one process group with
 trainer rank 0, whose membership is fixed when it forms: the replacement cannot join it, nor load the current policy
 from a file. Step 2 then differs: the replacement waits out of service for the rest of the step (the others take
-its requests), the receiver asks trainer rank 0 for a new group before the next policy (``on_replaced``), and at
-the step boundary the engines in service and the replacements join it (``rejoin_weight_group``) and receive the
-next policy together. A replacement on another rollout node is not re-grouped yet: that failure stops the run.
+its requests). At the step boundary (``next_group_size``) every engine's server is asked whether it is still there,
+so one that died idle is replaced now and not found by the broadcast; if a member failed or a replacement waits,
+trainer rank 0 forms a new group, and the engines in service and the replacements join it (``rejoin_weight_group``)
+and receive the next policy together. An engine of another rollout node that is still restarting, or whose host is
+lost, is left out; it waits as above once its host has registered it, and joins the group after that. The group's
+ranks follow the engines in slot order, so a slot out of service leaves no gap.
 
 The supervisor has no thread: the rollout loop calls ``check`` every poll and ``load_weights`` between steps.
 The restart runs on that loop (seconds for a server process), while the other engines keep generating what
@@ -87,11 +90,10 @@ class EngineSupervisor:
         """With distributed weight sync: the process group every engine joined (``join_weight_group``)."""
         self.policy_version = 0
         """What the engines serve (distributed weight sync: the next group is asked for before ``+ 1``)."""
-        self.on_replaced: Callable[[int, int], None] | None = None
-        """Distributed weight sync: told (engines in the next group, the policy it must be formed for) when a failed
-        engine's replacement waits for a new group (control/weights/distributed.py ``Receiver``)."""
         self._awaiting_group: dict[int, tuple[_Pending, Engine]] = {}
         """Distributed weight sync: slots whose replacement waits for the next group, out of service."""
+        self._failed_in_group: list[str] = []
+        """Distributed weight sync: engines of the current group that failed (it cannot broadcast to them again)."""
         self.num_failures = [0] * len(engines)
         self._names = [e.name for e in engines]
         self._slot_of = {e.name: slot for slot, e in enumerate(engines)}
@@ -147,13 +149,15 @@ class EngineSupervisor:
             self._recover(self._slot_of[engine.name], engine, reason)
 
     def join_weight_group(self, group: WeightGroup, ranks_per_engine: int) -> None:
-        """Every engine joins trainer rank 0's weight-update group, engine i as ranks 1 + i * ranks_per_engine ..
-
-        The calls run at once (each returns only when the whole group has formed)."""
-        self.weight_group = group
+        """Every engine in service joins trainer rank 0's weight-update group, the i-th in slot order as ranks
+        1 + i * ranks_per_engine .. (at the start, engine i). The calls run at once (each returns only when the
+        whole group has formed)."""
+        self.weight_group, self._failed_in_group = group, []
+        slots = sorted(self._slot_of[engine.name] for engine in self.engines)
+        first_rank = {slot: 1 + i * ranks_per_engine for i, slot in enumerate(slots)}
         self._on_every_engine(f"the engines to join the weight-update group at {group.master_address}:"
                               f"{group.master_port}",
-                              lambda slot, engine: engine.init_weights_update_group(group, 1 + slot * ranks_per_engine))
+                              lambda slot, engine: engine.init_weights_update_group(group, first_rank[slot]))
 
     def load_weights_distributed(self, buckets: list[Bucket], policy_version: int,
                                  macs: Callable[[int], BucketMac] | None) -> None:
@@ -165,9 +169,25 @@ class EngineSupervisor:
                                                                          policy_version, macs))
         self.policy_version = policy_version
 
+    def next_group_size(self) -> int | None:
+        """Before a policy is broadcast: every engine in service is asked whether its server is still there (one
+        that died idle, on another node above all, is found now, not by the broadcast) and those that are not are
+        recovered; then how many engines a new weight-update group needs: those in service and the replacements
+        waiting. None: the current group serves (none of its members failed, no replacement waits)."""
+        probes = [threading.Thread(target=engine.probe, name=f"probe-{engine.name}", daemon=True)
+                  for engine in self.engines]
+        for probe in probes:
+            probe.start()
+        for probe in probes:
+            probe.join()
+        self.check()
+        if not self._failed_in_group and not self._awaiting_group:
+            return None
+        return len(self.engines) + len(self._awaiting_group)
+
     def rejoin_weight_group(self, group: WeightGroup, ranks_per_engine: int) -> None:
         """Between steps: the replacements that waited come into service, and every engine joins ``group`` (trainer
-        rank 0's new one), the replacement of slot i as the failed engine's ranks."""
+        rank 0's new one, sized by ``next_group_size``)."""
         awaiting, self._awaiting_group = self._awaiting_group, {}
         for slot, (failure, replacement) in sorted(awaiting.items()):
             self.engines.append(replacement)
@@ -246,9 +266,8 @@ class EngineSupervisor:
         except Exception as err:
             raise EngineFailed(f"engine {failed.name} failed ({reason}) and its restart failed: {err}. Look at "
                                f"{self.where_to_look(failed)}") from err
-        if self.weight_group is not None:  # waits for the next group (module docstring)
-            self._await_group(slot, failure, replacement)
-            return
+        if self.weight_group is not None:
+            self._failed_in_group.append(failed.name)
         if hasattr(replacement, "poll"):  # on another node: out of service until its host has it up
             self.engines.remove(failed)
             failure.restart = replacement
@@ -256,6 +275,9 @@ class EngineSupervisor:
             log.warning("engine %s: its node's engine host restarts it as %s; out of service until then.", failed.name,
                         f"{base}-restart{num}")
             self._check_enough(f"engine {failed.name} failed ({reason}) and is restarting on its node")
+            return
+        if self.weight_group is not None:  # waits for the next group (module docstring)
+            self._await_group(slot, failure, replacement)
             return
         self._put_back(slot, failure, replacement)
 
@@ -284,6 +306,9 @@ class EngineSupervisor:
             if self._retired.pop(slot, None) is not None:
                 log.warning("engine %s: its host beats again and registered %s.", self._names[slot], replacement.name)
             self._pending.pop(slot, None)
+            if self.weight_group is not None:
+                self._await_group(slot, pending, replacement)
+                return
             self.engines.append(replacement)
             self._put_back(slot, pending, replacement)
 
@@ -312,11 +337,6 @@ class EngineSupervisor:
         """Distributed weight sync: the replacement cannot join the group, nor load the current policy from a file;
         it waits out of service until the next step boundary's new group (``rejoin_weight_group``)."""
         failed = failure.failed
-        if hasattr(replacement, "poll"):
-            raise EngineFailed(
-                f"engine {failed.name} failed: {failure.reason}. It restarts on another rollout node, and with "
-                "pipeline.weight_sync=distributed such a replacement cannot join the weight-update group yet; stopping "
-                f"the run. Use pipeline.weight_sync=disk to survive it. Look at {self.where_to_look(failed)}")
         if failed in self.engines:
             self.engines.remove(failed)
         if not self.engines:
@@ -331,8 +351,6 @@ class EngineSupervisor:
         log.warning("engine %s: its replacement %s waits out of service for the next weight-update group (trainer "
                     "rank 0 forms it before policy_version %d).", failed.name, replacement.name,
                     self.policy_version + 1)
-        assert self.on_replaced is not None, "the receiver sets on_replaced when the engines join the group"
-        self.on_replaced(len(self.engines) + len(self._awaiting_group), self.policy_version + 1)
 
     def _check_enough(self, what: str) -> None:
         """Stop the run when fewer than rollout.min_engines engines are in service or on their way back."""
