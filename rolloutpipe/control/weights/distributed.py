@@ -120,7 +120,8 @@ def members_key(transport: Transport, version: int) -> str:
 
 
 def weight_sync_backend(engines_on_gpus: bool, on_gpu: bool) -> str:
-    """nccl when both ends hold CUDA tensors (SGLang engines, a trainer on GPUs: Megatron with CUDA), else gloo.
+    """nccl when both ends hold CUDA tensors (SGLang engines on GPUs, a trainer whose ``hf_on_gpu`` says so: no
+    backend's does yet, each hands host copies), else gloo.
 
     gloo also serves a CPU trainer broadcasting into SGLang's CUDA receive buffers (it copies through host memory);
     nccl cannot start from CPU tensors, nor put two ranks on one GPU (a trainer sharing the engines' GPU).
