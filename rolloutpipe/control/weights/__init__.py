@@ -49,9 +49,10 @@ def choose(*, sglang_started: bool, attached: bool, overlapped: bool) -> tuple[W
     """The way of ``pipeline.weight_sync=null`` (the GPU presets), and why; config.py resolves it at load, so
     config.yaml records the way the run used. A broadcast moves a policy at the network's speed (gloo from trainer
     rank 0's host memory today: distributed.py ``weight_sync_backend``), a file at the shared file system's, hashed
-    on both sides: broadcast wherever the engines are SGLang servers the run starts on GPU nodes. A file where the engines are CPU ones (embedded: the in-process engine cannot join a group), attached
-    servers (``rollout.engine_urls``: nobody here knows that they reach trainer rank 0), or the rollout runs
-    ahead of training (async_one_step: a broadcast would wait for the rollout's step boundary)."""
+    on both sides: broadcast wherever the engines are SGLang servers the run starts on GPU nodes. A file where the
+    engines are CPU ones (embedded: the in-process engine cannot join a group), attached servers
+    (``rollout.engine_urls``: nobody here knows that they reach trainer rank 0), or the rollout runs ahead of
+    training (async_one_step: a broadcast would wait for the rollout's step boundary)."""
     if overlapped:
         return WeightSync.disk, "pipeline.mode=async_one_step runs the rollout a step ahead; a broadcast would stall it"
     if attached:
