@@ -141,6 +141,20 @@ def test_unreachable_server_is_an_engine_error_naming_its_url():
     engine.shutdown()
 
 
+
+def test_a_probe_finds_a_server_gone_while_the_engine_held_nothing(client):
+    """Between steps (distributed weight sync: supervisor.py ``next_group_size``) nothing is in flight, so no call
+    fails: the probe's /health is what finds a server that is gone (here a port nobody listens on, a server on
+    another node whose host lives)."""
+    client.probe()
+    assert client.error is None, "the live server answers"
+    url = f"http://127.0.0.1:{server_process.free_port()}"
+    gone = SGLangEngine(name="engine6", endpoint=sglang_api.Endpoint(url), concurrency=1, on_result=Results())
+    assert gone.error is None
+    gone.probe()
+    assert f"engine engine6: the server at {url} did not answer /health" in str(gone.error)
+    gone.shutdown()
+
 def test_a_weight_load_on_a_vanished_node_is_given_up_when_its_host_is_lost(tmp_path):
     """A node that vanished answers nothing: a socket that takes the connection and never replies stands in for it.
     The weight load (10 minutes of timeout) is given up once the host watch says its engine host is lost, with that
