@@ -89,7 +89,7 @@ class EngineSupervisor:
         self.weight_group: WeightGroup | None = None
         """With distributed weight sync: the process group every engine joined (``join_weight_group``)."""
         self.policy_version = 0
-        """What the engines serve (distributed weight sync: the next group is asked for before ``+ 1``)."""
+        """What the engines serve."""
         self._awaiting_group: dict[int, tuple[_Pending, Engine]] = {}
         """Distributed weight sync: slots whose replacement waits for the next group, out of service."""
         self._failed_in_group: list[str] = []
