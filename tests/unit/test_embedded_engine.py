@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -214,15 +215,27 @@ def test_update_weights_changes_the_policy_version_and_outputs(tmp_path):
 
 
 def test_update_weights_refused_while_requests_are_in_flight(tmp_path):
+    """The engine's thread is held in the first result's callback, so the second request is in flight for sure
+    (a long request alone may finish before the update is asked for, on a loaded machine)."""
     model = tiny_model()
     model.save_pretrained(tmp_path)
-    results = Results()
-    engine = EmbeddedEngine(name="test", model=model, concurrency=1, on_result=results)
-    engine.submit(request(0, max_new_tokens=400))
-    with pytest.raises(RuntimeError, match="in flight"):
-        engine.update_weights_from_disk(str(tmp_path / "model.safetensors"), policy_version=1)
-    assert engine.policy_version == 0
-    engine.shutdown()
+    in_callback, release = threading.Event(), threading.Event()
+
+    def hold(result: GenerationResult) -> None:
+        in_callback.set()
+        release.wait(timeout=60)
+
+    engine = EmbeddedEngine(name="test", model=model, concurrency=1, on_result=Results(on_result=hold))
+    engine.submit(request(0, max_new_tokens=1))
+    engine.submit(request(1, max_new_tokens=1))
+    try:
+        assert in_callback.wait(timeout=60)
+        with pytest.raises(RuntimeError, match="1 requests in flight"):
+            engine.update_weights_from_disk(str(tmp_path / "model.safetensors"), policy_version=1)
+        assert engine.policy_version == 0
+    finally:
+        release.set()
+        engine.shutdown()
 
 
 def test_scheduler_crash_is_raised_not_swallowed():
