@@ -92,8 +92,8 @@ class EngineSupervisor:
         """What the engines serve."""
         self._awaiting_group: dict[int, tuple[_Pending, Engine]] = {}
         """Distributed weight sync: slots whose replacement waits for the next group, out of service."""
-        self._failed_in_group: list[str] = []
-        """Distributed weight sync: engines of the current group that failed (it cannot broadcast to them again)."""
+        self._member_failed = False
+        """Distributed weight sync: an engine of the current group failed (it cannot broadcast to it again)."""
         self.num_failures = [0] * len(engines)
         self._names = [e.name for e in engines]
         self._slot_of = {e.name: slot for slot, e in enumerate(engines)}
@@ -152,7 +152,7 @@ class EngineSupervisor:
         """Every engine in service joins trainer rank 0's weight-update group, the i-th in slot order as ranks
         1 + i * ranks_per_engine .. (at the start, engine i). The calls run at once (each returns only when the
         whole group has formed)."""
-        self.weight_group, self._failed_in_group = group, []
+        self.weight_group, self._member_failed = group, False
         slots = sorted(self._slot_of[engine.name] for engine in self.engines)
         first_rank = {slot: 1 + i * ranks_per_engine for i, slot in enumerate(slots)}
         self._on_every_engine(f"the engines to join the weight-update group at {group.master_address}:"
@@ -181,7 +181,7 @@ class EngineSupervisor:
         for probe in probes:
             probe.join()
         self.check()
-        if not self._failed_in_group and not self._awaiting_group:
+        if not self._member_failed and not self._awaiting_group:
             return None
         return len(self.engines) + len(self._awaiting_group)
 
@@ -267,7 +267,7 @@ class EngineSupervisor:
             raise EngineFailed(f"engine {failed.name} failed ({reason}) and its restart failed: {err}. Look at "
                                f"{self.where_to_look(failed)}") from err
         if self.weight_group is not None:
-            self._failed_in_group.append(failed.name)
+            self._member_failed = True
         if hasattr(replacement, "poll"):  # on another node: out of service until its host has it up
             self.engines.remove(failed)
             failure.restart = replacement
