@@ -12,16 +12,17 @@ weights file disk weight sync sends (``write_weights``). Each rank measures, in 
 blocks over 1 MiB (``MALLOC_MMAP_THRESHOLD_``):
 
     start      peak RSS while the model loads and the backend is built, over the RSS before (the process's imports)
-    held       RSS after the first step's end over the RSS before it: the restore point's copies, and FSDP rank 0's
-               CPU model (built by the first read)
+    held       RSS after the first step's end over the RSS before it: the restore point's copies, FSDP rank 0's
+               CPU model (built by the first read), Megatron's bucket buffers (the first weight sync fills them)
     step end   peak RSS during the second step's end over the RSS before it (the buffers are reused): rank 0's
-               transients (FSDP: one gathered bucket at a time; Megatron: the policy mapped to HF tensors)
-    rank 0     Megatron: rank 0's RSS less rank 1's after the step: the HF model and the parameters' host copy that
-               only rank 0 keeps
+               transients (FSDP: one gathered bucket at a time; Megatron: none)
+    rank 0     Megatron: rank 0's RSS less rank 1's before the first step's end: the HF model that only rank 0
+               keeps
 
 against the plan's terms for the same shape and config: "plan [+ CPU] -> measured (measured / predicted)". On
 the CPU the training state is in host memory too, so where a GPU run would hold a tensor on the device the CPU's
-share is added and named: FSDP's float32 shards built at its start, and the full float32 tensor (the largest, the
+share is added and named: FSDP's float32 shards built at its start, the torch backend's parameters laid out in one
+tensor at its start (``lay_out_flat``: the loaded model's copy), and the full float32 tensor (the largest, the
 embedding, with its cast) its gathers make on the way to rank 0's host. Megatron builds its model and gradient
 buffers on the host here, so its start is not compared, nor is the torch backend's step end (its policy is already
 on the host; on a GPU hf_state copies it there). The loaded model is read once, as the move to a GPU reads it
@@ -157,12 +158,14 @@ def predicted(case: str) -> dict[int, dict[str, tuple[int, int]]]:
     out = {}
     for rank in range(world):
         terms = {t.name: t.num_bytes for t in trainer_processes(cfg, shape, rank_0=rank == 0).terms}
+        buffers = terms.get("Megatron's bucket buffers", 0)
         held = sum(v for k, v in terms.items() if k.startswith("restore point")
-                   or (k == "rank 0's CPU model" and backend == "fsdp"))  # (Megatron's exists from its start)
+                   or (k == "rank 0's CPU model" and backend == "fsdp")) + buffers  # (Megatron's exists from its start)
         # FSDP on the CPU: its float32 shards are built on the host, and rank 0's gathers of full tensors (float32,
         # the largest one at a time, and its cast) are made there: on a GPU they are device memory
         largest = fsdp_root_and_layer(shape)[0] - HIDDEN  # the (tied) embedding
-        cpu_start = params * 4 // world if backend == "fsdp" else 0
+        # the torch backend lays its parameters out in one tensor (lay_out_flat): a copy, on its GPU on a GPU
+        cpu_start = params * 4 // world if backend == "fsdp" else params * d if backend == "torch" else 0
         cpu_step_end = largest * (4 + (d if d < 4 else 0)) if backend == "fsdp" else 0
         out[rank] = {"start": (terms["model load"], cpu_start), "held": (held, 0),
                      "step_end": (terms.get("step end", 0), cpu_step_end),
@@ -173,6 +176,8 @@ def predicted(case: str) -> dict[int, dict[str, tuple[int, int]]]:
 def cell(predicted_bytes: tuple[int, int], measured_bytes: int) -> str:
     """plan [+ the CPU's own] -> measured (measured / their sum), MiB."""
     (plan, cpu), m = (b / MiB for b in predicted_bytes), measured_bytes / MiB
+    if plan + cpu == 0:
+        return f"0 -> {m:.0f}"
     return f"{plan:.0f}{f' + {cpu:.0f}' if cpu else ''} -> {m:.0f} ({m / (plan + cpu):.2f})"
 
 

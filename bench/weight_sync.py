@@ -19,8 +19,9 @@ Rows:
                          broadcast per bucket of ``--bucket-mb``; the engine unpacks each bucket), from a policy laid
                          out as the torch and FSDP backends hand it over: a bucket is one range of memory, sent as it
                          lies (buckets.py ``packed``)
-    broadcast, packed    the same from tensors that each have memory of their own (Megatron's HF conversion): each
-                         bucket is copied into one of two alternating flat buffers while the one before is sent
+    broadcast, Megatron  the same from Megatron's layout (tensor-parallel size 1: fused q/k/v, fused gate/up), as
+                         trainer.backend=megatron sends it (convert.py ``hf_buckets``): each bucket mapped into one of
+                         three reused flat buffers while the ones before it are sent, then sent as it lies
     broadcast + MAC      what ``pipeline.weight_sync=distributed`` does into embedded engines (SGLang ones get no MAC):
                          as above, and the trainer gives each bucket its MAC (GMAC) before it sends it and digests
                          it (BLAKE3, a second thread), the MAC reaches the engine through a TCPStore, and the engine
@@ -54,8 +55,18 @@ DISK_ROWS = ("disk: write (trainer, the floor)", "disk: read (engine, the floor)
 DISK_TOTAL = "disk: total (write + MAC, read + check)"
 
 
-def bucket_row(mb: float, mac: bool = True, apart: bool = False) -> str:
-    return f"broadcast{', packed' if apart else ''}{' + MAC' if mac else ''} (gloo, {mb:g} MiB buckets)"
+def bucket_row(mb: float, mac: bool = True, megatron: bool = False) -> str:
+    return f"broadcast{', Megatron' if megatron else ''}{' + MAC' if mac else ''} (gloo, {mb:g} MiB buckets)"
+
+
+def megatron_shards(state: dict, shape) -> tuple[list[dict], object]:
+    """``state`` (HF, tied or not) in Megatron's layout at tensor-parallel size 1 (on ``state``'s device), and it."""
+    from rolloutpipe.trainer.megatron.convert import Layout, hf_to_megatron
+
+    layout = Layout(num_layers=shape.num_layers, hidden_size=shape.hidden_size, num_heads=shape.num_heads,
+                    num_query_groups=shape.num_kv_heads, head_dim=shape.head_dim, vocab_size=shape.vocab_size,
+                    tied_embeddings=shape.tied_embeddings, qkv_bias=False, qk_norm=True, tp_size=1)
+    return [hf_to_megatron(state, layout, tp_rank=0)], layout
 
 
 def qwen3_state(shape) -> dict:
@@ -138,7 +149,7 @@ def read_and_check(path: Path, written) -> None:
     assert checked == [written.mac]
 
 
-def broadcast_rank(rank: int, port: int, store_port: int, shapes: dict, bucket_mbs: list[float], rounds: int,
+def broadcast_rank(rank: int, port: int, store_port: int, model_shape: str, bucket_mbs: list[float], rounds: int,
                    results) -> None:
     import json
     from datetime import timedelta
@@ -157,19 +168,24 @@ def broadcast_rank(rank: int, port: int, store_port: int, shapes: dict, bucket_m
         receive_bucket,
     )
     from rolloutpipe.control.weights.mac import weights_key
+    from rolloutpipe.launch.memory_plan import QWEN3_SHAPES
+    from rolloutpipe.trainer.megatron.convert import hf_buckets
 
     torch.set_num_threads(1)
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in qwen3_state(QWEN3_SHAPES[model_shape]).items()}
     key = weights_key(KEY)
     store = dist.TCPStore("127.0.0.1", store_port, 2, is_master=rank == 0, timeout=timedelta(seconds=120))
     group = WeightGroup(master_address="127.0.0.1", master_port=port, world_size=2)
     numels = {k: torch.Size(s).numel() for k, s in shapes.items()}
     num_bytes = 2 * sum(numels.values())
     whole = torch.full((num_bytes // 2,), 0.5, dtype=torch.bfloat16) if rank == 0 else None
-    state = apart = {k: torch.empty(s, dtype=torch.bfloat16, device="meta") for k, s in shapes.items()}
-    if rank == 0:  # the policy in one tensor (the torch backend's lay_out_flat), and each tensor apart
+    state = {k: torch.empty(s, dtype=torch.bfloat16, device="meta") for k, s in shapes.items()}
+    megatron, layout = megatron_shards(state, QWEN3_SHAPES[model_shape])  # on the meta device: only the plans
+    if rank == 0:  # the policy in one tensor (the torch backend's lay_out_flat), and in Megatron's layout
         state = unpack(Bucket(names=list(shapes), dtypes=["bfloat16"] * len(shapes), shapes=list(shapes.values())),
                        whole.view(torch.uint8))
-        apart = {k: torch.full(s, 0.5, dtype=torch.bfloat16) for k, s in shapes.items()}
+        megatron, _ = megatron_shards(state, QWEN3_SHAPES[model_shape])
         sender = Broadcaster(group=group, bucket_bytes=1, timeout_s=120, check=lambda what: None)
         pg = sender._pg
     else:
@@ -187,8 +203,17 @@ def broadcast_rank(rank: int, port: int, store_port: int, shapes: dict, bucket_m
     # VM that hands freed memory back to its host takes longer than the bytes' move (2026-12-05: 8.5 s, not 1 s).
     inbox = torch.zeros(num_bytes, dtype=torch.uint8) if rank == 1 else None
     plans = {mb: plan_buckets(state, int(mb * 2**20)) for mb in bucket_mbs}
-    if rank == 0:
-        sender._buffers = [torch.empty(0, dtype=torch.uint8) for _ in range(2)]  # grown within the first round
+    megatron_plans = {mb: hf_buckets(megatron, layout, int(mb * 2**20), lambda i, n: None)[0] for mb in bucket_mbs}
+    ring = [torch.empty(0, dtype=torch.uint8) for _ in range(3)]  # MegatronTrainer's BUCKET_BUFFERS
+
+    def ring_buffer(index: int, num_bytes: int) -> torch.Tensor:
+        if ring[index % 3].numel() < num_bytes:
+            ring[index % 3] = torch.empty(num_bytes, dtype=torch.uint8)
+        return ring[index % 3]
+
+    def send_megatron(mb: float) -> None:
+        buckets, tensors = hf_buckets(megatron, layout, int(mb * 2**20), ring_buffer)
+        sender.stream(zip(buckets, tensors, strict=True), 1)
 
     def send(buckets: list, at: str) -> None:
         """distributed.py ``Sender.publish``: each bucket's MAC published before it is sent, its digest taken after."""
@@ -205,12 +230,13 @@ def broadcast_rank(rank: int, port: int, store_port: int, shapes: dict, bucket_m
         results[("raw", rank, r)] = timed_together(
             lambda: dist.broadcast(whole.view(torch.uint8) if rank == 0 else inbox, src=0, group=pg))
         for mb, buckets in plans.items():
-            for kind, tensors in (("flat", state), ("apart", apart)):
+            for kind, plan, fn in (("flat", buckets, lambda b=buckets: sender.send(state, b, 1)),
+                                   ("megatron", megatron_plans[mb], lambda mb=mb: send_megatron(mb))):
                 if rank == 0:
-                    results[(mb, kind, rank, r)] = timed_together(lambda b=buckets, t=tensors: sender.send(t, b, 1))
+                    results[(mb, kind, rank, r)] = timed_together(fn)
                 else:
                     results[(mb, kind, rank, r)] = timed_together(
-                        lambda b=buckets: [receive_bucket(pg, bucket, inbox) for bucket in b])
+                        lambda b=plan: [receive_bucket(pg, bucket, inbox) for bucket in b])
             move = send if rank == 0 else receive
             results[(mb, "mac", rank, r)] = timed_together(lambda b=buckets, at=f"{r}/{mb}": move(b, at))
     dist.destroy_process_group(pg)
@@ -248,15 +274,14 @@ def main() -> None:
                              (read_check, lambda: read_and_check(path, written[-1]))]:
                 rows.setdefault(name, []).append(timed(fn))
     rows[DISK_TOTAL] = [a + b for a, b in zip(rows[write_mac], rows[read_check], strict=True)]
-    shapes = {k: tuple(v.shape) for k, v in state.items()}
     state.clear()  # the broadcast processes allocate their own
     results = mp.Manager().dict()
-    mp.spawn(broadcast_rank, args=(free_port(), free_port(), shapes, args.bucket_mb, args.rounds, results), nprocs=2,
-             join=True)
+    mp.spawn(broadcast_rank, args=(free_port(), free_port(), args.model_shape, args.bucket_mb, args.rounds, results),
+             nprocs=2, join=True)
     raw = "raw broadcast (gloo, one flat tensor)"
     rows[raw] = [max(results[("raw", 0, r)], results[("raw", 1, r)]) for r in range(args.rounds)]
     for mb in args.bucket_mb:
-        for kind, row in (("flat", bucket_row(mb, False)), ("apart", bucket_row(mb, False, apart=True)),
+        for kind, row in (("flat", bucket_row(mb, False)), ("megatron", bucket_row(mb, False, megatron=True)),
                           ("mac", bucket_row(mb))):
             rows[row] = [max(results[(mb, kind, 0, r)], results[(mb, kind, 1, r)]) for r in range(args.rounds)]
     floor = median(rows[copy])
@@ -275,7 +300,7 @@ def main() -> None:
 
     for mb in args.bucket_mb:
         print(f"{mb:g} MiB buckets: broadcast / raw broadcast = {ratio(bucket_row(mb, False), raw)} (goal <= 1.2); "
-              f"packed / raw = {ratio(bucket_row(mb, False, apart=True), raw)}; "
+              f"Megatron / raw = {ratio(bucket_row(mb, False, megatron=True), raw)}; "
               f"broadcast + MAC / raw = {ratio(bucket_row(mb), raw)}; broadcast + MAC / broadcast = "
               f"{ratio(bucket_row(mb), bucket_row(mb, False))}")
     # the simulator's weight sync (sim/models.py OverheadModel: the trainer's save, then the engines' load)

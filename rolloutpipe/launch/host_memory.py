@@ -21,11 +21,14 @@ Trainer rank (launcher.trainer.tasks_per_node on a node; the first node holds ra
                    model's masters) or by every rank, its own shard (FSDP: 3m / N; Megatron's distributed
                    optimizer: 12 / dp of its tensor-parallel piece). Measured: 12 B/param in float32, 14 in
                    bfloat16 (bench/restore_point.py)
-  rank 0's model   FSDP: an HF model on the CPU, filled bucket by bucket (d); Megatron: the HF model and the host copy
-                   of the trained parameters it is filled from (2 d)
+  rank 0's model   FSDP: an HF model on the CPU, filled bucket by bucket (d); Megatron: the HF model, mapped from the
+                   parameters where they lie (d; with tensor parallelism, + d: the group's parameters gathered to the
+                   host each step)
+  bucket buffers   Megatron: the three buffers weight sync's buckets are mapped into in turn (pipeline.
+                   weight_sync_bucket_mb each), kept between steps
   step end         rank 0's transients at each step's end (weight sync, the restore point's capture): the torch
-                   backend copies the policy to the host (d), Megatron maps its copy to HF tensors (d; + d/tp with
-                   tensor parallelism, gathered), FSDP one bucket (pipeline.weight_sync_bucket_mb)
+                   backend copies the policy to the host (d), FSDP one bucket (pipeline.weight_sync_bucket_mb),
+                   Megatron none (it maps into the HF model and its bucket buffers)
   weight-sync      pipeline.weight_sync=distributed to CPU engines (gloo): two flat buffers of a bucket, kept
   samples          every rank reads every group of a step: ``SAMPLE_TOKEN_BYTES`` a token
 Rollout node (the first: the rollout manager beside its engines)
@@ -52,6 +55,9 @@ from rolloutpipe.config import Config, WeightSync
 from rolloutpipe.launch.memory_plan import GiB, ModelShape, dtype_bytes
 from rolloutpipe.launch.model_shapes import sequence_len
 from rolloutpipe.trainer.config import TrainerBackend
+
+BUCKET_BUFFERS = 3
+"""trainer/megatron/trainer.py's (not imported from there: that module imports Megatron-core)."""
 
 GPU_PROCESS_BYTES = 3 * GiB
 """Assumed: a trainer rank's resident memory before its model loads (Python, torch, transformers, CUDA's libraries
@@ -185,17 +191,24 @@ def trainer_processes(cfg: Config, shape: ModelShape, *, rank_0: bool) -> Proces
         terms.append(HostTerm(name="restore point: policy", num_bytes=policy, phase=HostPhase.always,
                               how=f"{gib} x {d} B"))
         if fsdp or megatron:
-            copies = 1 if fsdp else 2
+            copies = 2 if megatron and tp > 1 else 1
             terms.append(HostTerm(name="rank 0's CPU model", num_bytes=copies * policy, phase=HostPhase.always,
                                   how=f"{copies} x {d} B: " + ("an HF model filled by buckets" if fsdp else
-                                                               "the HF model and the trained parameters' copy")))
-        bucket = cfg.weight_sync().bucket_bytes
-        step_end = (min(bucket, policy) if fsdp else policy + (policy // tp if megatron and tp > 1 else 0))
-        terms.append(HostTerm(name="step end", num_bytes=step_end, phase=HostPhase.step_end,
-                              how="one bucket of the gathered policy" if fsdp else
-                              f"the policy as HF tensors on the host, {d} B/param" + (
-                                  " + the tensor-parallel gather" if megatron and tp > 1 else ""),
-                              knob="lower pipeline.weight_sync_bucket_mb" if fsdp else ""))
+                                                               "the HF model, mapped from the parameters" + (
+                                                                   " and their tensor-parallel gather" if tp > 1
+                                                                   else " where they lie"))))
+        bucket = min(cfg.weight_sync().bucket_bytes, policy)
+        if megatron:  # a tensor larger than a bucket is a bucket of its own: the embedding is the largest
+            largest = max(bucket, shape.vocab_size * shape.hidden_size * d)
+            terms.append(HostTerm(name="Megatron's bucket buffers", num_bytes=min(BUCKET_BUFFERS * largest, policy),
+                                  phase=HostPhase.always, knob="lower pipeline.weight_sync_bucket_mb",
+                                  how=f"{BUCKET_BUFFERS} buffers the policy's buckets are mapped into in turn, kept "
+                                      "(each as large as the largest bucket)"))
+        else:
+            terms.append(HostTerm(name="step end", num_bytes=bucket if fsdp else policy, phase=HostPhase.step_end,
+                                  how="one bucket of the gathered policy" if fsdp else
+                                  f"the policy as HF tensors on the host, {d} B/param",
+                                  knob="lower pipeline.weight_sync_bucket_mb" if fsdp else ""))
         if (sync := cfg.weight_sync()).way is WeightSync.distributed and not sync.engines_on_gpus:
             terms.append(HostTerm(name="weight-sync buffers", num_bytes=2 * sync.bucket_bytes, phase=HostPhase.always,
                                   how="2 flat bucket buffers (gloo), double-buffered",

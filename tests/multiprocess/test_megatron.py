@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import Qwen3ForCausalLM
 
+from rolloutpipe.control.weights.buckets import packed, plan_buckets
 from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
 from rolloutpipe.trainer.backend import trainer_class
 from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerBackend, TrainerConfig
@@ -85,6 +86,27 @@ def test_tensor_parallel_shards_reassemble_into_the_hf_weights():
     assert all(torch.equal(back[k], v) for k, v in hf.state_dict().items())
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_qwen2_shards_with_biases_and_a_padded_vocabulary_reassemble(tp):
+    """Qwen2's q/k/v biases, four query groups of two heads, and 47 vocabulary rows (padded to 48 when split):
+    mapped to the HF tensors straight from the shards, the same bits back, and no tensor shares the shards' memory."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=47, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(2)
+        hf = Qwen2ForCausalLM(config).to(torch.float64).eval()
+    layout = Layout.from_hf(hf.config, tp_size=tp)
+    assert layout.qkv_bias and layout.padded_vocab_size == (48 if tp > 1 else 47)
+    shards = [hf_to_megatron(hf.state_dict(), layout, tp_rank=r) for r in range(tp)]
+    back = megatron_to_hf(shards, layout)
+    assert back.keys() == hf.state_dict().keys()
+    assert all(torch.equal(back[k], v) for k, v in hf.state_dict().items())
+    storages = {t.untyped_storage().data_ptr() for shard in shards for t in shard.values()}
+    assert not {t.untyped_storage().data_ptr() for t in back.values()} & storages
+
+
 def samples_with_a_padding_token() -> list[TrainSample]:
     g = torch.Generator().manual_seed(0)
     samples = [TrainSample(prompt_ids=torch.randint(2, 45, (3 + i % 3,), generator=g).tolist(),
@@ -148,8 +170,29 @@ def test_megatron_micro_batches_make_the_full_batch_update(float64_hf_norm):
         assert (result.loss, result.grad_norm) == pytest.approx((loss, grad_norm), rel=1e-10)
         trained = megatron.hf_state()
         assert max((trained[k] - expected[k]).abs().max().item() for k in expected) < 1e-10
+        assert_reads_of_the_policy_agree(megatron, trained)
     finally:
         megatron.close()
+
+
+def assert_reads_of_the_policy_agree(megatron, trained: dict[str, torch.Tensor]) -> None:
+    """Weight sync's buckets (each mapped into one flat buffer of its own) and the HF model (mapped into its own
+    parameters) hold ``trained``'s bits, by hf_state's plan."""
+    megatron.bucket_bytes = 20_000  # several buckets of a few tensors
+    buckets, tensors = megatron.hf_buckets()
+    assert buckets == plan_buckets(trained, megatron.bucket_bytes) and len(buckets) > 3
+    flats = []
+    for bucket, state in zip(buckets, tensors, strict=True):
+        assert list(state) == bucket.names
+        assert all(torch.equal(state[k], trained[k]) for k in bucket.names)
+        flat = packed(bucket, state)
+        assert flat is not None and flat.numel() == bucket.num_bytes, "a bucket is one flat buffer, sent as it lies"
+        flats.append(flat)
+    parameters = {p.untyped_storage().data_ptr() for p in megatron.gpt.parameters()}
+    assert not {f.untyped_storage().data_ptr() for f in flats} & parameters, "a bucket is a copy, not the policy"
+    model = megatron.hf_model()
+    assert model is megatron._hf
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in trained.items())
 
 
 def test_transformer_engine_names_move_only_the_fused_norms_and_invert():
@@ -187,6 +230,11 @@ def test_megatron_job_trains_like_the_torch_backend(job_dir):
         "megatron-cgp": ["pipeline.mode=cgp", "trainer.backend=megatron"],
         "megatron-tp2": ["pipeline.mode=cgp", "trainer.backend=megatron", "trainer.num_ranks=2",
                          "trainer.megatron.tensor_parallel_size=2"],
+        # buckets of a few tensors each, mapped into Megatron's reused buffers while the ones before are on the wire
+        # (the embedded engines check each bucket's MAC)
+        "megatron-tp2-broadcast": ["pipeline.mode=cgp", "trainer.backend=megatron", "trainer.num_ranks=2",
+                                   "trainer.megatron.tensor_parallel_size=2", "rollout.engine=embedded_http",
+                                   "pipeline.weight_sync=distributed", "pipeline.weight_sync_bucket_mb=0.02"],
     }
     for name, overrides in runs.items():
         result = run_job(job_dir(name), *PARITY, *overrides)
@@ -203,7 +251,15 @@ def test_megatron_job_trains_like_the_torch_backend(job_dir):
     # same backend: only the order of float64 additions differs (measured ~1e-15)
     assert difference("megatron-sync", "megatron-cgp") < 1e-9
     assert difference("megatron-tp2", "megatron-cgp") < 1e-9
+    assert difference("megatron-tp2-broadcast", "megatron-tp2") == 0
     # across backends HF's float32 RMSNorm shows (measured 1.1e-6 after two steps of lr 1e-3); a wrong
     # normaliser, sample or clip would move parameters by ~lr
     assert difference("megatron-cgp", "torch") < 2e-5
     assert weights["torch"].keys() == weights["megatron-cgp"].keys()
+
+
+def test_the_host_memory_plan_counts_megatrons_bucket_buffers():
+    from rolloutpipe.launch import host_memory
+    from rolloutpipe.trainer.megatron import trainer
+
+    assert host_memory.BUCKET_BUFFERS == trainer.BUCKET_BUFFERS

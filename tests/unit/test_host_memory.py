@@ -63,6 +63,19 @@ def test_megatrons_distributed_optimizer_keeps_each_ranks_shard_and_the_replicat
     assert "restore point: state" not in terms(trainer_processes(replicated, QWEN3_8B, rank_0=False))
 
 
+def test_megatron_rank_0_keeps_no_copy_of_its_parameters_without_tensor_parallelism():
+    """It maps them where they lie into the HF model and three reused bucket buffers: no step-end transient. With
+    tensor parallelism it also keeps the group's parameters gathered to its host."""
+    rank_0 = terms(trainer_processes(math_8b("trainer.backend=megatron", "trainer.megatron.tensor_parallel_size=1"),
+                                     QWEN3_8B, rank_0=True))
+    assert rank_0["rank 0's CPU model"] == 2 * P and "step end" not in rank_0
+    embedding = QWEN3_8B.vocab_size * QWEN3_8B.hidden_size * 2  # 1.2 GB: a bucket of its own, the largest
+    assert embedding > 512 << 20 and rank_0["Megatron's bucket buffers"] == 3 * embedding
+    gathered = terms(trainer_processes(math_8b("trainer.backend=megatron", "trainer.megatron.tensor_parallel_size=2",
+                                               "pipeline.weight_sync_bucket_mb=2048"), QWEN3_8B, rank_0=True))
+    assert gathered["rank 0's CPU model"] == 2 * 2 * P and gathered["Megatron's bucket buffers"] == 3 * (2048 << 20)
+
+
 def test_the_model_files_pages_count_once_a_node_and_fsdps_float32_conversion_once_a_rank():
     """from_pretrained maps the file: eight ranks reading it share the page cache's one copy. FSDP's float32
     conversion of a 16-bit model is each rank's own."""

@@ -91,7 +91,9 @@ class PolicyWeights(Protocol):
     def hf_state(self) -> dict[str, torch.Tensor]: ...
 
     def hf_buckets(self) -> tuple[list[Bucket], Iterator[dict[str, torch.Tensor]]]:
-        """The bucket plan, and each bucket's tensors in turn (a sharded policy: gathered one bucket at a time)."""
+        """The bucket plan, and each bucket's tensors in turn (a sharded policy: gathered one bucket at a time). A
+        bucket's tensors may be reused for the third bucket after it (Megatron's buffers): a reader holds at most the
+        two before the one it asks for."""
 
     def hf_on_gpu(self) -> bool: ...
 

@@ -24,9 +24,12 @@ change (``TE_FUSED_NORMS``, applied by ``transformer_engine_names`` / ``local_na
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+
+from rolloutpipe.control.weights.buckets import Bucket, plan_buckets, unpack
 
 Tensor = torch.Tensor
 
@@ -125,43 +128,122 @@ def hf_to_megatron(hf: dict[str, Tensor], layout: Layout, *, tp_rank: int) -> di
     return out
 
 
-def megatron_to_hf(shards: list[dict[str, Tensor]], layout: Layout) -> dict[str, Tensor]:
-    """The full HF state dict from every tensor-parallel rank's Megatron parameters (rank order).
+def megatron_to_hf(shards: list[dict[str, Tensor]], layout: Layout, *,
+                   device: torch.device | str = "cpu") -> dict[str, Tensor]:
+    """The full HF state dict from every tensor-parallel rank's Megatron parameters (rank order), new tensors on
+    ``device`` (none shares memory with ``shards``).
 
     With tied embeddings ``lm_head.weight`` is left out, as HF's safetensors files do.
     """
-    first = shards[0]
+    out = {}
+    for name, source in hf_sources(layout).items():
+        out[name] = torch.empty(hf_shape(shards, layout, source), dtype=shards[0][source.name].dtype, device=device)
+        write_hf(shards, layout, source, out[name])
+    return out
 
-    def rows(name: str) -> Tensor:
-        return torch.cat([s[name] for s in shards], dim=0)
 
-    def cols(name: str) -> Tensor:
-        return torch.cat([s[name] for s in shards], dim=1)
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Where one HF tensor lies in the tensor-parallel ranks' Megatron parameter ``name``: ``part`` is ``whole``
+    (replicated), ``rows`` (the vocabulary, padded), ``cols``, ``q`` / ``k`` / ``v`` (of linear_qkv's query groups)
+    or ``gate`` / ``up`` (linear_fc1's halves)."""
 
-    vocab = layout.vocab_size
-    out = {"model.embed_tokens.weight": rows("embedding.word_embeddings.weight")[:vocab],
-           "model.norm.weight": first["decoder.final_layernorm.weight"]}
+    name: str
+    part: str
+
+
+def hf_sources(layout: Layout) -> dict[str, Source]:
+    """Every HF tensor's ``Source``, in the HF state dict's order (tied ``lm_head.weight`` left out)."""
+    out = {"model.embed_tokens.weight": Source("embedding.word_embeddings.weight", "rows"),
+           "model.norm.weight": Source("decoder.final_layernorm.weight", "whole")}
     if not layout.tied_embeddings:
-        out["lm_head.weight"] = rows("output_layer.weight")[:vocab]
+        out["lm_head.weight"] = Source("output_layer.weight", "rows")
     for i in range(layout.num_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         attn = h + "self_attn."
-        out[h + "input_layernorm.weight"] = first[m + "input_layernorm.weight"]
-        out[h + "post_attention_layernorm.weight"] = first[m + "pre_mlp_layernorm.weight"]
-        q, k, v = _split_qkv(rows(m + "self_attention.linear_qkv.weight"), layout)
-        out[attn + "q_proj.weight"], out[attn + "k_proj.weight"], out[attn + "v_proj.weight"] = q, k, v
-        if layout.qkv_bias:
-            q, k, v = _split_qkv(rows(m + "self_attention.linear_qkv.bias"), layout)
-            out[attn + "q_proj.bias"], out[attn + "k_proj.bias"], out[attn + "v_proj.bias"] = q, k, v
+        out[h + "input_layernorm.weight"] = Source(m + "input_layernorm.weight", "whole")
+        out[h + "post_attention_layernorm.weight"] = Source(m + "pre_mlp_layernorm.weight", "whole")
+        for kind in ("weight", "bias") if layout.qkv_bias else ("weight",):
+            for proj in "qkv":
+                out[f"{attn}{proj}_proj.{kind}"] = Source(f"{m}self_attention.linear_qkv.{kind}", proj)
         if layout.qk_norm:
-            out[attn + "q_norm.weight"] = first[m + "self_attention.q_layernorm.weight"]
-            out[attn + "k_norm.weight"] = first[m + "self_attention.k_layernorm.weight"]
-        out[attn + "o_proj.weight"] = cols(m + "self_attention.linear_proj.weight")
-        gate_up = [s[m + "mlp.linear_fc1.weight"].chunk(2, dim=0) for s in shards]
-        out[h + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in gate_up])
-        out[h + "mlp.up_proj.weight"] = torch.cat([u for _, u in gate_up])
-        out[h + "mlp.down_proj.weight"] = cols(m + "mlp.linear_fc2.weight")
+            out[attn + "q_norm.weight"] = Source(m + "self_attention.q_layernorm.weight", "whole")
+            out[attn + "k_norm.weight"] = Source(m + "self_attention.k_layernorm.weight", "whole")
+        out[attn + "o_proj.weight"] = Source(m + "self_attention.linear_proj.weight", "cols")
+        out[h + "mlp.gate_proj.weight"] = Source(m + "mlp.linear_fc1.weight", "gate")
+        out[h + "mlp.up_proj.weight"] = Source(m + "mlp.linear_fc1.weight", "up")
+        out[h + "mlp.down_proj.weight"] = Source(m + "mlp.linear_fc2.weight", "cols")
     return out
+
+
+def hf_shape(shards: list[dict[str, Tensor]], layout: Layout, source: Source) -> torch.Size:
+    """The shape of the HF tensor that ``source`` describes."""
+    first, tp = shards[0][source.name], len(shards)
+    rest = first.shape[1:]
+    if source.part == "whole":
+        return first.shape
+    if source.part == "rows":
+        return torch.Size((layout.vocab_size, *rest))
+    if source.part == "cols":
+        return torch.Size((first.shape[0], first.shape[1] * tp))
+    if source.part in ("gate", "up"):
+        return torch.Size((first.shape[0] // 2 * tp, *rest))
+    return torch.Size((layout.num_query_groups * _qkv_rows(layout, source.part)[1], *rest))
+
+
+def write_hf(shards: list[dict[str, Tensor]], layout: Layout, source: Source, out: Tensor) -> None:
+    """Copy the HF tensor ``source`` describes into ``out`` (contiguous, of ``hf_shape``, any dtype or device):
+    straight from the shards, each element once, through no tensor in between."""
+    pieces = [shard[source.name].detach() for shard in shards]
+    tp, part = len(pieces), source.part
+    if part == "whole":
+        out.copy_(pieces[0])
+    elif part == "rows":  # the padded vocabulary's rows, split in order; the padding (at the end) left out
+        offset = 0
+        for piece in pieces:
+            piece = piece[:layout.vocab_size - offset]
+            out[offset:offset + piece.shape[0]].copy_(piece)
+            offset += piece.shape[0]
+    elif part == "cols":
+        width = pieces[0].shape[1]
+        for t, piece in enumerate(pieces):
+            out[:, t * width:(t + 1) * width].copy_(piece)
+    elif part in ("gate", "up"):
+        half = pieces[0].shape[0] // 2
+        for t, piece in enumerate(pieces):
+            out[t * half:(t + 1) * half].copy_(piece[:half] if part == "gate" else piece[half:])
+    else:  # each rank holds whole query groups: [q heads, k, v] per group
+        groups, d = layout.num_query_groups // tp, layout.head_dim
+        start, size = _qkv_rows(layout, part)
+        rest = out.shape[1:]
+        into = out.view(tp, groups, size, *rest)
+        for t, piece in enumerate(pieces):
+            into[t].copy_(piece.view(groups, (layout.heads_per_group + 2) * d, *rest)[:, start:start + size])
+
+
+def hf_buckets(shards: list[dict[str, Tensor]], layout: Layout, bucket_bytes: int,
+               buffer: Callable[[int, int], Tensor]) -> tuple[list[Bucket], Iterator[dict[str, Tensor]]]:
+    """The HF tensors by ``plan_buckets`` buckets: the plan, and each bucket mapped (``write_hf``) into
+    ``buffer(index, num_bytes)`` (a flat uint8 tensor on the host) only when it is asked for, so a broadcast sends
+    the buffer as it lies (buckets.py ``packed``)."""
+    sources = hf_sources(layout)
+    metas = {name: torch.empty(hf_shape(shards, layout, source), dtype=shards[0][source.name].dtype, device="meta")
+             for name, source in sources.items()}
+    buckets = plan_buckets(metas, bucket_bytes)
+
+    def mapped(index: int, bucket: Bucket) -> dict[str, Tensor]:
+        out = unpack(bucket, buffer(index, bucket.num_bytes))
+        for name in bucket.names:
+            write_hf(shards, layout, sources[name], out[name])
+        return out
+
+    return buckets, (mapped(index, bucket) for index, bucket in enumerate(buckets))
+
+
+def _qkv_rows(layout: Layout, part: str) -> tuple[int, int]:
+    """Where ``part`` (q, k or v) starts in a query group's rows of linear_qkv, and how many rows it has."""
+    q = layout.heads_per_group * layout.head_dim
+    return {"q": (0, q), "k": (q, layout.head_dim), "v": (q + layout.head_dim, layout.head_dim)}[part]
 
 
 def _pad_vocab(t: Tensor, layout: Layout) -> Tensor:
@@ -175,11 +257,3 @@ def _fuse_qkv(q: Tensor, k: Tensor, v: Tensor, layout: Layout) -> Tensor:
     rest = q.shape[1:]
     return torch.cat([q.reshape(groups, layout.heads_per_group * d, *rest), k.reshape(groups, d, *rest),
                       v.reshape(groups, d, *rest)], dim=1).reshape(-1, *rest)
-
-
-def _split_qkv(qkv: Tensor, layout: Layout) -> tuple[Tensor, Tensor, Tensor]:
-    groups, d = layout.num_query_groups, layout.head_dim
-    rest = qkv.shape[1:]
-    q, k, v = qkv.reshape(groups, (layout.heads_per_group + 2) * d, *rest).split(
-        [layout.heads_per_group * d, d, d], dim=1)
-    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)

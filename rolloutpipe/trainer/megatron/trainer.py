@@ -24,10 +24,14 @@ forward_backward schedules are not used: they need a batch's micro-batches up fr
 gradients at the end of every call, while groups here arrive one by one and ranks may train different
 numbers of micro-batches. That is also why pipeline parallelism is refused (TrainerConfig).
 
-Weights out. The engines and checkpoints take HF tensors: every optimizer step ends by copying the
-parameters to trainer rank 0's host (with tensor parallelism, gathered from its tensor-parallel group),
-so rank 0 can write them without the other ranks (``hf_buckets``, ``hf_model``). Only trainer rank 0
-keeps the HF model and that copy; the other ranks drop the HF model once it is mapped.
+Weights out. The engines and checkpoints take HF tensors, which trainer rank 0 maps from its parameters when the
+policy is read, so it can write them without the other ranks (``hf_buckets``, ``hf_model``). Without tensor
+parallelism it reads its own parameters as they lie (on its GPU); with it, every optimizer step ends by gathering the
+tensor-parallel group's parameters into host buffers on rank 0, kept between steps. ``hf_buckets`` maps each bucket
+only when its turn comes, straight into the bucket's one flat buffer (convert.py ``write_hf``: each byte copied once,
+no HF state dict in between), so mapping the next bucket overlaps sending this one and a broadcast sends the buffer as
+it lies (buckets.py ``packed``); ``hf_model`` maps into the HF model's own parameters. Only trainer rank 0 keeps the
+HF model; the other ranks drop it once it is mapped.
 
 CPU. Without CUDA every Megatron call runs inside ``cpu.cuda_calls_on_cpu()``, which redirects
 Megatron's CUDA-only calls: every dtype and both optimizers (the bf16 one and the distributed one included) run
@@ -39,11 +43,13 @@ from __future__ import annotations
 
 import functools
 import gc
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
 from rolloutpipe.control.checkpoint import Shard, ShardedState
+from rolloutpipe.control.weights.buckets import Bucket
 from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
 from rolloutpipe.trainer.exact_sum import ExactGradientSum
 from rolloutpipe.trainer.grpo_trainer import GRPOTrainer
@@ -51,10 +57,13 @@ from rolloutpipe.trainer.logprobs import VocabShard, chunked_logprobs
 from rolloutpipe.trainer.megatron import cpu
 from rolloutpipe.trainer.megatron.convert import (
     Layout,
+    hf_buckets,
+    hf_sources,
     hf_to_megatron,
     local_names,
     megatron_to_hf,
     transformer_engine_names,
+    write_hf,
 )
 from rolloutpipe.trainer.megatron.model import (
     build_gpt_model,
@@ -69,6 +78,10 @@ from rolloutpipe.trainer.megatron.optimizer import (
     megatron_optimizer_configs,
     resolve_distributed_optimizer,
 )
+
+BUCKET_BUFFERS = 3
+"""Host buffers ``hf_buckets`` maps the buckets into, in turn: while it maps one, the broadcast may still send the
+two before it (distributed.py ``Broadcaster.stream``) and the digest read the last (``authenticated``)."""
 
 
 class MegatronTrainer(GRPOTrainer):
@@ -123,6 +136,9 @@ class MegatronTrainer(GRPOTrainer):
         self._head = _HiddenToLogprobs(self.gpt, self.layout, tp_rank=self.tp_rank, tp_group=self.tp_group,
                                        chunk_tokens=cfg.logprob_chunk_tokens, temperature=temperature)
         self._tp_shards: list[dict[str, torch.Tensor]] | None = None
+        """Trainer rank 0's view of the policy in Megatron's layout, per tensor-parallel rank (``_gather_shards``)."""
+        self._sources = hf_sources(self.layout)
+        self._bucket_buffers: list[torch.Tensor] = []
         self._gather_shards()
 
     def sum_exactly(self, num_samples_per_batch: int) -> None:
@@ -130,13 +146,36 @@ class MegatronTrainer(GRPOTrainer):
                                  num_samples_per_batch=num_samples_per_batch)
 
     def hf_state(self) -> dict[str, torch.Tensor]:
-        """The policy under HF names, full tensors (a tensor-parallel group's first rank; tied lm_head left out)."""
+        """The policy under HF names, new full tensors on the host (trainer rank 0; tied lm_head left out)."""
         return megatron_to_hf(self._tp_shards, self.layout)
 
+    def hf_on_gpu(self) -> bool:
+        return False  # rank 0 maps the policy into host buffers
+
+    def _hf_buckets(self) -> tuple[list[Bucket], Iterator[dict[str, torch.Tensor]]]:
+        """The policy by buckets, each mapped into a flat host buffer only when it is asked for. ``BUCKET_BUFFERS``
+        buffers take the buckets in turn: a bucket's tensors hold until the third bucket after it is asked for."""
+        return hf_buckets(self._tp_shards, self.layout, self.bucket_bytes,
+                          lambda index, num_bytes: self._bucket_buffer(index % BUCKET_BUFFERS, num_bytes))
+
+    def _bucket_buffer(self, slot: int, num_bytes: int) -> torch.Tensor:
+        """Bucket buffer ``slot``, grown to ``num_bytes``, kept between policies: a fresh buffer's pages would be
+        faulted in on every weight sync (bench/weight_sync.py)."""
+        while len(self._bucket_buffers) <= slot:
+            self._bucket_buffers.append(torch.empty(0, dtype=torch.uint8))
+        if self._bucket_buffers[slot].numel() < num_bytes:
+            self._bucket_buffers[slot] = torch.empty(num_bytes, dtype=torch.uint8)
+        return self._bucket_buffers[slot]
+
     def hf_model(self) -> torch.nn.Module:
-        """The HF model with the trained weights (for save_pretrained); on a tensor-parallel group's first rank."""
-        missing, unexpected = self._hf.load_state_dict(self.hf_state(), strict=False)
-        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+        """The HF model with the trained weights (for save_pretrained), mapped into its own parameters; on trainer
+        rank 0."""
+        state = self._hf.state_dict()  # views of the parameters
+        assert self._sources.keys() <= state.keys() and set(state) - set(self._sources) <= {"lm_head.weight"}, (
+            sorted(state.keys() ^ self._sources.keys()))
+        with torch.no_grad():
+            for name, source in self._sources.items():
+                write_hf(self._tp_shards, self.layout, source, state[name])
         return self._hf
 
     def close(self) -> None:
@@ -148,6 +187,7 @@ class MegatronTrainer(GRPOTrainer):
         destroy_parallel_state(created_world=self._created_world)
         self.gpt = self.ddp = self.megatron_optimizer = self.optimizer = self._head = self._exact = None
         self._tp_shards = None
+        self._bucket_buffers = []
         gc.collect()
 
     def training_shards(self) -> dict[str, Shard]:
@@ -226,23 +266,26 @@ class MegatronTrainer(GRPOTrainer):
                 own[name].copy_(value)
 
     def _gather_shards(self) -> None:
-        """Copy the parameters to trainer rank 0's host, gathered from its tensor-parallel group (every rank of that
-        group calls this; the other groups have nothing to do)."""
+        """Trainer rank 0's view of the parameters (every rank of its tensor-parallel group calls this; the other
+        groups have nothing to do): without tensor parallelism, the parameters themselves, read where they lie when
+        the policy is read; with it, the group's parameters all-gathered into rank 0's host buffers, overwritten in
+        place each step (the other ranks' copies are dropped)."""
         if self.data_parallel_rank != 0:  # (pipeline parallelism is refused: data-parallel rank 0 is rank 0's group)
             return
-        local = {k: v.detach().to("cpu", copy=True) for k, v in self.gpt.named_parameters()}
+        local = {k: v.detach() for k, v in self.gpt.named_parameters()}
         if self.transformer_engine:
             local = local_names(local)
         if self.layout.tp_size == 1:
             self._tp_shards = [local]
             return
-        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.layout.tp_size)]
+        if self._tp_shards is None and self.tp_rank == 0:
+            self._tp_shards = [{k: torch.empty(v.shape, dtype=v.dtype) for k, v in local.items()}
+                               for _ in range(self.layout.tp_size)]
         for name, value in local.items():
-            parts = [torch.empty_like(value) for _ in shards]
+            value = value.to("cpu")
+            parts = ([shard[name] for shard in self._tp_shards] if self.tp_rank == 0
+                     else [torch.empty_like(value) for _ in range(self.layout.tp_size)])
             dist.all_gather(parts, value, group=self.tp_group)
-            for shard, part in zip(shards, parts):
-                shard[name] = part
-        self._tp_shards = shards if self.tp_rank == 0 else None
 
 
 class _BufferSum(ExactGradientSum):
