@@ -44,13 +44,14 @@ from bench.fsdp_memory import reset_peak, rss_bytes
 
 MiB = 1 << 20
 GLIBC_RETURNS_FREED_BLOCKS = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
-CASES = {  # name: (backend, dtype, ranks)
-    "torch-float32": ("torch", "float32", 1),
-    "torch-bfloat16": ("torch", "bfloat16", 1),
-    "fsdp-float32": ("fsdp", "float32", 2),
-    "fsdp-bfloat16": ("fsdp", "bfloat16", 2),
-    "megatron-float32": ("megatron", "float32", 2),
-    "megatron-bfloat16": ("megatron", "bfloat16", 2),
+CASES = {  # name: (backend, dtype, ranks, Megatron's tensor-parallel size)
+    "torch-float32": ("torch", "float32", 1, 1),
+    "torch-bfloat16": ("torch", "bfloat16", 1, 1),
+    "fsdp-float32": ("fsdp", "float32", 2, 1),
+    "fsdp-bfloat16": ("fsdp", "bfloat16", 2, 1),
+    "megatron-float32": ("megatron", "float32", 2, 1),
+    "megatron-bfloat16": ("megatron", "bfloat16", 2, 1),
+    "megatron-tp2-float32": ("megatron", "float32", 2, 2),
 }
 HIDDEN, LAYERS, VOCAB = 512, 2, 151936
 
@@ -63,13 +64,13 @@ def hf_config():
                        tie_word_embeddings=True, pad_token_id=0, eos_token_id=1)
 
 
-def trainer_config(backend: str, dtype: str, ranks: int):
+def trainer_config(backend: str, dtype: str, ranks: int, tp: int):
     from rolloutpipe.config import load_config
 
     return load_config({"model": {"dtype": dtype}, "rollout_batch_size": 2, "n_samples_per_prompt": 2,
                         "global_batch_size": 4, "rollout_max_response_len": 16, "data": {"max_prompt_len": 16},
                         "trainer": {"backend": backend, "num_ranks": ranks,
-                                    "megatron": {"distributed_optimizer": True}},
+                                    "megatron": {"distributed_optimizer": True, "tensor_parallel_size": tp}},
                         "launcher": {"trainer": {"tasks_per_node": ranks}}})
 
 
@@ -84,8 +85,8 @@ def rank_main(rank: int, world: int, port: int, case: str, model_dir: str, out_d
     from rolloutpipe.trainer.grpo_trainer import TrainSample
     from rolloutpipe.trainer.restore import RestorePoint
 
-    backend, dtype, _ = CASES[case]
-    cfg = trainer_config(backend, dtype, world)
+    backend, dtype, _, tp = CASES[case]
+    cfg = trainer_config(backend, dtype, world, tp)
     torch.set_num_threads(1)
     if world > 1 or backend == "megatron":
         store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
@@ -152,8 +153,8 @@ def predicted(case: str) -> dict[int, dict[str, tuple[int, int]]]:
     from rolloutpipe.launch.host_memory import trainer_processes
     from rolloutpipe.launch.memory_plan import ModelShape, fsdp_root_and_layer
 
-    backend, dtype, world = CASES[case]
-    cfg, shape = trainer_config(backend, dtype, world), ModelShape.from_hf(hf_config())
+    backend, dtype, world, tp = CASES[case]
+    cfg, shape = trainer_config(backend, dtype, world, tp), ModelShape.from_hf(hf_config())
     d, params = cfg.model.dtype.torch.itemsize, shape.num_params()
     out = {}
     for rank in range(world):
@@ -202,7 +203,7 @@ def main() -> int:
             torch.manual_seed(0)
             Qwen3ForCausalLM(hf_config()).to(getattr(torch, dtype)).save_pretrained(Path(tmp) / dtype)
         for case in args.cases:
-            backend, dtype, world = CASES[case]
+            backend, dtype, world, _ = CASES[case]
             got, want = measure(case, str(Path(tmp) / dtype)), predicted(case)
 
             for rank in range(world):

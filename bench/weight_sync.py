@@ -20,7 +20,7 @@ Rows:
                          out as the torch and FSDP backends hand it over: a bucket is one range of memory, sent as it
                          lies (buckets.py ``packed``)
     broadcast, Megatron  the same from Megatron's layout (tensor-parallel size 1: fused q/k/v, fused gate/up), as
-                         trainer.backend=megatron sends it (convert.py ``hf_buckets``): each bucket mapped into one of
+                         trainer.backend=megatron sends it (convert.py ``map_bucket``): each bucket mapped into one of
                          three reused flat buffers while the ones before it are sent, then sent as it lies
     broadcast + MAC      what ``pipeline.weight_sync=distributed`` does into embedded engines (SGLang ones get no MAC):
                          as above, and the trainer gives each bucket its MAC (GMAC) before it sends it and digests
@@ -169,7 +169,7 @@ def broadcast_rank(rank: int, port: int, store_port: int, model_shape: str, buck
     )
     from rolloutpipe.control.weights.mac import weights_key
     from rolloutpipe.launch.memory_plan import QWEN3_SHAPES
-    from rolloutpipe.trainer.megatron.convert import hf_buckets
+    from rolloutpipe.trainer.megatron.convert import hf_plan, hf_sources, map_bucket
 
     torch.set_num_threads(1)
     with torch.device("meta"):
@@ -203,7 +203,8 @@ def broadcast_rank(rank: int, port: int, store_port: int, model_shape: str, buck
     # VM that hands freed memory back to its host takes longer than the bytes' move (2026-12-05: 8.5 s, not 1 s).
     inbox = torch.zeros(num_bytes, dtype=torch.uint8) if rank == 1 else None
     plans = {mb: plan_buckets(state, int(mb * 2**20)) for mb in bucket_mbs}
-    megatron_plans = {mb: hf_buckets(megatron, layout, int(mb * 2**20), lambda i, n: None)[0] for mb in bucket_mbs}
+    megatron_plans = {mb: hf_plan(megatron, layout, int(mb * 2**20)) for mb in bucket_mbs}
+    sources = hf_sources(layout)
     ring = [torch.empty(0, dtype=torch.uint8) for _ in range(3)]  # MegatronTrainer's BUCKET_BUFFERS
 
     def ring_buffer(index: int, num_bytes: int) -> torch.Tensor:
@@ -212,8 +213,9 @@ def broadcast_rank(rank: int, port: int, store_port: int, model_shape: str, buck
         return ring[index % 3]
 
     def send_megatron(mb: float) -> None:
-        buckets, tensors = hf_buckets(megatron, layout, int(mb * 2**20), ring_buffer)
-        sender.stream(zip(buckets, tensors, strict=True), 1)
+        buckets = hf_plan(megatron, layout, int(mb * 2**20))
+        sender.stream(((bucket, map_bucket(megatron, layout, bucket, ring_buffer(i, bucket.num_bytes), sources))
+                       for i, bucket in enumerate(buckets)), 1)
 
     def send(buckets: list, at: str) -> None:
         """distributed.py ``Sender.publish``: each bucket's MAC published before it is sent, its digest taken after."""

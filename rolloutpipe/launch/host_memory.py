@@ -21,14 +21,14 @@ Trainer rank (launcher.trainer.tasks_per_node on a node; the first node holds ra
                    model's masters) or by every rank, its own shard (FSDP: 3m / N; Megatron's distributed
                    optimizer: 12 / dp of its tensor-parallel piece). Measured: 12 B/param in float32, 14 in
                    bfloat16 (bench/restore_point.py)
-  rank 0's model   FSDP: an HF model on the CPU, filled bucket by bucket (d); Megatron: the HF model, mapped from the
-                   parameters where they lie (d; with tensor parallelism, + d: the group's parameters gathered to the
-                   host each step)
+  rank 0's model   FSDP and Megatron: an HF model on the CPU (d), filled bucket by bucket: FSDP's gathered, Megatron's
+                   mapped from its parameters where they lie, or with tensor parallelism gathered from the group
   bucket buffers   Megatron: the three buffers weight sync's buckets are mapped into in turn (pipeline.
                    weight_sync_bucket_mb each), kept between steps
   step end         rank 0's transients at each step's end (weight sync, the restore point's capture): the torch
-                   backend copies the policy to the host (d), FSDP one bucket (pipeline.weight_sync_bucket_mb),
-                   Megatron none (it maps into the HF model and its bucket buffers)
+                   backend copies the policy to the host (d), FSDP and Megatron with tensor parallelism gather one
+                   bucket at a time (pipeline.weight_sync_bucket_mb), Megatron without it none (it maps into the HF
+                   model and its bucket buffers)
   weight-sync      pipeline.weight_sync=distributed to CPU engines (gloo): two flat buffers of a bucket, kept
   samples          every rank reads every group of a step: ``SAMPLE_TOKEN_BYTES`` a token
 Rollout node (the first: the rollout manager beside its engines)
@@ -153,6 +153,7 @@ def trainer_processes(cfg: Config, shape: ModelShape, *, rank_0: bool) -> Proces
     m = max(d, 4)
     policy = params * d
     megatron, fsdp = tr.backend is TrainerBackend.megatron, tr.backend is TrainerBackend.fsdp
+    torch_backend = not (megatron or fsdp)
     tp = tr.megatron.tensor_parallel_size
     distributed = megatron and tr.megatron.distributed_optimizer is not False  # null: true, on a GPU launch
     gib = f"{params / 1e9:.2f}B params"
@@ -191,24 +192,26 @@ def trainer_processes(cfg: Config, shape: ModelShape, *, rank_0: bool) -> Proces
         terms.append(HostTerm(name="restore point: policy", num_bytes=policy, phase=HostPhase.always,
                               how=f"{gib} x {d} B"))
         if fsdp or megatron:
-            copies = 2 if megatron and tp > 1 else 1
-            terms.append(HostTerm(name="rank 0's CPU model", num_bytes=copies * policy, phase=HostPhase.always,
-                                  how=f"{copies} x {d} B: " + ("an HF model filled by buckets" if fsdp else
-                                                               "the HF model, mapped from the parameters" + (
-                                                                   " and their tensor-parallel gather" if tp > 1
-                                                                   else " where they lie"))))
+            terms.append(HostTerm(name="rank 0's CPU model", num_bytes=policy, phase=HostPhase.always,
+                                  how=f"{d} B: an HF model filled by buckets" + (
+                                      ", each gathered from the tensor-parallel group" if megatron and tp > 1 else
+                                      ", mapped from the parameters where they lie" if megatron else "")))
         bucket = min(cfg.weight_sync().bucket_bytes, policy)
-        if megatron:  # a tensor larger than a bucket is a bucket of its own: the embedding is the largest
-            largest = max(bucket, shape.vocab_size * shape.hidden_size * d)
+        embedding = shape.vocab_size * shape.hidden_size * d  # the largest tensor
+        if megatron:  # a tensor larger than a bucket is a bucket of its own
+            largest = max(bucket, embedding)
             terms.append(HostTerm(name="Megatron's bucket buffers", num_bytes=min(BUCKET_BUFFERS * largest, policy),
                                   phase=HostPhase.always, knob="lower pipeline.weight_sync_bucket_mb",
                                   how=f"{BUCKET_BUFFERS} buffers the policy's buckets are mapped into in turn, kept "
                                       "(each as large as the largest bucket)"))
-        else:
-            terms.append(HostTerm(name="step end", num_bytes=bucket if fsdp else policy, phase=HostPhase.step_end,
-                                  how="one bucket of the gathered policy" if fsdp else
-                                  f"the policy as HF tensors on the host, {d} B/param",
-                                  knob="lower pipeline.weight_sync_bucket_mb" if fsdp else ""))
+        if not megatron or tp > 1:  # gloo all-gathers Megatron's host tensors through a flat copy of its own
+            terms.append(HostTerm(name="step end", num_bytes=(policy if torch_backend else bucket + embedding
+                                                              if megatron else bucket),
+                                  phase=HostPhase.step_end,
+                                  how=f"the policy copied to the host, {d} B/param" if torch_backend else
+                                  "one bucket of the gathered policy" + (
+                                      " + gloo's copy of the largest tensor gathered" if megatron else ""),
+                                  knob="" if torch_backend else "lower pipeline.weight_sync_bucket_mb"))
         if (sync := cfg.weight_sync()).way is WeightSync.distributed and not sync.engines_on_gpus:
             terms.append(HostTerm(name="weight-sync buffers", num_bytes=2 * sync.bucket_bytes, phase=HostPhase.always,
                                   how="2 flat bucket buffers (gloo), double-buffered",

@@ -56,16 +56,16 @@ def test_megatrons_distributed_optimizer_keeps_each_ranks_shard_and_the_replicat
     piece = QWEN3_8B.num_params(tp=2)
     for rank_0 in (True, False):  # 12 B/param / 4 data-parallel ranks of each rank's tensor-parallel piece
         assert terms(trainer_processes(distributed, QWEN3_8B, rank_0=rank_0))["restore point: state"] == 12 * piece // 4
-    assert terms(trainer_processes(distributed, QWEN3_8B, rank_0=True))["rank 0's CPU model"] == 2 * 2 * P
+    assert terms(trainer_processes(distributed, QWEN3_8B, rank_0=True))["rank 0's CPU model"] == 2 * P
     assert "rank 0's CPU model" not in terms(trainer_processes(distributed, QWEN3_8B, rank_0=False))
     replicated = math_8b("trainer.backend=megatron", "trainer.megatron.distributed_optimizer=false")
     assert terms(trainer_processes(replicated, QWEN3_8B, rank_0=True))["restore point: state"] == 12 * P
     assert "restore point: state" not in terms(trainer_processes(replicated, QWEN3_8B, rank_0=False))
 
 
-def test_megatron_rank_0_keeps_no_copy_of_its_parameters_without_tensor_parallelism():
+def test_megatron_rank_0_keeps_no_copy_of_its_parameters():
     """It maps them where they lie into the HF model and three reused bucket buffers: no step-end transient. With
-    tensor parallelism it also keeps the group's parameters gathered to its host."""
+    tensor parallelism its group gathers them a bucket at a time."""
     rank_0 = terms(trainer_processes(math_8b("trainer.backend=megatron", "trainer.megatron.tensor_parallel_size=1"),
                                      QWEN3_8B, rank_0=True))
     assert rank_0["rank 0's CPU model"] == 2 * P and "step end" not in rank_0
@@ -73,7 +73,8 @@ def test_megatron_rank_0_keeps_no_copy_of_its_parameters_without_tensor_parallel
     assert embedding > 512 << 20 and rank_0["Megatron's bucket buffers"] == 3 * embedding
     gathered = terms(trainer_processes(math_8b("trainer.backend=megatron", "trainer.megatron.tensor_parallel_size=2",
                                                "pipeline.weight_sync_bucket_mb=2048"), QWEN3_8B, rank_0=True))
-    assert gathered["rank 0's CPU model"] == 2 * 2 * P and gathered["Megatron's bucket buffers"] == 3 * (2048 << 20)
+    assert gathered["rank 0's CPU model"] == 2 * P and gathered["Megatron's bucket buffers"] == 3 * (2048 << 20)
+    assert gathered["step end"] == (2048 << 20) + embedding  # a bucket, and gloo's copy of the largest tensor
 
 
 def test_the_model_files_pages_count_once_a_node_and_fsdps_float32_conversion_once_a_rank():

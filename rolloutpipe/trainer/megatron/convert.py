@@ -24,7 +24,6 @@ change (``TE_FUSED_NORMS``, applied by ``transformer_engine_names`` / ``local_na
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -221,23 +220,26 @@ def write_hf(shards: list[dict[str, Tensor]], layout: Layout, source: Source, ou
             into[t].copy_(piece.view(groups, (layout.heads_per_group + 2) * d, *rest)[:, start:start + size])
 
 
-def hf_buckets(shards: list[dict[str, Tensor]], layout: Layout, bucket_bytes: int,
-               buffer: Callable[[int, int], Tensor]) -> tuple[list[Bucket], Iterator[dict[str, Tensor]]]:
-    """The HF tensors by ``plan_buckets`` buckets: the plan, and each bucket mapped (``write_hf``) into
-    ``buffer(index, num_bytes)`` (a flat uint8 tensor on the host) only when it is asked for, so a broadcast sends
-    the buffer as it lies (buckets.py ``packed``)."""
-    sources = hf_sources(layout)
-    metas = {name: torch.empty(hf_shape(shards, layout, source), dtype=shards[0][source.name].dtype, device="meta")
-             for name, source in sources.items()}
-    buckets = plan_buckets(metas, bucket_bytes)
+def hf_plan(shards: list[dict[str, Tensor]], layout: Layout, bucket_bytes: int) -> list[Bucket]:
+    """The HF tensors' ``plan_buckets`` buckets, from the shards' shapes and dtypes alone (meta tensors will do)."""
+    return plan_buckets({name: torch.empty(hf_shape(shards, layout, source), dtype=shards[0][source.name].dtype,
+                                           device="meta") for name, source in hf_sources(layout).items()},
+                        bucket_bytes)
 
-    def mapped(index: int, bucket: Bucket) -> dict[str, Tensor]:
-        out = unpack(bucket, buffer(index, bucket.num_bytes))
-        for name in bucket.names:
-            write_hf(shards, layout, sources[name], out[name])
-        return out
 
-    return buckets, (mapped(index, bucket) for index, bucket in enumerate(buckets))
+def bucket_sources(bucket: Bucket, sources: dict[str, Source]) -> list[str]:
+    """The Megatron parameters ``bucket``'s HF tensors are mapped from, in order, each once."""
+    return list(dict.fromkeys(sources[name].name for name in bucket.names))
+
+
+def map_bucket(shards: list[dict[str, Tensor]], layout: Layout, bucket: Bucket, flat: Tensor,
+               sources: dict[str, Source]) -> dict[str, Tensor]:
+    """``bucket``'s HF tensors mapped (``write_hf``) from ``shards`` into ``flat`` (uint8, at least the bucket's
+    size): views of it, back to back, so a broadcast sends it as it lies (buckets.py ``packed``)."""
+    out = unpack(bucket, flat)
+    for name in bucket.names:
+        write_hf(shards, layout, sources[name], out[name])
+    return out
 
 
 def _qkv_rows(layout: Layout, part: str) -> tuple[int, int]:

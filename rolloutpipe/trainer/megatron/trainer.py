@@ -24,14 +24,15 @@ forward_backward schedules are not used: they need a batch's micro-batches up fr
 gradients at the end of every call, while groups here arrive one by one and ranks may train different
 numbers of micro-batches. That is also why pipeline parallelism is refused (TrainerConfig).
 
-Weights out. The engines and checkpoints take HF tensors, which trainer rank 0 maps from its parameters when the
-policy is read, so it can write them without the other ranks (``hf_buckets``, ``hf_model``). Without tensor
-parallelism it reads its own parameters as they lie (on its GPU); with it, every optimizer step ends by gathering the
-tensor-parallel group's parameters into host buffers on rank 0, kept between steps. ``hf_buckets`` maps each bucket
-only when its turn comes, straight into the bucket's one flat buffer (convert.py ``write_hf``: each byte copied once,
-no HF state dict in between), so mapping the next bucket overlaps sending this one and a broadcast sends the buffer as
-it lies (buckets.py ``packed``); ``hf_model`` maps into the HF model's own parameters. Only trainer rank 0 keeps the
-HF model; the other ranks drop it once it is mapped.
+Weights out. The engines and checkpoints take HF tensors, which trainer rank 0 maps from Megatron's parameters
+bucket by bucket (``pipeline.weight_sync_bucket_mb``) when the policy is read (``hf_buckets``, ``hf_model``,
+``hf_state``), straight into where they go (convert.py ``write_hf``: each byte copied once, no HF state dict in
+between). Without tensor parallelism it reads its own parameters where they lie (on its GPU). With it, the ranks of
+its tensor-parallel group join its reads inside ``writer_reads`` (lead.py, as FSDP's ranks do) and all-gather each
+bucket's parameters as its turn comes: rank 0's host holds one bucket of them, never the policy. Weight sync's
+buckets are mapped into ``BUCKET_BUFFERS`` reused flat buffers, so mapping the next bucket overlaps sending this one
+and a broadcast sends each as it lies (buckets.py ``packed``); ``hf_model`` maps into the HF model's own parameters.
+Only trainer rank 0 keeps the HF model; the other ranks drop it once it is mapped.
 
 CPU. Without CUDA every Megatron call runs inside ``cpu.cuda_calls_on_cpu()``, which redirects
 Megatron's CUDA-only calls: every dtype and both optimizers (the bf16 one and the distributed one included) run
@@ -41,9 +42,10 @@ untouched (tools/gpu_check.py runs it on a GPU).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -53,15 +55,17 @@ from rolloutpipe.control.weights.buckets import Bucket
 from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
 from rolloutpipe.trainer.exact_sum import ExactGradientSum
 from rolloutpipe.trainer.grpo_trainer import GRPOTrainer
+from rolloutpipe.trainer.lead import LeadReads
 from rolloutpipe.trainer.logprobs import VocabShard, chunked_logprobs
 from rolloutpipe.trainer.megatron import cpu
 from rolloutpipe.trainer.megatron.convert import (
     Layout,
-    hf_buckets,
+    bucket_sources,
+    hf_plan,
     hf_sources,
     hf_to_megatron,
     local_names,
-    megatron_to_hf,
+    map_bucket,
     transformer_engine_names,
     write_hf,
 )
@@ -79,6 +83,8 @@ from rolloutpipe.trainer.megatron.optimizer import (
     resolve_distributed_optimizer,
 )
 
+_GATHER = 1
+"""Rank 0's request to the other ranks inside ``writer_reads`` (lead.py): join the gathers of the policy's buckets."""
 BUCKET_BUFFERS = 3
 """Host buffers ``hf_buckets`` maps the buckets into, in turn: while it maps one, the broadcast may still send the
 two before it (distributed.py ``Broadcaster.stream``) and the digest read the last (``authenticated``)."""
@@ -135,11 +141,12 @@ class MegatronTrainer(GRPOTrainer):
             self._hf = None
         self._head = _HiddenToLogprobs(self.gpt, self.layout, tp_rank=self.tp_rank, tp_group=self.tp_group,
                                        chunk_tokens=cfg.logprob_chunk_tokens, temperature=temperature)
-        self._tp_shards: list[dict[str, torch.Tensor]] | None = None
-        """Trainer rank 0's view of the policy in Megatron's layout, per tensor-parallel rank (``_gather_shards``)."""
         self._sources = hf_sources(self.layout)
+        self._shapes = [{k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in self._params().items()}
+                        for _ in range(tp)]
+        """Every tensor-parallel rank's parameters, as meta tensors: what the bucket plan is made from."""
+        self._lead = LeadReads(backend="trainer.backend=megatron", device=self.device)
         self._bucket_buffers: list[torch.Tensor] = []
-        self._gather_shards()
 
     def sum_exactly(self, num_samples_per_batch: int) -> None:
         self._exact = _BufferSum([p for p in self.gpt.parameters() if p.requires_grad],
@@ -147,16 +154,31 @@ class MegatronTrainer(GRPOTrainer):
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """The policy under HF names, new full tensors on the host (trainer rank 0; tied lm_head left out)."""
-        return megatron_to_hf(self._tp_shards, self.layout)
+        state = {}
+        for bucket, shards in self._read(self._plan()):
+            for name, dtype, shape in zip(bucket.names, bucket.dtypes, bucket.shapes, strict=True):
+                state[name] = torch.empty(shape, dtype=getattr(torch, dtype))
+                write_hf(shards, self.layout, self._sources[name], state[name])
+        return state
+
+    def writer_reads(self) -> contextlib.AbstractContextManager:
+        """With tensor parallelism, every rank enters it around trainer rank 0's reads of the policy; the ranks of
+        rank 0's tensor-parallel group join its gathers (lead.py) until rank 0 leaves."""
+        if self.layout.tp_size == 1:
+            return contextlib.nullcontext()
+        return self._lead.session(self._serve)
 
     def hf_on_gpu(self) -> bool:
         return False  # rank 0 maps the policy into host buffers
 
     def _hf_buckets(self) -> tuple[list[Bucket], Iterator[dict[str, torch.Tensor]]]:
-        """The policy by buckets, each mapped into a flat host buffer only when it is asked for. ``BUCKET_BUFFERS``
-        buffers take the buckets in turn: a bucket's tensors hold until the third bucket after it is asked for."""
-        return hf_buckets(self._tp_shards, self.layout, self.bucket_bytes,
-                          lambda index, num_bytes: self._bucket_buffer(index % BUCKET_BUFFERS, num_bytes))
+        """The policy by buckets, each read and mapped into a flat host buffer only when it is asked for.
+        ``BUCKET_BUFFERS`` buffers take the buckets in turn: a bucket's tensors hold until the third bucket after it
+        is asked for."""
+        buckets = self._plan()
+        return buckets, (map_bucket(shards, self.layout, bucket,
+                                    self._bucket_buffer(index % BUCKET_BUFFERS, bucket.num_bytes), self._sources)
+                         for index, (bucket, shards) in enumerate(self._read(buckets)))
 
     def _bucket_buffer(self, slot: int, num_bytes: int) -> torch.Tensor:
         """Bucket buffer ``slot``, grown to ``num_bytes``, kept between policies: a fresh buffer's pages would be
@@ -174,8 +196,9 @@ class MegatronTrainer(GRPOTrainer):
         assert self._sources.keys() <= state.keys() and set(state) - set(self._sources) <= {"lm_head.weight"}, (
             sorted(state.keys() ^ self._sources.keys()))
         with torch.no_grad():
-            for name, source in self._sources.items():
-                write_hf(self._tp_shards, self.layout, source, state[name])
+            for bucket, shards in self._read(self._plan()):
+                for name in bucket.names:
+                    write_hf(shards, self.layout, self._sources[name], state[name])
         return self._hf
 
     def close(self) -> None:
@@ -186,7 +209,6 @@ class MegatronTrainer(GRPOTrainer):
         still there.)"""
         destroy_parallel_state(created_world=self._created_world)
         self.gpt = self.ddp = self.megatron_optimizer = self.optimizer = self._head = self._exact = None
-        self._tp_shards = None
         self._bucket_buffers = []
         gc.collect()
 
@@ -227,7 +249,6 @@ class MegatronTrainer(GRPOTrainer):
         _, grad_norm, _ = self.megatron_optimizer.step()
         self.ddp.zero_grad_buffer()
         self.megatron_optimizer.zero_grad()
-        self._gather_shards()
         return float(grad_norm)
 
     def _framework_calls(self):
@@ -265,28 +286,43 @@ class MegatronTrainer(GRPOTrainer):
             for name, value in mapped.items():
                 own[name].copy_(value)
 
-    def _gather_shards(self) -> None:
-        """Trainer rank 0's view of the parameters (every rank of its tensor-parallel group calls this; the other
-        groups have nothing to do): without tensor parallelism, the parameters themselves, read where they lie when
-        the policy is read; with it, the group's parameters all-gathered into rank 0's host buffers, overwritten in
-        place each step (the other ranks' copies are dropped)."""
-        if self.data_parallel_rank != 0:  # (pipeline parallelism is refused: data-parallel rank 0 is rank 0's group)
-            return
+    def _params(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters under the local spec's names, detached: where they lie."""
         local = {k: v.detach() for k, v in self.gpt.named_parameters()}
-        if self.transformer_engine:
-            local = local_names(local)
-        if self.layout.tp_size == 1:
-            self._tp_shards = [local]
-            return
-        if self._tp_shards is None and self.tp_rank == 0:
-            self._tp_shards = [{k: torch.empty(v.shape, dtype=v.dtype) for k, v in local.items()}
-                               for _ in range(self.layout.tp_size)]
-        for name, value in local.items():
-            value = value.to("cpu")
-            parts = ([shard[name] for shard in self._tp_shards] if self.tp_rank == 0
-                     else [torch.empty_like(value) for _ in range(self.layout.tp_size)])
-            dist.all_gather(parts, value, group=self.tp_group)
+        return local_names(local) if self.transformer_engine else local
 
+    def _plan(self) -> list[Bucket]:
+        """The policy's HF buckets (the same on every rank: shapes, dtypes and ``bucket_bytes``)."""
+        return hf_plan(self._shapes, self.layout, self.bucket_bytes)
+
+    def _read(self, buckets: list[Bucket]) -> Iterable[tuple[Bucket, list[dict[str, torch.Tensor]]]]:
+        """Trainer rank 0: each bucket with the parameters of every tensor-parallel rank it maps from, in turn: its
+        own where they lie, or those its group gathers for it (inside ``writer_reads``)."""
+        if self.layout.tp_size == 1:
+            params = [self._params()]
+            return ((bucket, params) for bucket in buckets)
+        self._lead.ask(_GATHER, reads="the tensor-parallel policy")
+        return self._gathered(buckets)
+
+    def _serve(self, request: int) -> None:
+        assert request == _GATHER, request
+        if self.data_parallel_rank == 0:  # rank 0's tensor-parallel group; the other groups have nothing to do
+            for _ in self._gathered(self._plan()):
+                pass
+
+    def _gathered(self, buckets: list[Bucket]) -> Iterator[tuple[Bucket, list[dict[str, torch.Tensor]] | None]]:
+        """Every rank of rank 0's tensor-parallel group, in step: each bucket's parameters all-gathered onto the
+        host, one bucket at a time (rank 0 gets every rank's, the others None)."""
+        params, tp = self._params(), self.layout.tp_size
+        for bucket in buckets:
+            shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+            for name in bucket_sources(bucket, self._sources):
+                value = params[name].to("cpu")
+                parts = [torch.empty_like(value) for _ in range(tp)]
+                dist.all_gather(parts, value, group=self.tp_group)
+                for shard, part in zip(shards, parts, strict=True):
+                    shard[name] = part
+            yield bucket, shards if self.tp_rank == 0 else None
 
 class _BufferSum(ExactGradientSum):
     """Megatron DDP adds each micro-batch's gradient into the parameter's ``main_grad`` (a view of its gradient
