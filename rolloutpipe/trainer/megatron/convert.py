@@ -127,16 +127,15 @@ def hf_to_megatron(hf: dict[str, Tensor], layout: Layout, *, tp_rank: int) -> di
     return out
 
 
-def megatron_to_hf(shards: list[dict[str, Tensor]], layout: Layout, *,
-                   device: torch.device | str = "cpu") -> dict[str, Tensor]:
-    """The full HF state dict from every tensor-parallel rank's Megatron parameters (rank order), new tensors on
-    ``device`` (none shares memory with ``shards``).
+def megatron_to_hf(shards: list[dict[str, Tensor]], layout: Layout) -> dict[str, Tensor]:
+    """The full HF state dict from every tensor-parallel rank's Megatron parameters (rank order): new tensors on the
+    host, none sharing memory with ``shards``.
 
     With tied embeddings ``lm_head.weight`` is left out, as HF's safetensors files do.
     """
     out = {}
     for name, source in hf_sources(layout).items():
-        out[name] = torch.empty(hf_shape(shards, layout, source), dtype=shards[0][source.name].dtype, device=device)
+        out[name] = torch.empty(hf_shape(shards, layout, source), dtype=shards[0][source.name].dtype)
         write_hf(shards, layout, source, out[name])
     return out
 
@@ -152,7 +151,8 @@ class Source:
 
 
 def hf_sources(layout: Layout) -> dict[str, Source]:
-    """Every HF tensor's ``Source``, in the HF state dict's order (tied ``lm_head.weight`` left out)."""
+    """Every HF tensor's ``Source``: the embedding, the final norm, the head (tied: left out), then layer by layer;
+    the order of weight sync's buckets."""
     out = {"model.embed_tokens.weight": Source("embedding.word_embeddings.weight", "rows"),
            "model.norm.weight": Source("decoder.final_layernorm.weight", "whole")}
     if not layout.tied_embeddings:
@@ -228,7 +228,8 @@ def hf_plan(shards: list[dict[str, Tensor]], layout: Layout, bucket_bytes: int) 
 
 
 def bucket_sources(bucket: Bucket, sources: dict[str, Source]) -> list[str]:
-    """The Megatron parameters ``bucket``'s HF tensors are mapped from, in order, each once."""
+    """The Megatron parameters ``bucket``'s HF tensors are mapped from, in order, each once (a fused one whose HF
+    tensors fall in two buckets is read for each)."""
     return list(dict.fromkeys(sources[name].name for name in bucket.names))
 
 
