@@ -1,9 +1,10 @@
 """Reads that trainer rank 0 leads and the other ranks join.
 
-Some of what rank 0 reads is spread over the ranks: FSDP's policy (gathered bucket by bucket). Each gather is a
-collective, so while rank 0 reads inside ``writer_reads`` (trainer node, pipeline.py), the other ranks wait there for
-its requests and join each one, until rank 0 leaves. A request is one int64 broadcast from rank 0; ``DONE`` ends the
-wait. (Megatron's distributed optimizer needs none: each rank checkpoints its own shards.)
+Some of what rank 0 reads is spread over the ranks: FSDP's policy, and Megatron's with tensor parallelism (each
+gathered bucket by bucket). Each gather is a collective, so while rank 0 reads inside ``writer_reads`` (trainer
+node, pipeline.py), the other ranks wait there for its requests and join each one, until rank 0 leaves. A request is
+one int64 broadcast from rank 0; ``DONE`` ends the wait. (Megatron's distributed optimizer needs none: each rank
+checkpoints its own shards.)
 """
 
 from __future__ import annotations
