@@ -16,4 +16,15 @@ Config) <- pipeline <- launch. Importing the package imports nothing heavy (no S
 submitit): those live in their adapters and are imported there.
 """
 
+import os as _os
+
+_os.environ.setdefault("MKL_CBWR", "AVX2,STRICT")
+"""CPU numerics: MKL's conditional numerical reproducibility, pinned to its AVX2 code path, strict (unless MKL_CBWR is
+set already; MKL reads it at its first call, so importing the package before any matmul is enough, and every process
+a run starts inherits it). On AVX-512 CPUs MKL's float32 GEMM picks other kernels by the number of rows (measured on a
+Sapphire Rapids VM: a row of a 4-row matmul and of an 8-row one differ whenever K >= 128), which breaks what the
+embedded engine's batch invariance and the runs' bit-identical updates rest on (rollout/engines/row_attention.py);
+this path gives every row the same bits at every multiple of 4 rows on every x86 CPU seen so far. GPU math is not
+MKL's. MKL_CBWR=AUTO gives MKL's fastest path back."""
+
 __version__ = "0.1.0"

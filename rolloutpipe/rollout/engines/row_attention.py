@@ -13,7 +13,10 @@ batch it shared, at rounding level in float32 and bfloat16:
   in a full block gives the same bits at every M and position measured (every row up to M = 40; M up to 1100).
   Fix: every matmul gets a multiple of ``ROW_BLOCK`` rows: a decode batch takes dummy rows (no keys, output
   discarded), a prefill is a multiple of it wide and keeps that many positions' logits. bfloat16 matmuls (oneDNN)
-  agreed at every M and row.
+  agreed at every M and row. That is MKL's AVX2 path: on an AVX-512 CPU (a Sapphire Rapids VM, 2026-12-05) its
+  default path takes other kernels by M (with K >= 128, a row of M = 4 differs from the same row at M >= 8), so the
+  package pins MKL to the AVX2 path (``MKL_CBWR=AVX2,STRICT`` unless set: rolloutpipe/__init__.py), which gave every
+  row the same bits at every multiple of 4 rows there too.
 
 Everything else in the model (embeddings, RMSNorm, RoPE, MLP activations, the seeded sampler) is per row already.
 
