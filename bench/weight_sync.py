@@ -157,7 +157,7 @@ def broadcast_rank(rank: int, port: int, store_port: int, model_shape: str, buck
     import torch
     import torch.distributed as dist
 
-    from rolloutpipe.control.weights.buckets import Bucket, WeightGroup, plan_buckets, unpack
+    from rolloutpipe.control.weights.buckets import Bucket, BufferRing, WeightGroup, plan_buckets, unpack
     from rolloutpipe.control.weights.digest import Digest
     from rolloutpipe.control.weights.distributed import (
         Broadcaster,
@@ -205,16 +205,11 @@ def broadcast_rank(rank: int, port: int, store_port: int, model_shape: str, buck
     plans = {mb: plan_buckets(state, int(mb * 2**20)) for mb in bucket_mbs}
     megatron_plans = {mb: hf_plan(megatron, layout, int(mb * 2**20)) for mb in bucket_mbs}
     sources = hf_sources(layout)
-    ring = [torch.empty(0, dtype=torch.uint8) for _ in range(3)]  # MegatronTrainer's BUCKET_BUFFERS
-
-    def ring_buffer(index: int, num_bytes: int) -> torch.Tensor:
-        if ring[index % 3].numel() < num_bytes:
-            ring[index % 3] = torch.empty(num_bytes, dtype=torch.uint8)
-        return ring[index % 3]
+    ring = BufferRing(3)  # MegatronTrainer's BUCKET_BUFFERS
 
     def send_megatron(mb: float) -> None:
         buckets = hf_plan(megatron, layout, int(mb * 2**20))
-        sender.stream(((bucket, map_bucket(megatron, layout, bucket, ring_buffer(i, bucket.num_bytes), sources))
+        sender.stream(((bucket, map_bucket(megatron, layout, bucket, ring(i, bucket.num_bytes), sources))
                        for i, bucket in enumerate(buckets)), 1)
 
     def send(buckets: list, at: str) -> None:

@@ -153,7 +153,6 @@ def trainer_processes(cfg: Config, shape: ModelShape, *, rank_0: bool) -> Proces
     m = max(d, 4)
     policy = params * d
     megatron, fsdp = tr.backend is TrainerBackend.megatron, tr.backend is TrainerBackend.fsdp
-    torch_backend = not (megatron or fsdp)
     tp = tr.megatron.tensor_parallel_size
     distributed = megatron and tr.megatron.distributed_optimizer is not False  # null: true, on a GPU launch
     gib = f"{params / 1e9:.2f}B params"
@@ -204,14 +203,14 @@ def trainer_processes(cfg: Config, shape: ModelShape, *, rank_0: bool) -> Proces
                                   phase=HostPhase.always, knob="lower pipeline.weight_sync_bucket_mb",
                                   how=f"{BUCKET_BUFFERS} buffers the policy's buckets are mapped into in turn, kept "
                                       "(each as large as the largest bucket)"))
-        if not megatron or tp > 1:  # gloo all-gathers Megatron's host tensors through a flat copy of its own
-            terms.append(HostTerm(name="step end", num_bytes=(policy if torch_backend else bucket + embedding
-                                                              if megatron else bucket),
-                                  phase=HostPhase.step_end,
-                                  how=f"the policy copied to the host, {d} B/param" if torch_backend else
-                                  "one bucket of the gathered policy" + (
-                                      " + gloo's copy of the largest tensor gathered" if megatron else ""),
-                                  knob="" if torch_backend else "lower pipeline.weight_sync_bucket_mb"))
+        if not (megatron or fsdp):
+            terms.append(HostTerm(name="step end", num_bytes=policy, phase=HostPhase.step_end,
+                                  how=f"the policy copied to the host, {d} B/param"))
+        elif fsdp or tp > 1:  # gloo all-gathers Megatron's host tensors through a flat copy of its own
+            terms.append(HostTerm(name="step end", num_bytes=bucket + (embedding if megatron else 0),
+                                  phase=HostPhase.step_end, knob="lower pipeline.weight_sync_bucket_mb",
+                                  how="one bucket of the gathered policy" + (
+                                      " + gloo's copy of the largest tensor gathered" if megatron else "")))
         if (sync := cfg.weight_sync()).way is WeightSync.distributed and not sync.engines_on_gpus:
             terms.append(HostTerm(name="weight-sync buffers", num_bytes=2 * sync.bucket_bytes, phase=HostPhase.always,
                                   how="2 flat bucket buffers (gloo), double-buffered",

@@ -112,6 +112,25 @@ def packed(bucket: Bucket, state: Mapping[str, torch.Tensor]) -> torch.Tensor | 
     return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, start, (offset - start,))
 
 
+class BufferRing:
+    """``count`` flat uint8 buffers on ``device`` that buckets take in turn (bucket ``index`` takes buffer
+    ``index % count``), each grown to the largest bucket it has held and kept: a fresh buffer's pages would be faulted
+    in on every policy (bench/weight_sync.py). A bucket's buffer is reused ``count`` buckets later."""
+
+    def __init__(self, count: int, device: str = "cpu") -> None:
+        import torch
+
+        self._buffers = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(count)]
+
+    def __call__(self, index: int, num_bytes: int) -> torch.Tensor:
+        import torch
+
+        slot = index % len(self._buffers)
+        if self._buffers[slot].numel() < num_bytes:
+            self._buffers[slot] = torch.empty(num_bytes, dtype=torch.uint8, device=self._buffers[slot].device)
+        return self._buffers[slot]
+
+
 def unpack(bucket: Bucket, flat: torch.Tensor) -> dict[str, torch.Tensor]:
     """The tensors of a packed ``bucket``: views into ``flat``, with the plan's names, dtypes and shapes."""
     import torch

@@ -89,6 +89,7 @@ from rolloutpipe.control.weights.buckets import (
     GROUP_NAME,
     Bucket,
     BucketMac,
+    BufferRing,
     WeightGroup,
     pack,
     packed,
@@ -237,7 +238,8 @@ class Broadcaster:
         self.bucket_bytes = bucket_bytes
         self.device = "cuda" if group.backend == "nccl" else "cpu"
         self._check = check
-        self._buffers = [torch.empty(0, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        self._buffers = BufferRing(2, self.device)
+        """The two send buffers (none grown if nothing is packed), kept between policies."""
         joined: dict[str, Any] = {}
 
         def join() -> None:
@@ -278,15 +280,9 @@ class Broadcaster:
                 wait_all([in_flight[slot][0]], lambda: self._check(what))
             flat = packed(bucket, state)
             if flat is None or flat.device.type != self.device:
-                flat = pack(bucket, state, self._buffer(slot, bucket.num_bytes))
+                flat = pack(bucket, state, self._buffers(slot, bucket.num_bytes))
             in_flight[slot] = (dist.broadcast(flat, src=0, group=self._pg, async_op=True), flat)
         wait_all([sent[0] for sent in in_flight if sent is not None], lambda: self._check(what))
-
-    def _buffer(self, slot: int, num_bytes: int) -> torch.Tensor:
-        """Send buffer ``slot`` (0 or 1), grown to ``num_bytes``; kept between policies (none if nothing is packed)."""
-        if self._buffers[slot].numel() < num_bytes:
-            self._buffers[slot] = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
-        return self._buffers[slot]
 
 
 class Sender:

@@ -133,10 +133,9 @@ def megatron_to_hf(shards: list[dict[str, Tensor]], layout: Layout) -> dict[str,
 
     With tied embeddings ``lm_head.weight`` is left out, as HF's safetensors files do.
     """
-    out = {}
-    for name, source in hf_sources(layout).items():
-        out[name] = torch.empty(hf_shape(shards, layout, source), dtype=shards[0][source.name].dtype)
-        write_hf(shards, layout, source, out[name])
+    sources, out = hf_sources(layout), {}
+    for bucket in hf_plan(shards, layout, bucket_bytes=1 << 62):  # one bucket (one per dtype alignment)
+        out |= map_bucket(shards, layout, bucket, torch.empty(bucket.num_bytes, dtype=torch.uint8), sources)
     return out
 
 

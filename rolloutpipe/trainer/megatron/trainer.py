@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from rolloutpipe.control.checkpoint import Shard, ShardedState
-from rolloutpipe.control.weights.buckets import Bucket
+from rolloutpipe.control.weights.buckets import Bucket, BufferRing
 from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
 from rolloutpipe.trainer.exact_sum import ExactGradientSum
 from rolloutpipe.trainer.grpo_trainer import GRPOTrainer
@@ -146,7 +146,7 @@ class MegatronTrainer(GRPOTrainer):
                         for _ in range(tp)]
         """Every tensor-parallel rank's parameters, as meta tensors: what the bucket plan is made from."""
         self._lead = LeadReads(backend="trainer.backend=megatron", device=self.device)
-        self._bucket_buffers: list[torch.Tensor] = []
+        self._bucket_buffers = BufferRing(BUCKET_BUFFERS)
 
     def sum_exactly(self, num_samples_per_batch: int) -> None:
         self._exact = _BufferSum([p for p in self.gpt.parameters() if p.requires_grad],
@@ -154,11 +154,10 @@ class MegatronTrainer(GRPOTrainer):
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """The policy under HF names, new full tensors on the host (trainer rank 0; tied lm_head left out)."""
-        state = {}
+        state: dict[str, torch.Tensor] = {}
         for bucket, shards in self._read(self._plan()):
-            for name, dtype, shape in zip(bucket.names, bucket.dtypes, bucket.shapes, strict=True):
-                state[name] = torch.empty(shape, dtype=getattr(torch, dtype))
-                write_hf(shards, self.layout, self._sources[name], state[name])
+            state |= map_bucket(shards, self.layout, bucket, torch.empty(bucket.num_bytes, dtype=torch.uint8),
+                                self._sources)
         return state
 
     def writer_reads(self) -> contextlib.AbstractContextManager:
@@ -176,18 +175,9 @@ class MegatronTrainer(GRPOTrainer):
         ``BUCKET_BUFFERS`` buffers take the buckets in turn: a bucket's tensors hold until the third bucket after it
         is asked for."""
         buckets = self._plan()
-        return buckets, (map_bucket(shards, self.layout, bucket,
-                                    self._bucket_buffer(index % BUCKET_BUFFERS, bucket.num_bytes), self._sources)
+        return buckets, (map_bucket(shards, self.layout, bucket, self._bucket_buffers(index, bucket.num_bytes),
+                                    self._sources)
                          for index, (bucket, shards) in enumerate(self._read(buckets)))
-
-    def _bucket_buffer(self, slot: int, num_bytes: int) -> torch.Tensor:
-        """Bucket buffer ``slot``, grown to ``num_bytes``, kept between policies: a fresh buffer's pages would be
-        faulted in on every weight sync (bench/weight_sync.py)."""
-        while len(self._bucket_buffers) <= slot:
-            self._bucket_buffers.append(torch.empty(0, dtype=torch.uint8))
-        if self._bucket_buffers[slot].numel() < num_bytes:
-            self._bucket_buffers[slot] = torch.empty(num_bytes, dtype=torch.uint8)
-        return self._bucket_buffers[slot]
 
     def hf_model(self) -> torch.nn.Module:
         """The HF model with the trained weights (for save_pretrained), mapped into its own parameters; on trainer
@@ -209,7 +199,7 @@ class MegatronTrainer(GRPOTrainer):
         still there.)"""
         destroy_parallel_state(created_world=self._created_world)
         self.gpt = self.ddp = self.megatron_optimizer = self.optimizer = self._head = self._exact = None
-        self._bucket_buffers = []
+        self._bucket_buffers = None
         gc.collect()
 
     def training_shards(self) -> dict[str, Shard]:
