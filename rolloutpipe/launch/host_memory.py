@@ -24,7 +24,8 @@ Trainer rank (launcher.trainer.tasks_per_node on a node; the first node holds ra
   rank 0's model   FSDP and Megatron: an HF model on the CPU (d), filled bucket by bucket: FSDP's gathered, Megatron's
                    mapped from its parameters where they lie, or with tensor parallelism gathered from the group
   bucket buffers   Megatron: the three buffers weight sync's buckets are mapped into in turn (pipeline.
-                   weight_sync_bucket_mb each), kept between steps
+                   weight_sync_bucket_mb each), kept between steps; four with the replicated optimizer, whose last
+                   update of a step is applied a bucket ahead of weight sync, mapped into a buffer of its own
   step end         rank 0's transients at each step's end (weight sync, the restore point's capture): the torch
                    backend copies the policy to the host (d), FSDP and Megatron with tensor parallelism gather one
                    bucket at a time (pipeline.weight_sync_bucket_mb), Megatron without it none (it maps into the HF
@@ -198,10 +199,10 @@ def trainer_processes(cfg: Config, shape: ModelShape, *, rank_0: bool) -> Proces
         bucket = min(cfg.weight_sync().bucket_bytes, policy)
         embedding = shape.vocab_size * shape.hidden_size * d  # the largest tensor
         if megatron:  # a tensor larger than a bucket is a bucket of its own
-            largest = max(bucket, embedding)
-            terms.append(HostTerm(name="Megatron's bucket buffers", num_bytes=min(BUCKET_BUFFERS * largest, policy),
+            largest, buffers = max(bucket, embedding), BUCKET_BUFFERS + (not distributed)
+            terms.append(HostTerm(name="Megatron's bucket buffers", num_bytes=min(buffers * largest, policy),
                                   phase=HostPhase.always, knob="lower pipeline.weight_sync_bucket_mb",
-                                  how=f"{BUCKET_BUFFERS} buffers the policy's buckets are mapped into in turn, kept "
+                                  how=f"{buffers} buffers the policy's buckets are mapped into in turn, kept "
                                       "(each as large as the largest bucket)"))
         if not (megatron or fsdp):
             terms.append(HostTerm(name="step end", num_bytes=policy, phase=HostPhase.step_end,

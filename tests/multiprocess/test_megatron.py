@@ -248,10 +248,12 @@ def test_megatron_job_trains_like_the_torch_backend(job_dir):
     def difference(a: str, b: str) -> float:
         return max((weights[a][k] - weights[b][k]).abs().max().item() for k in weights[a])
 
-    # same backend: only the order of float64 additions differs (measured ~1e-15)
+    # same backend: only the order of float64 additions differs (measured ~1e-15): CGP trains the groups in the
+    # order they arrive, which the engines' timing decides (the broadcast run's engines are other processes); a
+    # tensor-parallel piece mapped wrong moves a parameter by ~1, a bucket sent before its update by ~lr
     assert difference("megatron-sync", "megatron-cgp") < 1e-9
     assert difference("megatron-tp2", "megatron-cgp") < 1e-9
-    assert difference("megatron-tp2-broadcast", "megatron-tp2") == 0
+    assert difference("megatron-tp2-broadcast", "megatron-tp2") < 1e-9
     # across backends HF's float32 RMSNorm shows (measured 1.1e-6 after two steps of lr 1e-3); a wrong
     # normaliser, sample or clip would move parameters by ~lr
     assert difference("megatron-cgp", "torch") < 2e-5

@@ -64,8 +64,9 @@ def test_megatrons_distributed_optimizer_keeps_each_ranks_shard_and_the_replicat
 
 
 def test_megatron_rank_0_keeps_no_copy_of_its_parameters():
-    """It maps them where they lie into the HF model and three reused bucket buffers: no step-end transient. With
-    tensor parallelism its group gathers them a bucket at a time."""
+    """It maps them where they lie into the HF model and three reused bucket buffers (four when the replicated
+    optimizer steps by bucket): no step-end transient. With tensor parallelism its group gathers them a bucket at a
+    time."""
     rank_0 = terms(trainer_processes(math_8b("trainer.backend=megatron", "trainer.megatron.tensor_parallel_size=1"),
                                      QWEN3_8B, rank_0=True))
     assert rank_0["rank 0's CPU model"] == 2 * P and "step end" not in rank_0
@@ -75,6 +76,9 @@ def test_megatron_rank_0_keeps_no_copy_of_its_parameters():
                                                "pipeline.weight_sync_bucket_mb=2048"), QWEN3_8B, rank_0=True))
     assert gathered["rank 0's CPU model"] == 2 * P and gathered["Megatron's bucket buffers"] == 3 * (2048 << 20)
     assert gathered["step end"] == (2048 << 20) + embedding  # a bucket, and gloo's copy of the largest tensor
+    replicated = terms(trainer_processes(math_8b("trainer.backend=megatron", "trainer.megatron.distributed_optimizer"
+                                                 "=false"), QWEN3_8B, rank_0=True))
+    assert replicated["Megatron's bucket buffers"] == 4 * embedding  # and one the update by buckets maps ahead into
 
 
 def test_the_model_files_pages_count_once_a_node_and_fsdps_float32_conversion_once_a_rank():

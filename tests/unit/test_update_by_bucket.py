@@ -11,17 +11,30 @@ from rolloutpipe.model import DType
 from rolloutpipe.trainer import torch_backend
 from rolloutpipe.trainer.config import TrainerBackend
 from rolloutpipe.trainer.fsdp_backend import FSDPTrainer
+from rolloutpipe.trainer.megatron.trainer import MegatronTrainer
 from tests.unit.test_exact_sum import groups, trainer
 
 CASES = [(TrainerBackend.torch, DType.float32), (TrainerBackend.torch, DType.bfloat16),
-         (TrainerBackend.fsdp, DType.float32), (TrainerBackend.fsdp, DType.bfloat16)]
-IDS = ["torch-float32", "torch-bfloat16-masters", "fsdp-float32", "fsdp-bfloat16"]
+         (TrainerBackend.fsdp, DType.float32), (TrainerBackend.fsdp, DType.bfloat16),
+         (TrainerBackend.megatron, DType.float32), (TrainerBackend.megatron, DType.bfloat16)]
+IDS = ["torch-float32", "torch-bfloat16-masters", "fsdp-float32", "fsdp-bfloat16", "megatron-float32",
+       "megatron-bfloat16-masters"]
+
+
+def stepped_by(policy) -> torch.optim.Optimizer:
+    """The torch optimizer that steps the policy's tensors (Megatron's: inside its replicated optimizer)."""
+    if isinstance(policy, FSDPTrainer):
+        return policy.optimizer.optimizer
+    if isinstance(policy, MegatronTrainer):
+        (megatron,) = policy.megatron_optimizer.chained_optimizers
+        return megatron.optimizer
+    return policy.optimizer
 
 
 def held(policy) -> dict[str, bytes]:
     """Everything the update writes: the tensors AdamW steps (float32 masters, FSDP's shards), its state (moments,
     step counts), and the model's own weights."""
-    optimizer = policy.optimizer.optimizer if isinstance(policy, FSDPTrainer) else policy.optimizer
+    optimizer = stepped_by(policy)
     out = {}
     for i, param in enumerate(p for group in optimizer.param_groups for p in group["params"]):
         out[f"{i}"] = _bits(param)

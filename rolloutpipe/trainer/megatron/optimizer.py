@@ -34,7 +34,7 @@ import torch
 from rolloutpipe.control.checkpoint import Shard, ShardedState
 from rolloutpipe.trainer.config import TrainerConfig
 from rolloutpipe.trainer.megatron.cpu import cuda_calls_on_cpu
-from rolloutpipe.trainer.torch_backend import MASTER
+from rolloutpipe.trainer.torch_backend import MASTER, step_only
 
 FORMAT = "megatron_distributed_optimizer"
 """Marks a checkpoint's optimizer state as written by ``DistributedShards``."""
@@ -184,6 +184,31 @@ class ReplicatedState:
             for index, master in zip(group["params"], masters, strict=True):  # (a new dict: torch's state_dict
                 state["state"][index] = {**state["state"][index], MASTER: master}  # hands out the live ones)
         return state
+
+    def steps_in_parts(self) -> bool:
+        """Whether ``step_only`` gives Megatron's own step: torch's Adam, which keeps each parameter's step count in
+        its state and skips a parameter without a gradient. Transformer Engine's or Apex's FusedAdam counts the steps
+        per call, and would count one per part."""
+        return type(self._sub.optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+
+    def step_only(self, params: list[torch.nn.Parameter] | None) -> None:
+        """Megatron's ``step_with_ready_grads`` on those of the model's ``params`` (None: all) still holding a
+        gradient, and their gradients dropped: torch's Adam on the tensors it steps for them (the parameters, or
+        their float32 masters, which are then copied into them as Megatron copies them). Stepped in parts, each once,
+        the parameters get what Megatron's step of all gives, to the bit (torch_backend.step_only)."""
+        if not hasattr(self._sub, "fp32_from_float16_groups"):
+            step_only(self._sub.optimizer, params)
+            return
+        masters = {id(p): (p, master) for group, masters in zip(self._sub.float16_groups,
+                                                                  self._sub.fp32_from_float16_groups, strict=True)
+                   for p, master in zip(group, masters, strict=True)}
+        masters |= {id(p): (p, p) for group in self._sub.fp32_from_fp32_groups for p in group}
+        pairs = list(masters.values()) if params is None else [masters[id(p)] for p in params]
+        stepped = {id(t) for t in step_only(self._sub.optimizer, [master for _, master in pairs])}
+        with torch.no_grad():
+            for p, master in pairs:
+                if id(master) in stepped and master is not p:
+                    p.copy_(master)
 
     def load_state_dict(self, state_dict: dict) -> None:
         check_format(state_dict, distributed=False)

@@ -34,6 +34,13 @@ buckets are mapped into ``BUCKET_BUFFERS`` reused flat buffers, so mapping the n
 and a broadcast sends each as it lies (buckets.py ``packed``); ``hf_model`` maps into the HF model's own parameters.
 Only trainer rank 0 keeps the HF model; the other ranks drop it once it is mapped.
 
+The step's last update by bucket (grpo_trainer.py). With the replicated optimizer, rank 0's last optimizer step of
+a rollout step runs Megatron's ``step`` up to its inner step (gradients prepared, their global norm taken and
+clipped), and ``_update`` applies the rest to each bucket's Megatron parameters before that bucket is mapped
+(optimizer.py ``ReplicatedState.step_only``: torch's Adam on them, the float32 masters copied into 16-bit
+parameters), so the first buckets leave while the last are updated. The distributed optimizer steps as one: its
+all-gather of the updated shards is a collective of the whole data-parallel group.
+
 CPU. Without CUDA every Megatron call runs inside ``cpu.cuda_calls_on_cpu()``, which redirects
 Megatron's CUDA-only calls: every dtype and both optimizers (the bf16 one and the distributed one included) run
 there on gloo, which is how the tests run the GPU path's optimizer code. With CUDA it is Megatron's own code,
@@ -87,7 +94,8 @@ _GATHER = 1
 """Rank 0's request to the other ranks inside ``writer_reads`` (lead.py): join the gathers of the policy's buckets."""
 BUCKET_BUFFERS = 3
 """Host buffers ``hf_buckets`` maps the buckets into, in turn: while it maps one, the broadcast may still send the
-two before it (distributed.py ``Broadcaster.stream``) and the digest read the last (``authenticated``)."""
+two before it (distributed.py ``Broadcaster.stream``) and the digest read the last (``authenticated``). One more when
+the step's last update is applied by bucket: the weights-ahead thread maps a bucket before the caller asks for it."""
 
 
 class MegatronTrainer(GRPOTrainer):
@@ -134,6 +142,9 @@ class MegatronTrainer(GRPOTrainer):
                                             tensor_parallel_size=tp)
                           if self.distributed_optimizer else ReplicatedState(self.megatron_optimizer))
         """What checkpoints read and load (optimizer.py); ``megatron_optimizer`` steps."""
+        self.updates_by_bucket = not self.distributed_optimizer and self.optimizer.steps_in_parts()
+        """The replicated optimizer steps a bucket's parameters at a time (``_update``); the distributed one steps as
+        one (its all-gather of the updated shards is a collective of the data-parallel group)."""
         self.sharded_checkpoint = self.distributed_optimizer
         """The distributed optimizer: every rank checkpoints its own shards (``training_shards``)."""
         self._writer = dist.get_rank() == 0
@@ -146,7 +157,10 @@ class MegatronTrainer(GRPOTrainer):
                         for _ in range(tp)]
         """Every tensor-parallel rank's parameters, as meta tensors: what the bucket plan is made from."""
         self._lead = LeadReads(backend="trainer.backend=megatron", device=self.device)
-        self._bucket_buffers = BufferRing(BUCKET_BUFFERS)
+        self._bucket_buffers = BufferRing(BUCKET_BUFFERS + self.updates_by_bucket)
+        """One more where the weights-ahead thread maps a bucket ahead of the one the caller asks for."""
+        self._local_params = local_names(dict(self.gpt.named_parameters()))
+        """The parameters under the local spec's names (``Source.name``), themselves: what ``_update`` steps."""
 
     def sum_exactly(self, num_samples_per_batch: int) -> None:
         self._exact = _BufferSum([p for p in self.gpt.parameters() if p.requires_grad],
@@ -172,8 +186,8 @@ class MegatronTrainer(GRPOTrainer):
 
     def _hf_buckets(self) -> tuple[list[Bucket], Iterator[dict[str, torch.Tensor]]]:
         """The policy by buckets, each read and mapped into a flat host buffer only when it is asked for.
-        ``BUCKET_BUFFERS`` buffers take the buckets in turn: a bucket's tensors hold until the third bucket after it
-        is asked for."""
+        ``BUCKET_BUFFERS`` buffers (or one more) take the buckets in turn: a bucket's tensors hold until the third
+        bucket after it is asked for."""
         buckets = self._plan()
         return buckets, (map_bucket(shards, self.layout, bucket, self._bucket_buffers(index, bucket.num_bytes),
                                     self._sources)
@@ -236,10 +250,28 @@ class MegatronTrainer(GRPOTrainer):
         finalize_model_grads([self.ddp])
         if self._exact is None:
             self.ddp.scale_gradients(scale)
+        if self._deferred:  # summed, scaled and clipped; ``_update`` steps it, bucket by bucket
+            with _inner_step_left_out(self.megatron_optimizer):
+                _, grad_norm, _ = self.megatron_optimizer.step()
+            return float(grad_norm)
         _, grad_norm, _ = self.megatron_optimizer.step()
+        self._zero_grads()
+        return float(grad_norm)
+
+    def _update(self, names: list[str] | None) -> None:
+        """The deferred step (replicated optimizer) on the Megatron parameters that the HF tensors ``names`` are
+        mapped from (None: every one left); the gradient buffers are zeroed once all are stepped."""
+        if names is None:
+            self.optimizer.step_only(None)
+            self._zero_grads()
+            return
+        sources = self._sources
+        self.optimizer.step_only([self._local_params[name]
+                                  for name in dict.fromkeys(sources[hf].name for hf in names)])
+
+    def _zero_grads(self) -> None:
         self.ddp.zero_grad_buffer()
         self.megatron_optimizer.zero_grad()
-        return float(grad_norm)
 
     def _framework_calls(self):
         return cpu.cuda_calls_on_cpu()
@@ -313,6 +345,18 @@ class MegatronTrainer(GRPOTrainer):
                 for shard, part in zip(shards, parts, strict=True):
                     shard[name] = part
             yield bucket, shards if self.tp_rank == 0 else None
+
+@contextlib.contextmanager
+def _inner_step_left_out(optimizer) -> Iterator[None]:
+    """Megatron's ``step`` without its last part, ``step_with_ready_grads`` (the inner optimizer's step and the
+    masters copied into the parameters): the gradients are prepared, their norm taken and clipped, as Megatron does
+    them, and left for ``ReplicatedState.step_only``."""
+    optimizer.step_with_ready_grads = lambda: True
+    try:
+        yield
+    finally:
+        del optimizer.step_with_ready_grads
+
 
 class _BufferSum(ExactGradientSum):
     """Megatron DDP adds each micro-batch's gradient into the parameter's ``main_grad`` (a view of its gradient
