@@ -13,7 +13,7 @@ blocks over 1 MiB (``MALLOC_MMAP_THRESHOLD_``):
 
     start      peak RSS while the model loads and the backend is built, over the RSS before (the process's imports)
     held       RSS after the first step's end over the RSS before it: the restore point's copies, FSDP rank 0's
-               CPU model (built by the first read), Megatron's bucket buffers (the first weight sync fills them)
+               CPU model (built by the first read), rank 0's bucket buffers (the first weight sync fills them)
     step end   peak RSS during the second step's end over the RSS before it (the buffers are reused): rank 0's
                transients (FSDP: one gathered bucket at a time; Megatron: none)
     rank 0     Megatron: rank 0's RSS less rank 1's before the first step's end: the HF model that only rank 0
@@ -159,7 +159,7 @@ def predicted(case: str) -> dict[int, dict[str, tuple[int, int]]]:
     out = {}
     for rank in range(world):
         terms = {t.name: t.num_bytes for t in trainer_processes(cfg, shape, rank_0=rank == 0).terms}
-        buffers = terms.get("Megatron's bucket buffers", 0)
+        buffers = terms.get("rank 0's bucket buffers", 0)
         held = sum(v for k, v in terms.items() if k.startswith("restore point")
                    or (k == "rank 0's CPU model" and backend == "fsdp")) + buffers  # (Megatron's exists from its start)
         # FSDP on the CPU: its float32 shards are built on the host, and rank 0's gathers of full tensors (float32,

@@ -157,7 +157,7 @@ def broadcast_rank(rank: int, port: int, store_port: int, model_shape: str, buck
     import torch
     import torch.distributed as dist
 
-    from rolloutpipe.control.weights.buckets import Bucket, BufferRing, WeightGroup, plan_buckets, unpack
+    from rolloutpipe.control.weights.buckets import BUCKETS_HELD, Bucket, BufferRing, WeightGroup, plan_buckets, unpack
     from rolloutpipe.control.weights.digest import Digest
     from rolloutpipe.control.weights.distributed import (
         Broadcaster,
@@ -205,7 +205,7 @@ def broadcast_rank(rank: int, port: int, store_port: int, model_shape: str, buck
     plans = {mb: plan_buckets(state, int(mb * 2**20)) for mb in bucket_mbs}
     megatron_plans = {mb: hf_plan(megatron, layout, int(mb * 2**20)) for mb in bucket_mbs}
     sources = hf_sources(layout)
-    ring = BufferRing(3)  # MegatronTrainer's BUCKET_BUFFERS
+    ring = BufferRing(BUCKETS_HELD)  # as MegatronTrainer's (its distributed optimizer: no bucket mapped ahead)
 
     def send_megatron(mb: float) -> None:
         buckets = hf_plan(megatron, layout, int(mb * 2**20))

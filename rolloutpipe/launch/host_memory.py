@@ -23,9 +23,9 @@ Trainer rank (launcher.trainer.tasks_per_node on a node; the first node holds ra
                    bfloat16 (bench/restore_point.py)
   rank 0's model   FSDP and Megatron: an HF model on the CPU (d), filled bucket by bucket: FSDP's gathered, Megatron's
                    mapped from its parameters where they lie, or with tensor parallelism gathered from the group
-  bucket buffers   Megatron: the three buffers weight sync's buckets are mapped into in turn (pipeline.
-                   weight_sync_bucket_mb each), kept between steps; four with the replicated optimizer, whose last
-                   update of a step is applied a bucket ahead of weight sync, mapped into a buffer of its own
+  bucket buffers   FSDP and Megatron: the buffers weight sync's buckets are gathered or mapped into in turn
+                   (pipeline.weight_sync_bucket_mb each), kept between steps: three, and a fourth where the step's
+                   last update is applied a bucket ahead of weight sync (FSDP, Megatron's replicated optimizer)
   step end         rank 0's transients at each step's end (weight sync, the restore point's capture): the torch
                    backend copies the policy to the host (d), FSDP and Megatron with tensor parallelism gather one
                    bucket at a time (pipeline.weight_sync_bucket_mb), Megatron without it none (it maps into the HF
@@ -53,12 +53,10 @@ import os
 from dataclasses import dataclass, field
 
 from rolloutpipe.config import Config, WeightSync
+from rolloutpipe.control.weights.buckets import BUCKETS_HELD
 from rolloutpipe.launch.memory_plan import GiB, ModelShape, dtype_bytes
 from rolloutpipe.launch.model_shapes import sequence_len
 from rolloutpipe.trainer.config import TrainerBackend
-
-BUCKET_BUFFERS = 3
-"""trainer/megatron/trainer.py's (not imported from there: that module imports Megatron-core)."""
 
 GPU_PROCESS_BYTES = 3 * GiB
 """Assumed: a trainer rank's resident memory before its model loads (Python, torch, transformers, CUDA's libraries
@@ -198,12 +196,14 @@ def trainer_processes(cfg: Config, shape: ModelShape, *, rank_0: bool) -> Proces
                                       ", mapped from the parameters where they lie" if megatron else "")))
         bucket = min(cfg.weight_sync().bucket_bytes, policy)
         embedding = shape.vocab_size * shape.hidden_size * d  # the largest tensor
-        if megatron:  # a tensor larger than a bucket is a bucket of its own
-            largest, buffers = max(bucket, embedding), BUCKET_BUFFERS + (not distributed)
-            terms.append(HostTerm(name="Megatron's bucket buffers", num_bytes=min(buffers * largest, policy),
+        if megatron or fsdp:  # a tensor larger than a bucket is a bucket of its own
+            largest = max(bucket, embedding)
+            buffers = BUCKETS_HELD + (fsdp or not distributed)  # one more: the update by bucket takes one ahead
+            terms.append(HostTerm(name="rank 0's bucket buffers", num_bytes=min(buffers * largest, policy),
                                   phase=HostPhase.always, knob="lower pipeline.weight_sync_bucket_mb",
-                                  how=f"{buffers} buffers the policy's buckets are mapped into in turn, kept "
-                                      "(each as large as the largest bucket)"))
+                                  how=f"{buffers} buffers weight sync's buckets are "
+                                      f"{'mapped' if megatron else 'gathered'} into in turn, kept (each as large as "
+                                      "the largest bucket)"))
         if not (megatron or fsdp):
             terms.append(HostTerm(name="step end", num_bytes=policy, phase=HostPhase.step_end,
                                   how=f"the policy copied to the host, {d} B/param"))

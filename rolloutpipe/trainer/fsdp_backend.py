@@ -30,8 +30,10 @@ parameters (``DTensor.full_tensor``), rank 0 takes a CPU copy, and the bucket is
 rank holds more than one bucket of the unsharded model on its device. The other ranks join those gathers inside
 ``writer_reads`` (trainer/node.py, pipeline.py), answering rank 0's requests until rank 0 leaves it. Weight sync
 takes the buckets as they are gathered (``hf_buckets``), into one safetensors file (disk) or one broadcast each
-(distributed): host memory holds one bucket too. The restore point and the final policy still take
-the whole policy, in the model's dtype, on rank 0's host (``hf_model``).
+(distributed), each gathered into one of four host buffers that rank 0 reuses (buckets.py ``BUCKETS_HELD``, and one
+for the bucket the step's last update gathers ahead; page-locked on a GPU): a fresh buffer's pages would be faulted
+in on every step. The restore point and the final policy still take the whole policy, in the model's dtype, on rank
+0's host (``hf_model``).
 
 KL to a reference (``grpo.kl_loss_coef``): the reference is kept as this rank's shards (``_reference_params``),
 swapped into the policy's shards for its no-grad pass; 1/N of the model per rank.
@@ -53,7 +55,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rolloutpipe.control.checkpoint import Shard, ShardedState
-from rolloutpipe.control.weights.buckets import Bucket, plan_buckets, unpack
+from rolloutpipe.control.weights.buckets import BUCKETS_HELD, Bucket, BufferRing, plan_buckets, unpack
 from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
 from rolloutpipe.trainer.fsdp_exact import ShardedExactSum, clip_gathered_grad_norm
 from rolloutpipe.trainer.grpo import LossSums
@@ -116,6 +118,9 @@ class FSDPTrainer(GRPOTrainer):
             weight_decay=cfg.weight_decay), self)
         self._lead = LeadReads(backend="trainer.backend=fsdp", device=self.device)
         self._cpu_model: torch.nn.Module | None = None
+        self._bucket_buffers = BufferRing(BUCKETS_HELD + 1, pinned=self.device is not None)
+        """Rank 0's host buffers weight sync's buckets are gathered into, in turn (``_hf_buckets``), kept between
+        steps; page-locked on a GPU. One more than a reader holds: the step's last update gathers a bucket ahead."""
 
     # -- the micro-batch ------------------------------------------------------------------------------
     def forward_backward(self, samples: list[TrainSample], *, first_batch_of_step: bool) -> LossSums:
@@ -258,8 +263,9 @@ class FSDPTrainer(GRPOTrainer):
         return state
 
     def _hf_buckets(self) -> tuple[list[Bucket], Iterator[dict[str, torch.Tensor]]]:
-        """The policy by buckets, each gathered only when its turn comes."""
-        return self._plan(), self._lead_gather()
+        """The policy by buckets, each gathered only when its turn comes, on rank 0 into reused buffers: a bucket's
+        tensors hold until the third bucket after it is asked for (the weights-ahead thread gathers one ahead)."""
+        return self._plan(), self._lead_gather(self._bucket_buffers)
 
     def hf_on_gpu(self) -> bool:
         return False  # rank 0 takes CPU copies of the gathered buckets
@@ -289,18 +295,21 @@ class FSDPTrainer(GRPOTrainer):
         metas = {k: torch.empty(v.shape, dtype=self.dtype, device="meta") for k, v in self._names.items()}
         return plan_buckets(metas, self.bucket_bytes)
 
-    def _lead_gather(self) -> Iterator[dict[str, torch.Tensor]]:
+    def _lead_gather(self, buffers: BufferRing | None = None) -> Iterator[dict[str, torch.Tensor]]:
         self._lead.ask(_GATHER, reads="the sharded policy")
-        return self._gathered_buckets()
+        return self._gathered_buckets(buffers)
 
-    def _gathered_buckets(self) -> Iterator[dict[str, torch.Tensor]]:
+    def _gathered_buckets(self, buffers: BufferRing | None = None) -> Iterator[dict[str, torch.Tensor]]:
         """Every rank: the full tensors, one ``plan_buckets`` bucket at a time (a collective per tensor); rank 0
         gets CPU copies in the model's dtype, back to back in one buffer per bucket (what a broadcast sends as it
-        lies: buckets.py ``packed``), the others empty dicts."""
-        for bucket in self._plan():
+        lies: buckets.py ``packed``): ``buffers`` in turn, or a new one for each (what ``hf_state`` keeps), the
+        others empty dicts."""
+        for index, bucket in enumerate(self._plan()):
             out: dict[str, torch.Tensor] = {}
             if self.data_parallel_rank == 0:
-                out = unpack(bucket, torch.empty(bucket.num_bytes, dtype=torch.uint8))
+                flat = (torch.empty(bucket.num_bytes, dtype=torch.uint8) if buffers is None
+                        else buffers(index, bucket.num_bytes))
+                out = unpack(bucket, flat)
             with torch.no_grad():
                 for name in bucket.names:
                     tensor = self._names[name]

@@ -42,3 +42,14 @@ def test_gpu_check_passes_without_sglang(tmp_path):
 def test_sglang_engine_and_trainer_agree_and_cgp_equals_sync(tmp_path):
     rows = gpu_check(tmp_path, "--parts", "logprobs,parity")
     assert rows and all(r["result"] == "pass" for r in rows), rows
+
+
+def test_bucket_buffers_on_a_gpu_node_are_page_locked():
+    """Rank 0's bucket buffers (FSDP, Megatron) take copies off the GPU: page-locked, they take them directly."""
+    from rolloutpipe.control.weights.buckets import BufferRing
+
+    ring = BufferRing(2, pinned=True)
+    first = ring(0, 1 << 20)
+    assert first.is_pinned() and ring(1, 1 << 20).is_pinned()
+    assert ring(2, 1 << 20).data_ptr() == first.data_ptr()  # reused, not allocated again
+    assert not BufferRing(1)(0, 16).is_pinned()

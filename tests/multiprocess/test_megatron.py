@@ -259,9 +259,3 @@ def test_megatron_job_trains_like_the_torch_backend(job_dir):
     assert difference("megatron-cgp", "torch") < 2e-5
     assert weights["torch"].keys() == weights["megatron-cgp"].keys()
 
-
-def test_the_host_memory_plan_counts_megatrons_bucket_buffers():
-    from rolloutpipe.launch import host_memory
-    from rolloutpipe.trainer.megatron import trainer
-
-    assert host_memory.BUCKET_BUFFERS == trainer.BUCKET_BUFFERS

@@ -71,14 +71,14 @@ def test_megatron_rank_0_keeps_no_copy_of_its_parameters():
                                      QWEN3_8B, rank_0=True))
     assert rank_0["rank 0's CPU model"] == 2 * P and "step end" not in rank_0
     embedding = QWEN3_8B.vocab_size * QWEN3_8B.hidden_size * 2  # 1.2 GB: a bucket of its own, the largest
-    assert embedding > 512 << 20 and rank_0["Megatron's bucket buffers"] == 3 * embedding
+    assert embedding > 512 << 20 and rank_0["rank 0's bucket buffers"] == 3 * embedding
     gathered = terms(trainer_processes(math_8b("trainer.backend=megatron", "trainer.megatron.tensor_parallel_size=2",
                                                "pipeline.weight_sync_bucket_mb=2048"), QWEN3_8B, rank_0=True))
-    assert gathered["rank 0's CPU model"] == 2 * P and gathered["Megatron's bucket buffers"] == 3 * (2048 << 20)
+    assert gathered["rank 0's CPU model"] == 2 * P and gathered["rank 0's bucket buffers"] == 3 * (2048 << 20)
     assert gathered["step end"] == (2048 << 20) + embedding  # a bucket, and gloo's copy of the largest tensor
     replicated = terms(trainer_processes(math_8b("trainer.backend=megatron", "trainer.megatron.distributed_optimizer"
                                                  "=false"), QWEN3_8B, rank_0=True))
-    assert replicated["Megatron's bucket buffers"] == 4 * embedding  # and one the update by buckets maps ahead into
+    assert replicated["rank 0's bucket buffers"] == 4 * embedding  # and one the update by buckets maps ahead into
 
 
 def test_the_model_files_pages_count_once_a_node_and_fsdps_float32_conversion_once_a_rank():

@@ -130,13 +130,21 @@ def test_the_torch_backends_buckets_are_ranges_of_its_parameters_and_the_layout_
     assert run(TrainerBackend.torch, dtype, defer=True) == flat_layout
 
 
-def test_fsdp_rank_0_gathers_each_bucket_into_one_range():
-    """FSDP's rank 0 copies each gathered tensor into one buffer per bucket: the broadcast sends it as it lies."""
+def test_fsdp_rank_0_gathers_each_bucket_into_one_range_of_four_reused_buffers():
+    """FSDP's rank 0 copies each gathered tensor into one buffer per bucket (the broadcast sends it as it lies), four
+    buffers in turn (the reader's three and the one the update by bucket gathers ahead), kept from one policy to the
+    next: a fresh buffer's pages would be faulted in on every step."""
     policy = trainer(DType.bfloat16, exact=False, backend=TrainerBackend.fsdp)
     try:
         policy.bucket_bytes = 2048
-        with policy.writer_reads():
-            buckets, tensors = policy.hf_buckets()
-            assert all(packed(bucket, state) is not None for bucket, state in zip(buckets, tensors, strict=True))
+        memory = []
+        for _ in range(3):
+            with policy.writer_reads():
+                buckets, tensors = policy.hf_buckets()
+                flats = [packed(bucket, state) for bucket, state in zip(buckets, tensors, strict=True)]
+            assert all(flat is not None for flat in flats)
+            memory.append([flat.untyped_storage().data_ptr() for flat in flats])
     finally:
         policy.close()
+    assert len(buckets) > 4
+    assert len(set(memory[1])) == 4 and memory[1] == memory[2]  # (the first policy grows the buffers)

@@ -112,14 +112,24 @@ def packed(bucket: Bucket, state: Mapping[str, torch.Tensor]) -> torch.Tensor | 
     return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, start, (offset - start,))
 
 
+BUCKETS_HELD = 3
+"""Buckets a reader of ``PolicyWeights.hf_buckets`` holds at most: the broadcast's two in flight and the digest's
+one behind (distributed.py). A backend that maps the buckets into reused buffers keeps this many, and one more where
+the weights-ahead thread maps a bucket before it is asked for (grpo_trainer.py: the step's last update by bucket)."""
+
+
 class BufferRing:
     """``count`` flat uint8 buffers on ``device`` that buckets take in turn (bucket ``index`` takes buffer
     ``index % count``), each grown to the largest bucket it has held and kept: a fresh buffer's pages would be faulted
-    in on every policy (bench/weight_sync.py). A bucket's buffer is reused ``count`` buckets later."""
+    in on every policy (bench/weight_sync.py). A bucket's buffer is reused ``count`` buckets later. ``pinned``: host
+    buffers in page-locked memory, which a copy off a GPU fills directly (pageable memory takes it through a staging
+    buffer); only where CUDA is available."""
 
-    def __init__(self, count: int, device: str = "cpu") -> None:
+    def __init__(self, count: int, device: str = "cpu", *, pinned: bool = False) -> None:
         import torch
 
+        self._device = device
+        self._pinned = pinned and device == "cpu" and torch.cuda.is_available()
         self._buffers = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(count)]
 
     def __call__(self, index: int, num_bytes: int) -> torch.Tensor:
@@ -127,7 +137,9 @@ class BufferRing:
 
         slot = index % len(self._buffers)
         if self._buffers[slot].numel() < num_bytes:
-            self._buffers[slot] = torch.empty(num_bytes, dtype=torch.uint8, device=self._buffers[slot].device)
+            self._buffers[slot] = torch.empty(0, dtype=torch.uint8)  # the old one goes before the new one comes
+            self._buffers[slot] = torch.empty(num_bytes, dtype=torch.uint8, device=self._device,
+                                              pin_memory=self._pinned)
         return self._buffers[slot]
 
 

@@ -30,8 +30,9 @@ bucket by bucket (``pipeline.weight_sync_bucket_mb``) when the policy is read (`
 between). Without tensor parallelism it reads its own parameters where they lie (on its GPU). With it, the ranks of
 its tensor-parallel group join its reads inside ``writer_reads`` (lead.py, as FSDP's ranks do) and all-gather each
 bucket's parameters as its turn comes: rank 0's host holds one bucket of them, never the policy. Weight sync's
-buckets are mapped into ``BUCKET_BUFFERS`` reused flat buffers, so mapping the next bucket overlaps sending this one
-and a broadcast sends each as it lies (buckets.py ``packed``); ``hf_model`` maps into the HF model's own parameters.
+buckets are mapped into reused flat buffers (buckets.py ``BUCKETS_HELD``, page-locked on a GPU), so mapping the next
+bucket overlaps sending this one and a broadcast sends each as it lies (buckets.py ``packed``); ``hf_model`` maps
+into the HF model's own parameters.
 Only trainer rank 0 keeps the HF model; the other ranks drop it once it is mapped.
 
 The step's last update by bucket (grpo_trainer.py). With the replicated optimizer, rank 0's last optimizer step of
@@ -58,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from rolloutpipe.control.checkpoint import Shard, ShardedState
-from rolloutpipe.control.weights.buckets import Bucket, BufferRing
+from rolloutpipe.control.weights.buckets import BUCKETS_HELD, Bucket, BufferRing
 from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
 from rolloutpipe.trainer.exact_sum import ExactGradientSum
 from rolloutpipe.trainer.grpo_trainer import GRPOTrainer
@@ -92,10 +93,6 @@ from rolloutpipe.trainer.megatron.optimizer import (
 
 _GATHER = 1
 """Rank 0's request to the other ranks inside ``writer_reads`` (lead.py): join the gathers of the policy's buckets."""
-BUCKET_BUFFERS = 3
-"""Host buffers ``hf_buckets`` maps the buckets into, in turn: while it maps one, the broadcast may still send the
-two before it (distributed.py ``Broadcaster.stream``) and the digest read the last (``authenticated``). One more when
-the step's last update is applied by bucket: the weights-ahead thread maps a bucket before the caller asks for it."""
 
 
 class MegatronTrainer(GRPOTrainer):
@@ -157,8 +154,9 @@ class MegatronTrainer(GRPOTrainer):
                         for _ in range(tp)]
         """Every tensor-parallel rank's parameters, as meta tensors: what the bucket plan is made from."""
         self._lead = LeadReads(backend="trainer.backend=megatron", device=self.device)
-        self._bucket_buffers = BufferRing(BUCKET_BUFFERS + self.updates_by_bucket)
-        """One more where the weights-ahead thread maps a bucket ahead of the one the caller asks for."""
+        self._bucket_buffers = BufferRing(BUCKETS_HELD + self.updates_by_bucket, pinned=self.device is not None)
+        """The host buffers ``hf_buckets`` maps the buckets into, in turn (one more where the weights-ahead thread
+        maps a bucket ahead of the one asked for); page-locked on a GPU, as the parameters are copied off it."""
         self._local_params = local_names(dict(self.gpt.named_parameters()))
         """The parameters under the local spec's names (``Source.name``), themselves: what ``_update`` steps."""
 
@@ -186,7 +184,7 @@ class MegatronTrainer(GRPOTrainer):
 
     def _hf_buckets(self) -> tuple[list[Bucket], Iterator[dict[str, torch.Tensor]]]:
         """The policy by buckets, each read and mapped into a flat host buffer only when it is asked for.
-        ``BUCKET_BUFFERS`` buffers (or one more) take the buckets in turn: a bucket's tensors hold until the third
+        ``BUCKETS_HELD`` buffers (or one more) take the buckets in turn: a bucket's tensors hold until the third
         bucket after it is asked for."""
         buckets = self._plan()
         return buckets, (map_bucket(shards, self.layout, bucket, self._bucket_buffers(index, bucket.num_bytes),
