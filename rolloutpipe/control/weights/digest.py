@@ -95,7 +95,16 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy())
 
 
-def tensor_hash(data: memoryview | bytes) -> bytes:
-    """The 32-byte BLAKE3 of ``data``, on every core from THREADED_BYTES (it releases the GIL meanwhile)."""
-    threads = blake3.blake3.AUTO if len(data) >= THREADED_BYTES else 1
+def tensor_hash(data: memoryview | bytes, *, max_threads: int = blake3.blake3.AUTO) -> bytes:
+    """The 32-byte BLAKE3 of ``data``, on every core from THREADED_BYTES, or on ``max_threads`` (it releases the
+    GIL meanwhile)."""
+    threads = max_threads if len(data) >= THREADED_BYTES else 1
     return blake3.blake3(data, max_threads=threads).digest()
+
+
+def cores_beside_one() -> int:
+    """The cores this process may run on, less one: what a hash may take beside a thread that moves the bytes (on 2
+    cores, a hash on both took the writer's: bench/weight_sync.py's write + MAC was 1.38 x the write, 1.14 on one)."""
+    import os
+
+    return max(1, len(os.sched_getaffinity(0)) - 1)

@@ -6,8 +6,8 @@ has every engine call ``update_weights_from_disk`` on it and checks the MAC whil
 byte once:
 
     trainer   each tensor is hashed while it is written, from the same memory, on a second thread: its BLAKE3 (every
-              core; digest.py ``tensor_hash``) for the step's weights digest, and its AES-GMAC chunk by chunk for the
-              file's MAC. Nothing is read back.
+              core but the writer's; digest.py ``tensor_hash``) for the step's weights digest, and its AES-GMAC chunk
+              by chunk for the file's MAC. Nothing is read back.
     rollout   once the file is there with the published size, the engines load it while the node recomputes the MAC
               from the page cache (one thread); a mismatch stops the run before any request reaches the new weights
               (the node admits step k+1 only after ``load`` returns), as a refused file did before.
@@ -55,7 +55,7 @@ import torch
 from rolloutpipe.control.transport import Transport
 from rolloutpipe.control.weights import EngineGroup, PolicyWeights, WeightSyncSettings, weights_record_key
 from rolloutpipe.control.weights.buckets import Bucket
-from rolloutpipe.control.weights.digest import Digest, tensor_bytes, tensor_hash
+from rolloutpipe.control.weights.digest import Digest, cores_beside_one, tensor_bytes, tensor_hash
 from rolloutpipe.control.weights.mac import SALT_BYTES, ChunkMac, chunks, gmac_key, weights_key
 
 log = logging.getLogger(__name__)
@@ -88,17 +88,18 @@ class Written:
     weights_digest: str
 
 
-def _hash_and_tag(data: memoryview, chunk_mac: ChunkMac, first: int) -> tuple[bytes, list[bytes]]:
-    """A tensor's ``tensor_hash`` (the weights digest) and the tags of its chunks, numbered from ``first``."""
-    return tensor_hash(data), chunk_mac.tags([data], first)
+def _hash_and_tag(data: memoryview, chunk_mac: ChunkMac, first: int, threads: int) -> tuple[bytes, list[bytes]]:
+    """A tensor's ``tensor_hash`` on ``threads`` (the weights digest) and the tags of its chunks, numbered from
+    ``first``."""
+    return tensor_hash(data, max_threads=threads), chunk_mac.tags([data], first)
 
 
 def write_weights(path: Path, buckets: list[Bucket], tensors: Iterator[dict[str, torch.Tensor]],
                   key: bytes) -> Written:
     """Write the policy that ``tensors`` yields bucket by bucket as one safetensors file, atomically (the header
     first: ``buckets`` has every name, dtype and shape). Each tensor is hashed on a second thread while this one
-    writes it; host memory holds one bucket."""
-    header, salt = safetensors_header(buckets), os.urandom(SALT_BYTES)
+    writes it, on all cores but the writer's; host memory holds one bucket."""
+    header, salt, threads = safetensors_header(buckets), os.urandom(SALT_BYTES), cores_beside_one()
     mac, digest, chunk_mac, num_chunks = blake3.blake3(header, key=key), Digest(), ChunkMac(gmac_key(key, salt)), 0
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -108,7 +109,7 @@ def write_weights(path: Path, buckets: list[Bucket], tensors: Iterator[dict[str,
             hashing = []
             for name in bucket.names:
                 data = tensor_bytes(state[name])
-                hashing.append((name, pool.submit(_hash_and_tag, data, chunk_mac, num_chunks)))
+                hashing.append((name, pool.submit(_hash_and_tag, data, chunk_mac, num_chunks, threads)))
                 num_chunks += len(chunks(0, len(data)))
                 f.write(data)
             for name, hashing_it in hashing:
@@ -122,8 +123,8 @@ def write_weights(path: Path, buckets: list[Bucket], tensors: Iterator[dict[str,
 def file_mac(path: Path, key: bytes, salt: bytes) -> str:
     """The MAC ``write_weights`` gave the file at ``path`` with ``salt``, recomputed from its bytes (mapped, each read
     once); ValueError if it is no safetensors file whose tensors cover it exactly. One thread: GMAC on one core
-    (22 GB/s on the 2-core machine) outruns an engine's read of the file, and a second would only take a core from
-    the engines."""
+    (9 GB/s from memory on the 2-core machine) outruns an engine's read of the file, and a second would only take a
+    core from the engines."""
     with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
         view = memoryview(mapped)
         try:

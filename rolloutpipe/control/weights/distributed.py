@@ -96,7 +96,7 @@ from rolloutpipe.control.weights.buckets import (
     plan_buckets,
     unpack,
 )
-from rolloutpipe.control.weights.digest import Digest, tensor_bytes, tensor_hash
+from rolloutpipe.control.weights.digest import Digest, cores_beside_one, tensor_bytes, tensor_hash
 from rolloutpipe.control.weights.mac import SALT_BYTES, ChunkMac, gmac_key, weights_key
 
 log = logging.getLogger(__name__)
@@ -187,9 +187,11 @@ def authenticated(buckets: list[Bucket], tensors: Iterable[Mapping[str, torch.Te
     it overlaps the bucket's send and the next bucket's MAC, and holds at most two buckets' host copies. ``digest``
     is complete when the generator is."""
 
+    threads = cores_beside_one()  # (the send has the other)
+
     def add(state: Mapping[str, torch.Tensor], data: dict[str, memoryview]) -> None:
         for name, view in data.items():
-            digest.add(name, state[name], tensor_hash(view))
+            digest.add(name, state[name], tensor_hash(view, max_threads=threads))
 
     with ThreadPoolExecutor(1, thread_name_prefix="weights-digest") as pool:
         hashing = None
