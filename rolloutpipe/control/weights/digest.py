@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -105,6 +106,4 @@ def tensor_hash(data: memoryview | bytes, *, max_threads: int = blake3.blake3.AU
 def cores_beside_one() -> int:
     """The cores this process may run on, less one: what a hash may take beside a thread that moves the bytes (on 2
     cores, a hash on both took the writer's: bench/weight_sync.py's write + MAC was 1.38 x the write, 1.14 on one)."""
-    import os
-
     return max(1, len(os.sched_getaffinity(0)) - 1)

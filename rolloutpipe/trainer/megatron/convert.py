@@ -24,6 +24,7 @@ change (``TE_FUSED_NORMS``, applied by ``transformer_engine_names`` / ``local_na
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -226,10 +227,10 @@ def hf_plan(shards: list[dict[str, Tensor]], layout: Layout, bucket_bytes: int) 
                         bucket_bytes)
 
 
-def bucket_sources(bucket: Bucket, sources: dict[str, Source]) -> list[str]:
-    """The Megatron parameters ``bucket``'s HF tensors are mapped from, in order, each once (a fused one whose HF
-    tensors fall in two buckets is read for each)."""
-    return list(dict.fromkeys(sources[name].name for name in bucket.names))
+def bucket_sources(names: Iterable[str], sources: dict[str, Source]) -> list[str]:
+    """The Megatron parameters the HF tensors ``names`` (a bucket's) are mapped from, in order, each once (a fused
+    one whose HF tensors fall in two buckets is read for each)."""
+    return list(dict.fromkeys(sources[name].name for name in names))
 
 
 def map_bucket(shards: list[dict[str, Tensor]], layout: Layout, bucket: Bucket, flat: Tensor,

@@ -263,9 +263,7 @@ class MegatronTrainer(GRPOTrainer):
             self.optimizer.step_only(None)
             self._zero_grads()
             return
-        sources = self._sources
-        self.optimizer.step_only([self._local_params[name]
-                                  for name in dict.fromkeys(sources[hf].name for hf in names)])
+        self.optimizer.step_only([self._local_params[name] for name in bucket_sources(names, self._sources)])
 
     def _zero_grads(self) -> None:
         self.ddp.zero_grad_buffer()
@@ -336,7 +334,7 @@ class MegatronTrainer(GRPOTrainer):
         params, tp = self._params(), self.layout.tp_size
         for bucket in buckets:
             shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
-            for name in bucket_sources(bucket, self._sources):
+            for name in bucket_sources(bucket.names, self._sources):
                 value = params[name].to("cpu")
                 parts = [torch.empty_like(value) for _ in range(tp)]
                 dist.all_gather(parts, value, group=self.tp_group)
