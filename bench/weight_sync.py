@@ -13,8 +13,14 @@ Rows:
     disk: write + MAC    what ``pipeline.weight_sync=disk`` does on trainer rank 0 (disk.py ``write_weights``): each
                          tensor hashed (BLAKE3 for the step's weights digest, GMAC for the file's MAC) on a second
                          thread while it is written
-    disk: read + check   what the rollout node does (disk.py ``Receiver.load``): one engine reads the file while the
-                         node recomputes its MAC
+    disk: read + check   what the rollout node does for engines of their own processes (SGLang servers; disk.py
+                         ``Receiver.load``): one engine reads the file while the node recomputes its MAC
+    disk: read into weights          the floor for engines of the rollout node's own process (the embedded engine):
+                         the file read into an engine's existing weights (safetensors ``load_file``, each tensor
+                         copied into its place, as ``load_state_dict`` does)
+    disk: read + check into weights  what the rollout node does for those (disk.py ``copy_checked``): the file read
+                         once into the engine's weights, 1 MiB at a time, each piece's MAC taken from the cache on
+                         a second thread
     broadcast            the distributed way's transport over gloo to one engine process (distributed.py: one
                          broadcast per bucket of ``--bucket-mb``; the engine unpacks each bucket), from a policy laid
                          out as the torch and FSDP backends hand it over: a bucket is one range of memory, sent as it
@@ -51,8 +57,11 @@ sys.path.insert(0, str(REPO))
 GB = 1e9
 KEY = b"bench" * 8
 DISK_ROWS = ("disk: write (trainer, the floor)", "disk: read (engine, the floor)",
-             "disk: write + MAC (trainer, one pass)", "disk: read + check (rollout, at once)")
+             "disk: write + MAC (trainer, one pass)", "disk: read + check (rollout, at once)",
+             "disk: read into weights (embedded engine, the floor)",
+             "disk: read + check into weights (rollout, one read)")
 DISK_TOTAL = "disk: total (write + MAC, read + check)"
+DISK_TOTAL_IN_PLACE = "disk: total into weights (write + MAC, read + check into weights)"
 
 
 def bucket_row(mb: float, mac: bool = True, megatron: bool = False) -> str:
@@ -134,6 +143,20 @@ def engine_read(path: Path) -> None:
 
     for t in load_file(str(path)).values():  # (mapped lazily: an engine copies every byte into its weights)
         t.clone()
+
+
+def read_into(path: Path, weights: dict) -> None:
+    from safetensors.torch import load_file
+
+    for name, t in load_file(str(path)).items():
+        weights[name].copy_(t)
+
+
+def read_and_check_into(path: Path, written, weights: dict) -> None:
+    from rolloutpipe.control.weights.disk import copy_checked
+    from rolloutpipe.control.weights.mac import weights_key
+
+    assert copy_checked(path, weights_key(KEY), bytes.fromhex(written.salt), [weights]) == written.mac
 
 
 def read_and_check(path: Path, written) -> None:
@@ -247,6 +270,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=None, help="where the disk rows write (default: as a one-node run)")
     args = parser.parse_args()
+    import torch
     import torch.multiprocessing as mp
 
     from rolloutpipe.control.env import free_port
@@ -258,7 +282,8 @@ def main() -> None:
     state = qwen3_state(QWEN3_SHAPES[args.model_shape])
     size = sum(t.numel() * t.element_size() for t in state.values())
     wall = time.perf_counter()
-    copy, write, read, write_mac, read_check = "memory copy", *DISK_ROWS
+    copy, write, read, write_mac, read_check, read_into_weights, read_check_into = "memory copy", *DISK_ROWS
+    weights = {name: torch.empty_like(t) for name, t in state.items()}  # an engine's, filled in place
     rows: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(dir=where, prefix="rolloutpipe-bench-") as tmp:
         path = Path(tmp) / "policy.safetensors"
@@ -268,10 +293,14 @@ def main() -> None:
                              (write, lambda: plain_write(state, path, bucket_bytes)),
                              (read, lambda: engine_read(path)),
                              (write_mac, lambda: written.append(one_pass_write(state, path, bucket_bytes))),
-                             (read_check, lambda: read_and_check(path, written[-1]))]:
+                             (read_check, lambda: read_and_check(path, written[-1])),
+                             (read_into_weights, lambda: read_into(path, weights)),
+                             (read_check_into, lambda: read_and_check_into(path, written[-1], weights))]:
                 rows.setdefault(name, []).append(timed(fn))
     rows[DISK_TOTAL] = [a + b for a, b in zip(rows[write_mac], rows[read_check], strict=True)]
+    rows[DISK_TOTAL_IN_PLACE] = [a + b for a, b in zip(rows[write_mac], rows[read_check_into], strict=True)]
     state.clear()  # the broadcast processes allocate their own
+    weights.clear()
     results = mp.Manager().dict()
     mp.spawn(broadcast_rank, args=(free_port(), free_port(), args.model_shape, args.bucket_mb, args.rounds, results),
              nprocs=2, join=True)
@@ -289,8 +318,13 @@ def main() -> None:
     for name, times in rows.items():
         seconds = median(times)
         print(f"| {name} | {seconds:.2f} | {size / GB / seconds:.2f} | {seconds / floor:.1f} |")
-    disk = [t / (w + r) for t, w, r in zip(rows[DISK_TOTAL], rows[write], rows[read], strict=True)]
-    print(f"disk total / (write + read) = {median(disk):.2f} [{min(disk):.2f}, {max(disk):.2f}] (goal <= 1.3)")
+    for engines, total, floor_read in (("engines of their own (SGLang)", DISK_TOTAL, read),
+                                       ("engines in the rollout node (embedded)", DISK_TOTAL_IN_PLACE,
+                                        read_into_weights)):
+        disk = [t / (w + r) for t, w, r in zip(rows[total], rows[write], rows[floor_read], strict=True)]
+        print(f"disk total / (write + read), {engines}: {median(disk):.2f} [{min(disk):.2f}, {max(disk):.2f}] "
+              "(goal <= 1.3)")
+
     def ratio(over: str, under: str) -> str:
         ratios = [a / b for a, b in zip(rows[over], rows[under], strict=True)]
         return f"{median(ratios):.2f} [{min(ratios):.2f}, {max(ratios):.2f}]"

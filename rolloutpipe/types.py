@@ -69,6 +69,30 @@ class GenerationRequest:
     embedded engine keeps the longest prefix its own sampler reproduces and decodes on from there, so the result is
     the one it would make without the draft; they are never output unverified. Empty: no draft."""
 
+    def check(self, context_len: int) -> None:
+        """Raise ValueError where an SGLang server refuses this request (HTTP 400) on a model of ``context_len``
+        tokens, or where it cannot be generated at all."""
+        num_tokens = len(self.input_ids) + self.max_new_tokens
+        if num_tokens > context_len:  # SGLang's words (TokenizerManager._validate_one_request)
+            raise ValueError(
+                f"Requested token count exceeds the model's maximum context length of {context_len} tokens. You "
+                f"requested a total of {num_tokens} tokens: {len(self.input_ids)} tokens from the input messages and "
+                f"{self.max_new_tokens} tokens for the completion. Please reduce the number of tokens in the input "
+                "messages or the completion to fit within the limit.")
+        problems = []
+        if not self.input_ids:
+            problems.append("input_ids is empty")
+        if self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens={self.max_new_tokens} (must be >= 1)")
+        if len(self.draft_ids) > self.max_new_tokens:
+            problems.append(f"{len(self.draft_ids)} draft_ids, more than max_new_tokens={self.max_new_tokens}")
+        if self.temperature < 0:
+            problems.append(f"temperature={self.temperature} (must be >= 0; 0 means greedy)")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p={self.top_p} (must be in (0, 1])")
+        if problems:
+            raise ValueError(f"request {self.request_id}: " + "; ".join(problems))
+
 
 @dataclass(kw_only=True, slots=True)
 class GenerationResult:

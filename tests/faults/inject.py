@@ -57,7 +57,7 @@ POINTS = {
     "mid_checkpoint_write": ("rolloutpipe.control.checkpoint", "save_file", kill_process),
     "hf_save": ("rolloutpipe.model", "save_hf_checkpoint", kill_process),  # a checkpoint's weights, or the final
     "busy_optimizer_step": ("rolloutpipe.trainer.grpo_trainer", "GRPOTrainer.finish_batch", keep_busy),
-    "during_weight_sync": ("rolloutpipe.rollout.engines.embedded", "EmbeddedEngine.update_weights_from_disk",
+    "during_weight_sync": ("rolloutpipe.rollout.engines.embedded", "EmbeddedEngine.weights_in_place",
                            kill_process),
     "engine_crash": ("rolloutpipe.rollout.engines.embedded", "EmbeddedEngine._decode_step", crash_engine),
     "engine_server_killed": ("rolloutpipe.rollout.engines.http_client", "SGLangEngine.submit", kill_engine_server),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -92,16 +93,20 @@ def test_the_file_written_in_one_pass_is_what_safetensors_reads_and_carries_the_
     assert not path.with_suffix(".tmp").exists()
 
 
+@pytest.mark.parametrize("read", ["check only", "into an engine"])
 @pytest.mark.parametrize("where", ["first data byte", "last data byte", "header", "appended byte", "cut",
                                    "a middle chunk", "two chunks swapped"])
-def test_a_changed_weights_file_is_refused(tmp_path, monkeypatch, where):
+def test_a_changed_weights_file_is_refused(tmp_path, monkeypatch, where, read):
     """Any change to the file: a byte of a tensor or of the header, one added or cut. With 8-byte MAC chunks (each
     tensor in several, each its own GMAC), also a byte in a chunk between others, and two equal-length chunks of one
-    tensor swapped (each chunk genuine, in the wrong place)."""
+    tensor swapped (each chunk genuine, in the wrong place). Checked alone (engines of their own read the file), or
+    as the file is read into an engine of the rollout node's process (in 4-byte pieces: several a chunk)."""
     monkeypatch.setattr("rolloutpipe.control.weights.mac.MAC_CHUNK_BYTES", 8)
+    monkeypatch.setattr("rolloutpipe.control.weights.disk.COPY_PIECE_BYTES", 4)
     path = tmp_path / weights_file(2)
     out = written(path, policy())
-    receiver(tmp_path).check_file(path, record(2, out), 2)  # unchanged, it passes
+    engines = None if read == "check only" else [{name: torch.empty_like(t) for name, t in policy().items()}]
+    receiver(tmp_path).check_file(path, record(2, out), 2, copy_into=engines)  # unchanged, it passes
     data = bytearray(path.read_bytes())
     start = 8 + int.from_bytes(data[:8], "little")
     if where == "a middle chunk":
@@ -121,7 +126,7 @@ def test_a_changed_weights_file_is_refused(tmp_path, monkeypatch, where):
         data = data[:-2]
     path.write_bytes(bytes(data))
     with pytest.raises(RuntimeError, match="does not have the MAC the trainer published for policy_version 2"):
-        receiver(tmp_path).check_file(path, record(2, out), 2)
+        receiver(tmp_path).check_file(path, record(2, out), 2, copy_into=engines)
 
 
 def test_a_record_naming_another_attempts_or_a_made_up_mac_is_refused(tmp_path):
@@ -171,6 +176,10 @@ class _Engines:
     def __init__(self, error: Exception | None = None) -> None:
         self.loaded: list[tuple[str, int]] = []
         self.error = error
+
+    @contextmanager
+    def weights_in_place(self, path: str, policy_version: int):
+        yield None  # engines of their own processes
 
     def load_weights(self, path: str, policy_version: int) -> None:
         load_file(path)

@@ -2,7 +2,7 @@
 
     disk.py         trainer rank 0 writes a safetensors file under run_dir/weights (/dev/shm on one node), hashing
                     it as it writes, and publishes its MAC; every engine loads it while the rollout node checks it
-                    (any engine kind)
+                    (any engine kind; engines of the rollout node's own process in one read, checked as it goes)
     distributed.py  trainer rank 0 broadcasts the HF-named tensors to the engines, which joined its process group,
                     a flat buffer per bucket (SGLang's /update_weights_from_distributed; HTTP engines only)
     buckets.py      the distributed way's wire shapes (the group's address, the bucket plan, the flat layout),
@@ -27,6 +27,7 @@ from __future__ import annotations
 import enum
 import importlib
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -102,6 +103,12 @@ class EngineGroup(Protocol):
     """What a receiver drives: every engine of the rollout node at once (rollout/engines/supervisor.py)."""
 
     def load_weights(self, path: str, policy_version: int) -> None: ...
+
+    def weights_in_place(self, path: str,
+                         policy_version: int) -> AbstractContextManager[list[dict[str, torch.Tensor]] | None]:
+        """Where every engine runs in this process: their state dicts, to be filled from the file at ``path`` in one
+        read (disk.py ``copy_checked``); they serve ``policy_version`` once the block ends without an error. None
+        where they do not: each engine then reads the file itself (``load_weights``)."""
 
     def join_weight_group(self, group: WeightGroup, ranks_per_engine: int) -> None: ...
 

@@ -21,6 +21,7 @@ import hashlib
 import hmac
 from collections.abc import Iterable
 
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 MAC_CHUNK_BYTES = 256 << 20
@@ -43,11 +44,16 @@ class ChunkMac:
     """AES-GMAC of one message's chunks, under that message's own key (``gmac_key``)."""
 
     def __init__(self, key: bytes) -> None:
-        self._aead = AESGCM(key)
+        self._key, self._aead = key, AESGCM(key)
 
     def tag(self, index: int, data: memoryview) -> bytes:
         """The 16-byte tag of chunk ``index`` (its nonce) holding ``data`` (holds the GIL meanwhile)."""
         return self._aead.encrypt(index.to_bytes(12, "big"), b"", data)
+
+    def in_pieces(self, index: int):
+        """Chunk ``index``'s GMAC fed piece by piece: call ``authenticate_additional_data`` on each piece in order,
+        then ``finalize()``; its ``tag`` is then ``tag(index, the pieces joined)``."""
+        return Cipher(algorithms.AES(self._key), modes.GCM(index.to_bytes(12, "big"))).encryptor()
 
     def tags(self, tensors: Iterable[memoryview], first: int = 0) -> list[bytes]:
         """The tags of ``tensors``' chunks, each tensor cut alone, numbered from ``first``."""

@@ -10,11 +10,14 @@ queue). Weights change only between steps, when the rollout manager calls
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Protocol
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
 from rolloutpipe.types import GenerationRequest, GenerationResult
 
 if TYPE_CHECKING:
+    import torch
+
     from rolloutpipe.control.weights.buckets import Bucket, BucketMac, WeightGroup
 
 OnResult = Callable[[GenerationResult], None]
@@ -47,6 +50,16 @@ class Engine(Protocol):
 
     def shutdown(self) -> None:
         """Stop the engine thread; requests still queued are aborted."""
+
+
+@runtime_checkable
+class HoldsWeightsInProcess(Protocol):
+    """An engine whose weights live in the rollout node's process (the embedded engine): the node fills them in
+    place from a weights file, every such engine in one read (control/weights/disk.py ``copy_checked``)."""
+
+    def weights_in_place(self, policy_version: int) -> AbstractContextManager[dict[str, torch.Tensor]]:
+        """The engine's state dict, to be overwritten in place; only between steps. The engine serves
+        ``policy_version`` once the block ends without an error."""
 
 
 class JoinsWeightGroup(Engine, Protocol):

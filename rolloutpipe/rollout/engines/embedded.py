@@ -37,6 +37,8 @@ import inspect
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -164,7 +166,7 @@ class EmbeddedEngine:
 
     def submit(self, request: GenerationRequest, *, ignore_eos: bool = False) -> None:
         """Queue ``request``; with ``ignore_eos`` (SGLang's sampling param) it runs to ``max_new_tokens``."""
-        _check_request(request, self.context_len)
+        request.check(self.context_len)
         with self._lock:
             self._raise_if_unusable()
             if request.request_id in self._in_flight_ids:
@@ -198,6 +200,25 @@ class EmbeddedEngine:
     def load_weights(self, state: dict[str, torch.Tensor], policy_version: int | None, *, complete: bool) -> None:
         """Load HF-named tensors: every parameter (``complete``) or some (one bucket of a broadcast, whose last
         bucket gives the version); only between steps. ``policy_version`` None leaves the served version as is."""
+        with self._between_steps():
+            _, unexpected = self._model.load_state_dict(state, strict=complete)
+            if unexpected:
+                raise ValueError(f"engine {self.name}: the model has no parameters {unexpected}")
+            if policy_version is not None:
+                self._policy_version = policy_version
+
+    @contextmanager
+    def weights_in_place(self, policy_version: int) -> Iterator[dict[str, torch.Tensor]]:
+        """The model's state dict (HF names; a tied parameter under each of its names), to be overwritten in place
+        (the rollout node fills every embedded engine in one read of a weights file: control/weights/disk.py
+        ``copy_checked``); only between steps. Serves ``policy_version`` once the block ends without an error."""
+        with self._between_steps():
+            yield self._model.state_dict()
+            self._policy_version = policy_version
+
+    @contextmanager
+    def _between_steps(self) -> Iterator[None]:
+        """The engine's lock, with no request in flight: weights change only between steps."""
         with self._lock:
             self._raise_if_unusable()
             if self._in_flight_ids:
@@ -205,11 +226,7 @@ class EmbeddedEngine:
                     f"engine {self.name}: weights loaded with {len(self._in_flight_ids)} requests in flight; "
                     "weights may change only when no request is in flight (between steps)."
                 )
-            _, unexpected = self._model.load_state_dict(state, strict=complete)
-            if unexpected:
-                raise ValueError(f"engine {self.name}: the model has no parameters {unexpected}")
-            if policy_version is not None:
-                self._policy_version = policy_version
+            yield
 
     def num_in_flight(self) -> int:
         with self._lock:
@@ -475,26 +492,3 @@ def model_eos_token_ids(model: torch.nn.Module) -> frozenset[int]:
     0.5.23 stops on besides a request's stop_token_ids (``ModelConfig._get_hf_eos_token_id``)."""
     eos = [getattr(c, "eos_token_id", None) for c in (model.config, getattr(model, "generation_config", None))]
     return frozenset(i for e in eos if e is not None for i in ([e] if isinstance(e, int) else e))
-
-
-def _check_request(request: GenerationRequest, context_len: int) -> None:
-    num_tokens = len(request.input_ids) + request.max_new_tokens
-    if num_tokens > context_len:  # SGLang's words (TokenizerManager._validate_one_request), answered with HTTP 400
-        raise ValueError(
-            f"Requested token count exceeds the model's maximum context length of {context_len} tokens. You "
-            f"requested a total of {num_tokens} tokens: {len(request.input_ids)} tokens from the input messages and "
-            f"{request.max_new_tokens} tokens for the completion. Please reduce the number of tokens in the input "
-            "messages or the completion to fit within the limit.")
-    problems = []
-    if not request.input_ids:
-        problems.append("input_ids is empty")
-    if request.max_new_tokens < 1:
-        problems.append(f"max_new_tokens={request.max_new_tokens} (must be >= 1)")
-    if len(request.draft_ids) > request.max_new_tokens:
-        problems.append(f"{len(request.draft_ids)} draft_ids, more than max_new_tokens={request.max_new_tokens}")
-    if request.temperature < 0:
-        problems.append(f"temperature={request.temperature} (must be >= 0; 0 means greedy)")
-    if not 0 < request.top_p <= 1:
-        problems.append(f"top_p={request.top_p} (must be in (0, 1])")
-    if problems:
-        raise ValueError(f"request {request.request_id}: " + "; ".join(problems))

@@ -43,14 +43,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from rolloutpipe.control.weights.buckets import Bucket, BucketMac, WeightGroup
 from rolloutpipe.observe.metrics import SpanRecorder
 from rolloutpipe.rollout.admission import Admission
-from rolloutpipe.rollout.engines.base import Engine
+from rolloutpipe.rollout.engines.base import Engine, HoldsWeightsInProcess
 from rolloutpipe.types import GenerationResult
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +152,29 @@ class EngineSupervisor:
                 except Exception as err:  # noqa: BLE001 - e.g. its server died during the load: one more failure
                     reason = f"loading policy_version {policy_version} failed: {err!r}"
             self._recover(self._slot_of[engine.name], engine, reason)
+
+    @contextmanager
+    def weights_in_place(self, path: str, policy_version: int) -> Iterator[list[dict[str, torch.Tensor]] | None]:
+        """Where every engine runs in this process (the embedded engine): their state dicts, held between steps for
+        the weights file at ``path`` to fill in one read (control/weights/disk.py ``copy_checked``); they serve
+        ``policy_version`` once the block ends without an error. A failed engine is replaced, as in
+        ``load_weights``; its replacement reads the file itself. None where they do not run here."""
+        if not self.engines or not all(isinstance(engine, HoldsWeightsInProcess) for engine in self.engines):
+            yield None
+            return
+        self.weights, self.policy_version = (path, policy_version), policy_version
+        with ExitStack() as held:
+            destinations = []
+            for engine in list(self.engines):
+                reason = self._failure(engine)
+                if reason is None:
+                    try:
+                        destinations.append(held.enter_context(engine.weights_in_place(policy_version)))
+                        continue
+                    except Exception as err:  # noqa: BLE001 - e.g. it crashed since the step ended
+                        reason = f"loading policy_version {policy_version} failed: {err!r}"
+                self._recover(self._slot_of[engine.name], engine, reason)
+            yield destinations
 
     def join_weight_group(self, group: WeightGroup, ranks_per_engine: int) -> None:
         """Every engine in service joins trainer rank 0's weight-update group, the i-th in slot order as ranks
