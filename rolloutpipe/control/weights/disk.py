@@ -2,18 +2,20 @@
 
 Trainer rank 0 writes ``run_dir/weights/policy_v<k>.safetensors`` bucket by bucket as the policy streams out of the
 backend, and publishes its path, size and MAC in the store (a sealed record, control/transport.py); the rollout node
-has every engine call ``update_weights_from_disk`` on it and checks the MAC while they read it. Each side touches each
-byte once:
+has every engine load it and checks the MAC while they read it. Each side touches each byte once:
 
     trainer   each tensor is hashed while it is written, from the same memory, on a second thread: its BLAKE3 (every
               core but the writer's; digest.py ``tensor_hash``) for the step's weights digest, and its AES-GMAC chunk
               by chunk for the file's MAC. Nothing is read back.
-    rollout   once the file is there with the published size, the engines load it while the node recomputes the MAC
-              from the page cache (one thread); a mismatch stops the run before any request reaches the new weights
-              (the node admits step k+1 only after ``load`` returns), as a refused file did before.
+    rollout   once the file is there with the published size, the node recomputes the MAC from the page cache
+              while the engines load it: engines of the node's own process (the embedded engine) in the same read,
+              which copies each piece into all of them and authenticates it from the cache (``copy_checked``);
+              engines of their own (SGLang servers) read the file themselves beside the node's check (one thread).
+              A mismatch stops the run before any request reaches the new weights (the node admits step k+1 only
+              after ``load`` returns).
 
 The MAC. AES-GMAC over the file's data (mac.py: a fresh salt per file, chunk i of the tensors in file order has
-nonce i); on the rollout side, where it is the only hash, it hides behind the engines' read. The file's MAC is a
+nonce i); on the rollout side it is the only hash. The file's MAC is a
 BLAKE3 keyed with the weights key over the header and the chunk tags in order: a changed, moved, cut or appended
 byte changes it.
 

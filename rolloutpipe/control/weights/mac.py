@@ -21,7 +21,7 @@ import hashlib
 import hmac
 from collections.abc import Iterable
 
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers import AEADEncryptionContext, Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 MAC_CHUNK_BYTES = 256 << 20
@@ -50,7 +50,7 @@ class ChunkMac:
         """The 16-byte tag of chunk ``index`` (its nonce) holding ``data`` (holds the GIL meanwhile)."""
         return self._aead.encrypt(index.to_bytes(12, "big"), b"", data)
 
-    def in_pieces(self, index: int):
+    def in_pieces(self, index: int) -> AEADEncryptionContext:
         """Chunk ``index``'s GMAC fed piece by piece: call ``authenticate_additional_data`` on each piece in order,
         then ``finalize()``; its ``tag`` is then ``tag(index, the pieces joined)``."""
         return Cipher(algorithms.AES(self._key), modes.GCM(index.to_bytes(12, "big"))).encryptor()
