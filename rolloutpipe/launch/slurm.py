@@ -26,7 +26,8 @@ extension in submitit_het.py writes this script, counts the tasks of both groups
 Monitor loop (SlurmLauncher.launch)
     waits for   every task's result file (checked each second) or sacct reporting the job finished
                 (asked every launcher.poll_s); meanwhile echoes trainer rank 0's step lines, and through a
-                requeue (launch/requeue.py) lets the requeued job start at once instead of after Slurm's hold
+                requeue (launch/requeue.py) lets the requeued job start seconds after Slurm's hold is set,
+                not when it ends (``_release_requeued``)
     on success  every task returned -> 0
     on failure  prints the job's state (FAILED, CANCELLED, TIMEOUT, ...) and the end of each failed
                 task's stderr -> 1; a cancelled job is reported as cancelled
@@ -51,6 +52,9 @@ from rolloutpipe.control.lifetime import REQUEUE_EXIT
 from rolloutpipe.launch.config import HetGroupConfig, LauncherKind
 from rolloutpipe.launch.requeue import requeueable
 from rolloutpipe.launch.sacct import UNFINISHED_STATES
+
+REQUEUE_START_DELAY_S = 2
+"""How long after Slurm's hold on a requeued job the launcher lets it start (``_release_requeued``)."""
 
 
 def check_launch(cfg: Config, run_dir: Path | None = None) -> None:
@@ -265,6 +269,7 @@ class SlurmLauncher:
         """COMPLETED as soon as every task returned, else the job's state once sacct says it is finished and squeue
         no longer lists it."""
         started, last_asked, last_state, followed, ran = time.monotonic(), float("-inf"), "", 0, False
+        held_since: float | None = None
         while True:
             followed = _echo_new_lines(follow, followed)
             if all(_result(job, t) == "success" for t in range(job.num_tasks)):
@@ -275,8 +280,11 @@ class SlurmLauncher:
                 state = job.watcher.get_state(job.job_id, mode="force")
                 if state != last_state and state in ("PENDING", "RUNNING"):
                     print(f"het job {job.job_id}: {state.lower()}", flush=True)
-                if ran and state in ("REQUEUED", "PENDING"):  # requeued: no need to sit out Slurm's hold
-                    _release_requeued(job.job_id, announce=last_state not in ("REQUEUED", "PENDING"))
+                if ran and state in ("REQUEUED", "PENDING"):  # no need to sit out Slurm's hold
+                    if last_state not in ("REQUEUED", "PENDING"):
+                        print(f"het job {job.job_id} was requeued: it resumes from the run's last checkpoint",
+                              flush=True)
+                    held_since = _release_requeued(job.job_id, held_since)
                 ran = ran or state == "RUNNING"
                 last_state = state
                 # sacct reads slurmdbd, which lags the controller: a requeued job's last attempt reads FAILED there
@@ -292,13 +300,31 @@ class SlurmLauncher:
             time.sleep(1.0)
 
 
-def _release_requeued(job_id: str, *, announce: bool) -> None:
+def _release_requeued(job_id: str, held_since: float | None) -> float | None:
     """A requeued job waits two minutes before it may start again (Slurm holds it with a begin time); the launcher,
-    which watches it, lets it start as soon as the nodes allow (launch/requeue.py: it resumes from the checkpoint).
-    Called every poll while it is requeued: Slurm refuses the update until the job is pending again."""
-    if announce:
-        print(f"het job {job_id} was requeued: it resumes from the run's last checkpoint", flush=True)
+    which watches it, lets it start sooner (launch/requeue.py: it resumes from the checkpoint). Called every poll
+    while the job is requeued, with what the last call returned: when the hold was first seen, None if none was.
+
+    Not at once: a node's slurmd refuses to launch a job in the second it revoked the job's credential (Slurm 22.05
+    compares whole seconds: "Killing non-startable batch job: Job credential revoked"), and the requeued job then ends
+    FAILED instead of resuming. The revocation comes with the requeue, which sets the hold, so the job is released
+    REQUEUE_START_DELAY_S after its hold was seen, and again if Slurm sets the hold anew (an ``scontrol requeue`` from
+    outside sets it when the job's tasks have stopped)."""
+    if not _held(job_id):
+        return None  # not pending yet, or released
+    now = time.monotonic()
+    if held_since is None:
+        return now
+    if now - held_since < REQUEUE_START_DELAY_S:
+        return held_since
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
+    return None
+
+
+def _held(job_id: str) -> bool:
+    """Whether a component of the pending job waits for its begin time (squeue's reason ``BeginTime``)."""
+    listed = subprocess.run(["squeue", "-h", "-t", "PD", "-j", job_id, "-o", "%r"], capture_output=True, text=True)
+    return listed.returncode == 0 and "BeginTime" in listed.stdout.split()
 
 
 def _result(job, task: int) -> str | None:

@@ -70,6 +70,40 @@ def test_the_slurm_launcher_waits_out_sacct_reading_a_requeued_job_as_failed(tmp
     assert slurm.SlurmLauncher()._wait(job, poll_s=0.0, follow=tmp_path / "log.out") == "FAILED"
 
 
+@needs_extra("slurm", "submitit")
+def test_a_requeued_job_is_released_seconds_after_slurms_hold_and_again_if_the_hold_comes_back(monkeypatch):
+    """The launcher lets a requeued job start before Slurm's two-minute hold ends, but not in the second the requeue
+    revoked its credential (slurmd would refuse it, and the job end FAILED): REQUEUE_START_DELAY_S after it saw the
+    hold, once; and again when Slurm sets the hold anew (an outside ``scontrol requeue`` sets it once the tasks
+    stop)."""
+    from types import SimpleNamespace
+
+    from rolloutpipe.launch import slurm
+
+    clock, reason, updates = {"now": 100.0}, {"now": "BeginTime"}, []
+
+    def run(argv, **kwargs):
+        if argv[0] == "squeue":
+            return SimpleNamespace(returncode=0, stdout=f"{reason['now']}\n{reason['now']}\n")  # both het groups
+        updates.append((clock["now"], argv))
+        reason["now"] = "Resources"  # released: pending for its nodes
+        return SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(slurm.subprocess, "run", run)
+    monkeypatch.setattr(slurm.time, "monotonic", lambda: clock["now"])
+    held_since, seen = None, []
+    for poll in range(12):  # one poll a second
+        if poll == 7:
+            reason["now"] = "BeginTime"  # the hold, set again
+        held_since = slurm._release_requeued("7", held_since)
+        seen.append(held_since)
+        clock["now"] += 1.0
+    assert slurm.REQUEUE_START_DELAY_S >= 2
+    assert [t for t, _ in updates] == [100.0 + slurm.REQUEUE_START_DELAY_S, 107.0 + slurm.REQUEUE_START_DELAY_S]
+    assert all(argv == ["scontrol", "update", "JobId=7", "StartTime=now"] for _, argv in updates)
+    assert seen[:3] == [100.0, 100.0, None] and seen[7] == 107.0
+
+
 def test_het_group_0_is_the_rollout_and_later_tasks_are_trainer_ranks_in_procid_order():
     envs = [NodeEnv.from_environ(het_step(p, [1, 4])) for p in range(5)]
     assert [(e.role, e.rank, e.world_size) for e in envs] == [
