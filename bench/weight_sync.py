@@ -19,8 +19,8 @@ Rows:
                          the file read into an engine's existing weights (safetensors ``load_file``, each tensor
                          copied into its place, as ``load_state_dict`` does)
     disk: read + check into weights  what the rollout node does for those (disk.py ``copy_checked``): the file read
-                         once into the engine's weights, 1 MiB at a time, each piece's MAC taken from the cache on
-                         a second thread
+                         once into the engine's weights, 1 MiB at a time, each piece's MAC taken from the cache
+                         right after its copy
     broadcast            the distributed way's transport over gloo to one engine process (distributed.py: one
                          broadcast per bucket of ``--bucket-mb``; the engine unpacks each bucket), from a policy laid
                          out as the torch and FSDP backends hand it over: a bucket is one range of memory, sent as it

@@ -127,21 +127,10 @@ def write_weights(path: Path, buckets: list[Bucket], tensors: Iterator[dict[str,
 
 def file_mac(path: Path, key: bytes, salt: bytes) -> str:
     """The MAC ``write_weights`` gave the file at ``path`` with ``salt``, recomputed from its bytes (mapped, each read
-    once); ValueError if it is no safetensors file whose tensors cover it exactly. One thread: GMAC on one core
-    (9 GB/s from memory on the 2-core machine) outruns an engine's read of the file, and a second would only take a
-    core from the engines."""
-    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-        view = memoryview(mapped)
-        try:
-            start, entries = _data_layout(view)
-            pieces = [chunk for e in entries for chunk in chunks(start + e.begin, start + e.end)]
-            chunk_mac = ChunkMac(gmac_key(key, salt))
-            mac = blake3.blake3(view[:start], key=key)
-            for index, (begin, end) in enumerate(pieces):
-                mac.update(chunk_mac.tag(index, view[begin:end]))
-            return mac.hexdigest()
-        finally:
-            view.release()
+    once: ``copy_checked`` into no engine, a chunk in one GMAC call); ValueError if it is no safetensors file whose
+    tensors cover it exactly. One thread: GMAC on one core (9 GB/s from memory on the 2-core machine) outruns an
+    engine's read of the file, and a second would only take a core from the engines."""
+    return copy_checked(path, key, salt, [])
 
 
 COPY_PIECE_BYTES = 1 << 20
@@ -173,13 +162,15 @@ def copy_checked(path: Path, key: bytes, salt: bytes, destinations: list[dict[st
             targets = [_targets(entries, destination) for destination in destinations]
             mac, chunk_mac, index = blake3.blake3(view[:start], key=key), ChunkMac(gmac_key(key, salt)), 0
             for i, entry in enumerate(entries):
-                source, size = _source(mapped, start, entry), _TORCH_DTYPES[entry.dtype].itemsize
-                step = max(1, COPY_PIECE_BYTES // size)  # elements
+                source = _source(mapped, start, entry) if targets else None
+                size = _TORCH_DTYPES[entry.dtype].itemsize
                 for begin, end in chunks(entry.begin, entry.end):
                     gmac = chunk_mac.in_pieces(index)
                     index += 1
-                    for first in range((begin - entry.begin) // size, (end - entry.begin) // size, step):
-                        stop = min(first + step, (end - entry.begin) // size)
+                    low, high = (begin - entry.begin) // size, (end - entry.begin) // size  # elements
+                    step = max(1, COPY_PIECE_BYTES // size if targets else high - low)  # no engine: the chunk whole
+                    for first in range(low, high, step):
+                        stop = min(first + step, high)
                         for target in targets:
                             target[i][first:stop].copy_(source[first:stop])
                         at = start + entry.begin + first * size
