@@ -143,15 +143,7 @@ class EngineSupervisor:
         """Serve ``policy_version`` on every engine from now on (between steps); an engine that fails is replaced.
         One restarting on another node loads it when it is back."""
         self.weights, self.policy_version = (path, policy_version), policy_version
-        for engine in list(self.engines):
-            reason = self._failure(engine)
-            if reason is None:
-                try:
-                    engine.update_weights_from_disk(path, policy_version)
-                    continue
-                except Exception as err:  # noqa: BLE001 - e.g. its server died during the load: one more failure
-                    reason = f"loading policy_version {policy_version} failed: {err!r}"
-            self._recover(self._slot_of[engine.name], engine, reason)
+        self._load_each(policy_version, lambda engine: engine.update_weights_from_disk(path, policy_version))
 
     @contextmanager
     def weights_in_place(self, path: str, policy_version: int) -> Iterator[list[dict[str, torch.Tensor]] | None]:
@@ -164,17 +156,23 @@ class EngineSupervisor:
             return
         self.weights, self.policy_version = (path, policy_version), policy_version
         with ExitStack() as held:
-            destinations = []
-            for engine in list(self.engines):
-                reason = self._failure(engine)
-                if reason is None:
-                    try:
-                        destinations.append(held.enter_context(engine.weights_in_place(policy_version)))
-                        continue
-                    except Exception as err:  # noqa: BLE001 - e.g. it crashed since the step ended
-                        reason = f"loading policy_version {policy_version} failed: {err!r}"
-                self._recover(self._slot_of[engine.name], engine, reason)
+            destinations: list[dict[str, torch.Tensor]] = []
+            self._load_each(policy_version,
+                            lambda engine: destinations.append(held.enter_context(engine.weights_in_place(
+                                policy_version))))
             yield destinations
+
+    def _load_each(self, policy_version: int, load: Callable[[Engine], None]) -> None:
+        """``load`` on every engine in turn; one that failed before, or whose load raises, is replaced."""
+        for engine in list(self.engines):
+            reason = self._failure(engine)
+            if reason is None:
+                try:
+                    load(engine)
+                    continue
+                except Exception as err:  # noqa: BLE001 - e.g. its server died during the load: one more failure
+                    reason = f"loading policy_version {policy_version} failed: {err!r}"
+            self._recover(self._slot_of[engine.name], engine, reason)
 
     def join_weight_group(self, group: WeightGroup, ranks_per_engine: int) -> None:
         """Every engine in service joins trainer rank 0's weight-update group, the i-th in slot order as ranks
