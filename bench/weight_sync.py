@@ -182,14 +182,8 @@ def broadcast_rank(rank: int, port: int, store_port: int, model_shape: str, buck
 
     from rolloutpipe.control.weights.buckets import BUCKETS_HELD, Bucket, BufferRing, WeightGroup, plan_buckets, unpack
     from rolloutpipe.control.weights.digest import Digest
-    from rolloutpipe.control.weights.distributed import (
-        Broadcaster,
-        authenticated,
-        bucket_mac,
-        check_bucket,
-        join_group,
-        receive_bucket,
-    )
+    from rolloutpipe.control.weights.distributed import authenticated, bucket_mac, check_bucket
+    from rolloutpipe.control.weights.group import Broadcaster, join_group, receive_bucket
     from rolloutpipe.control.weights.mac import weights_key
     from rolloutpipe.launch.memory_plan import QWEN3_SHAPES
     from rolloutpipe.trainer.megatron.convert import hf_plan, hf_sources, map_bucket

@@ -39,6 +39,10 @@ class FakeEngine:
         self.shut_down = False
         self.server_gone = False
         """Its server died with nothing in flight: only ``probe`` finds out."""
+        self.receive: Callable[[], None] | None = None
+        """What ``update_weights_from_distributed`` does first (a test's: raise, or wait for ``left``)."""
+        self.left: list[str] = []
+        """Weight-update groups given up (``leave_weight_group``)."""
 
     def submit(self, request) -> None:
         self.submitted.append(request)
@@ -61,7 +65,12 @@ class FakeEngine:
             self.error = RuntimeError(f"engine {self.name}: its server did not answer /health")
 
     def update_weights_from_distributed(self, buckets, group_name: str, policy_version: int, macs) -> None:
+        if self.receive is not None:
+            self.receive()
         self.weights = (group_name, policy_version)
+
+    def leave_weight_group(self, group_name: str) -> None:
+        self.left.append(group_name)
 
     def shutdown(self) -> None:
         self.shut_down = True

@@ -10,7 +10,10 @@ The process runs ``rolloutpipe.launch.node`` as usual, except that the ``nth`` c
 - ``engine_crash`` raises inside an embedded engine's scheduler thread (its next decode step), which sets
   ``engine.error`` as any crash of that thread would;
 - ``engine_server_killed`` SIGKILLs the server process of the SGLang-API engine being submitted to (the
-  ``nth`` submit of the run), as an OOM kill of that server would.
+  ``nth`` submit of the run), as an OOM kill of that server would;
+- ``engine_server_killed_mid_broadcast`` SIGKILLs the server of the engine making the ``nth`` broadcast weight load of
+  the run (``update_weights_from_distributed``) once it has received the policy's first bucket, before the second:
+  every other engine of the group has the first bucket and waits for the second.
 This wrapper is the only place faults are injected; production code has no hooks for it.
 """
 
@@ -39,6 +42,19 @@ def keep_busy(*args, **kwargs):
     time.sleep(float(os.environ["RP_TEST_BUSY_S"]))
 
 
+def kill_server_before_second_bucket(original, engine, buckets, group_name, policy_version, macs):
+    """Wraps the call (``arm`` hands it ``original``): each bucket's MAC is asked for just before its call."""
+    def kill_then_mac(index):
+        if index == 1:
+            kill_engine_server(engine)
+        return macs(index)
+
+    return original(engine, buckets, group_name, policy_version, kill_then_mac)
+
+
+kill_server_before_second_bucket.wraps = True
+
+
 def crash_engine(engine, *args, **kwargs):
     raise RuntimeError(f"injected crash of engine {engine.name}")
 
@@ -61,6 +77,9 @@ POINTS = {
                            kill_process),
     "engine_crash": ("rolloutpipe.rollout.engines.embedded", "EmbeddedEngine._decode_step", crash_engine),
     "engine_server_killed": ("rolloutpipe.rollout.engines.http_client", "SGLangEngine.submit", kill_engine_server),
+    "engine_server_killed_mid_broadcast": ("rolloutpipe.rollout.engines.http_client",
+                                           "SGLangEngine.update_weights_from_distributed",
+                                           kill_server_before_second_bucket),
 }
 
 
@@ -80,6 +99,8 @@ def arm(point: str, nth: int, how: str = "SIGKILL") -> None:
         nonlocal calls
         calls += 1
         if calls == nth:
+            if getattr(fail, "wraps", False):  # it makes the call itself
+                return fail(original, *args, **kwargs)
             fail(*args, **kwargs)
         return original(*args, **kwargs)
 

@@ -116,6 +116,9 @@ ENGINE_FAULTS = [
     ("engine_server_killed", "embedded_http", 20, "disk"),  # step 1's 4th request: its engine's server is SIGKILLed
     # the same under broadcast weight sync: the replacement joins a new weight-update group before step 2's policy
     ("engine_server_killed", "embedded_http", 20, "distributed"),
+    # an engine's server dies during the broadcast of step 2's policy (the 3rd load: 2 engines), between its first
+    # and second bucket: the other engine gives the broadcast up, and the policy goes again to a new group
+    ("engine_server_killed_mid_broadcast", "embedded_http", 3, "distributed"),
 ]
 
 
@@ -126,7 +129,7 @@ def test_a_failed_engine_loses_no_sample_and_the_run_matches_the_uninterrupted_o
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     procs = start_nodes(run_dir, *workload(data), f"rollout.engine={engine}", "rollout.num_engines=2",
-                        f"pipeline.weight_sync={weight_sync}",
+                        f"pipeline.weight_sync={weight_sync}", "pipeline.weight_sync_bucket_mb=0.001",  # 1 KiB: buckets
                         commands={"rollout": ["-m", "tests.faults.inject", point, str(nth)]})
     outputs = {role: p.communicate(timeout=180) for role, p in procs.items()}
     for role, p in procs.items():

@@ -109,9 +109,10 @@ def test_a_process_without_the_runs_key_can_neither_update_nor_steer_the_server(
               str(tmp_path / "evil.safetensors"))
     group = {"master_address": "127.0.0.1", "master_port": 1, "world_size": 2, "group_name": "g", "backend": "gloo"}
     calls = [(sglang_api.PAUSE_GENERATION, sglang_api.pause_body()),
-             (sglang_api.BEGIN_WEIGHT_UPDATE, sglang_api.begin_weight_update_body()),
+             (sglang_api.BEGIN_WEIGHT_UPDATE, {}),
              (sglang_api.UPDATE_WEIGHTS_FROM_DISK, sglang_api.update_weights_from_disk_body(str(tmp_path), 5)),
              (sglang_api.INIT_WEIGHTS_UPDATE_GROUP, {**group, "rank_offset": 1}),
+             (sglang_api.DESTROY_WEIGHTS_UPDATE_GROUP, {"group_name": "g"}),
              (sglang_api.ABORT_REQUEST, sglang_api.abort_all_body()),
              (sglang_api.GENERATE, sglang_api.generate_body(request(0)))]
     for key in (None, "not-the-key"):

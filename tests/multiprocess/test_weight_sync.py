@@ -8,6 +8,7 @@ plays in a run; the rollout node's side (EngineSupervisor -> SGLangEngine -> sgl
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import contextmanager
 
 import pytest
@@ -19,7 +20,8 @@ from rolloutpipe.config import ConfigError, load_config
 from rolloutpipe.control.env import free_port
 from rolloutpipe.control.weights.buckets import GROUP_NAME, WeightGroup, plan_buckets
 from rolloutpipe.control.weights.digest import tensor_bytes
-from rolloutpipe.control.weights.distributed import Broadcaster, bucket_mac, mac_record, weight_sync_backend
+from rolloutpipe.control.weights.distributed import bucket_mac, mac_record
+from rolloutpipe.control.weights.group import BroadcastBroken, Broadcaster, weight_sync_backend
 from rolloutpipe.control.weights.mac import weights_key
 from rolloutpipe.model import DType, ModelConfig, load_model
 from rolloutpipe.observe.metrics import read_spans
@@ -169,6 +171,61 @@ def test_a_bucket_changed_on_the_wire_is_refused_and_the_engine_serves_nothing_u
             for r in requests:
                 got = sglang_api.generate(proc.endpoint, r, timeout_s=30)
                 assert got.weight_version == "6" and got.output_ids == local[r.request_id].output_ids
+
+
+def test_an_engine_told_to_leave_gives_up_the_broadcast_at_once_and_serves_nothing_until_a_whole_policy_loads(
+        servers):
+    """A member died during the broadcast (here: rank 0 never sends), so the collective would wait until the group's
+    timeout; /destroy_weights_update_group ends the receive in progress at once, and the engine then answers
+    /generate with 503 rather than sample from part of a policy. A whole policy broadcast to a new group loads."""
+    with in_a_group(servers, "left") as (_, _, rank0):
+        state = policy(ModelConfig(dtype=DType.float64, init_seed=3))
+        buckets = rank0.plan(state)
+        failure: list[BaseException] = []
+
+        def receive() -> None:
+            try:
+                sglang_api.update_weights_from_distributed(servers[0].endpoint, buckets, "left", 7,
+                                                           macs=macs_of(state, buckets), timeout_s=60)
+            except sglang_api.SGLangError as err:
+                failure.append(err)
+
+        receiving = threading.Thread(target=receive)
+        receiving.start()
+        time.sleep(1.0)
+        assert receiving.is_alive(), "the receive waits for rank 0"
+        start = time.monotonic()
+        sglang_api.destroy_weights_update_group(servers[0].endpoint, "left")
+        receiving.join(timeout=10)
+        assert not receiving.is_alive() and time.monotonic() - start < 10
+        [err] = failure
+        assert err.status == 400 and "the broadcast on left broke" in str(err)
+        with pytest.raises(sglang_api.SGLangError, match="broke") as refused:
+            sglang_api.generate(servers[0].endpoint, request(0), timeout_s=30)
+        assert refused.value.status == 503
+    with in_a_group(servers, "after-left") as (_, supervisor, rank0):
+        broadcast(rank0, supervisor, state, buckets, 8)
+        got = sglang_api.generate(servers[0].endpoint, request(0), timeout_s=30)
+        assert got.weight_version == "8"
+
+
+def test_rank_0_gives_up_its_broadcast_once_the_rollout_node_says_a_member_died(servers):
+    """Rank 0's own broadcast may not fail when a member dies (the dead peer need not be one it sends to): it stops
+    waiting once the rollout node's outcome record says the broadcast broke (``broken``), and leaves the group."""
+    with in_a_group(servers, "said-broken") as (_, _, rank0):
+        state = {"w": torch.ones(8 << 20, dtype=torch.float32)}  # 32 MiB: more than the sockets buffer
+        told_at = time.monotonic() + 1.0
+
+        def broken() -> None:
+            if time.monotonic() > told_at:
+                raise BroadcastBroken("the rollout node says an engine died during the broadcast")
+
+        with pytest.raises(BroadcastBroken, match="says an engine died"):
+            rank0.stream([(bucket, state) for bucket in plan_buckets(state, 4 << 20)], 3, broken)  # no one receives
+        start = time.monotonic()
+        rank0.leave()  # without waiting for the group's timeout (60 s) to end the broadcast in flight
+        assert time.monotonic() - start < 30
+        rank0.leave()  # once left, leaving again does nothing (a new attempt's group replaces it)
 
 
 PARITY = [*SMALL, *DENSE_REWARD, "model.dtype=float64", "run.save_samples=true", "rollout.concurrency=6",

@@ -7,6 +7,7 @@ import pytest
 from rolloutpipe.control.weights.buckets import WeightGroup
 from rolloutpipe.rollout.admission import AdmissionPolicy
 from rolloutpipe.rollout.config import RolloutConfig
+from rolloutpipe.rollout.engines import supervisor as supervisor_module
 from rolloutpipe.rollout.engines.supervisor import EngineFailed
 from tests.fakes import Rollout, group_requests
 
@@ -78,6 +79,71 @@ def test_under_broadcast_weight_sync_a_replacement_waits_for_the_next_group_and_
     replacement.error = e1.error = RuntimeError("both lost")
     with pytest.raises(EngineFailed, match="It was the last engine in service"):
         supervisor.check()
+
+
+def in_group_of(num_engines: int) -> Rollout:
+    rollout = Rollout(num_engines=num_engines)
+    rollout.supervisor.join_weight_group(WeightGroup(master_address="h", master_port=1, world_size=1 + num_engines,
+                                                     group_name="g-1"), 1)
+    return rollout
+
+
+def dies_mid_broadcast(engine) -> None:
+    def receive():
+        engine.error = RuntimeError("server exited with code -9")
+        raise RuntimeError("given up: the server exited")
+    engine.receive = receive
+
+
+def waits_until_it_leaves(engine, *, gives_up: bool = True) -> None:
+    def receive():
+        deadline = time.monotonic() + 10
+        while not (gives_up and engine.left) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        raise RuntimeError("the broadcast was given up")
+    engine.receive = receive
+
+
+def test_an_engine_dying_during_the_broadcast_has_the_others_give_it_up_and_a_new_group_receive_it_again():
+    """pipeline.weight_sync=distributed: a member that dies mid-broadcast leaves the others waiting in a collective
+    that cannot end; they are told to leave the group, the dead one is replaced, and the load says the policy must go
+    again (to a new group of the engines left and the replacement)."""
+    rollout = in_group_of(2)
+    supervisor, (e0, e1) = rollout.supervisor, rollout.engines
+    dies_mid_broadcast(e0)
+    waits_until_it_leaves(e1)
+    assert supervisor.load_weights_distributed([], 4, macs=None) is False
+    assert e1.left == ["g-1"] and e0.left == [] and e0.shut_down and not e1.shut_down
+    assert rollout.engines == [e1] and supervisor.replacements_waiting() == ["engine0-restart1"]
+    assert supervisor.policy_version == 0 and supervisor.next_group_size() == 2
+    e1.receive = None
+    supervisor.rejoin_weight_group(WeightGroup(master_address="h", master_port=2, world_size=3, group_name="g-2"), 1)
+    assert supervisor.load_weights_distributed([], 4, macs=None) is True
+    assert [e.weights for e in rollout.engines] == [("g-2", 4), ("g-2", 4)] and supervisor.policy_version == 4
+
+
+def test_an_engine_that_does_not_give_up_the_broken_broadcast_is_replaced_too(monkeypatch):
+    monkeypatch.setattr(supervisor_module, "LEAVE_GRACE_S", 0.2)
+    rollout = in_group_of(3)
+    supervisor, (e0, e1, e2) = rollout.supervisor, rollout.engines
+    dies_mid_broadcast(e0)
+    waits_until_it_leaves(e1, gives_up=False)  # SGLang's scheduler, stuck in the collective until its timeout
+    waits_until_it_leaves(e2)
+    assert supervisor.load_weights_distributed([], 4, macs=None) is False
+    assert e1.left == e2.left == ["g-1"] and e1.shut_down and not e2.shut_down
+    assert rollout.engines == [e2] and supervisor.replacements_waiting() == ["engine0-restart1", "engine1-restart1"]
+    assert supervisor.next_group_size() == 3
+
+
+def test_a_failed_broadcast_where_no_engine_died_stops_the_run():
+    """A refused bucket (its MAC does not match) is no lost member: nothing is sent again, the run stops."""
+    rollout = in_group_of(2)
+    def refuse():
+        raise RuntimeError("the bucket does not match its MAC")
+    rollout.engines[0].receive = refuse
+    with pytest.raises(EngineFailed, match="does not match its MAC.*this stops the run"):
+        rollout.supervisor.load_weights_distributed([], 4, macs=None)
+    assert rollout.engines[1].left == [] and rollout.restarted == []
 
 
 def test_with_one_engine_its_requests_wait_for_the_restarted_one():

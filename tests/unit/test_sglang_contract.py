@@ -190,6 +190,8 @@ class FakeServer:
             return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
         if route == sglang_api.INIT_WEIGHTS_UPDATE_GROUP:
             return {"success": True, "message": "Succeeded to initialize custom process group."}
+        if route == sglang_api.DESTROY_WEIGHTS_UPDATE_GROUP:
+            return {"success": True, "message": "Succeeded to destroy custom process group."}
         if route == sglang_api.UPDATE_WEIGHTS_FROM_DISTRIBUTED:
             self.weight_version = body.get("weight_version") or self.weight_version
             return {"success": True, "message": "Succeeded to update parameter online."}
@@ -240,6 +242,7 @@ def drive_the_client(fake: FakeServer, tmp_path: Path) -> None:
     sglang_api.update_weights_from_distributed(url, plan_buckets(state, 1), group.group_name, 2, macs=lambda i: mac,
                                                timeout_s=5)
     assert fake.weight_version == "2"
+    sglang_api.destroy_weights_update_group(url, group.group_name)  # (a member died during a broadcast)
 
 
 # --- the checks ----------------------------------------------------------------------------------------------------

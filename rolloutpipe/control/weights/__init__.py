@@ -120,9 +120,10 @@ class EngineGroup(Protocol):
         replacements waiting), having checked every engine's server; None if the current group serves."""
 
     def load_weights_distributed(self, buckets: list[Bucket], policy_version: int,
-                                 macs: Callable[[int], BucketMac] | None) -> None:
+                                 macs: Callable[[int], BucketMac] | None) -> bool:
         """Every engine receives the broadcast ``buckets``, each with its MAC (``macs(i)``: distributed.py; None
-        where the engines cannot check one)."""
+        where the engines cannot check one). False when an engine died during the broadcast: it is replaced, the
+        others left the group, and the policy must go again to a new one (``next_group_size``)."""
 
 
 class WeightSender(Protocol):

@@ -11,22 +11,17 @@ a multi-GPU SGLang engine), and broadcasts the HF-named tensors to them; nothing
              ...); each call returns once the whole group is formed
     step k   trainer rank 0: plan buckets of at most ``pipeline.weight_sync_bucket_mb`` (names, dtypes,
              shapes), publish the plan as ``weights/policy_version=<k+1>``; then per bucket: digest it, publish
-             its MAC as ``weights/policy_version=<k+1>/bucket=<i>``, broadcast it as one flat tensor
-             (buckets.py ``pack``: one broadcast per bucket, SGLang's ``flattened_bucket``); then wait for
-             ``serving/policy_version=<k+1>``
+             its MAC as ``weights/policy_version=<k+1>/attempt=0/bucket=<i>``, broadcast it as one flat tensor
+             (buckets.py ``pack``: one broadcast per bucket, SGLang's ``flattened_bucket``); then wait for the
+             rollout node's ``weight_sync/outcome/policy_version=<k+1>/attempt=0``
              rollout node (at the step boundary): per engine, in parallel: pause -> begin_weight_update ->
              one /update_weights_from_distributed per bucket, with the bucket's MAC (the last one carries
              ``weight_version``) -> end_weight_update -> flush -> continue, then /model_info must report the new
-             version
-
-Rank 0 sends at the transport's own floor: a broadcast per tensor pays a collective's fixed cost hundreds of times,
-so each bucket goes as one flat buffer, and two buffers alternate so that bucket i+1 is gathered, digested and
-packed while bucket i is on the wire (``Broadcaster.stream``). The bucket size trades those costs against memory
-(two buffers on rank 0's device); bench/weight_sync.py measures it against one raw broadcast of the same bytes.
+             version; then it writes the outcome (received) and ``serving/policy_version=<k+1>``
 
 Who calls the engines: the rollout node, not the trainer. It alone knows when no request is in flight, and it
 already owns the engine list, the weight-update session and the version check. The trainer's broadcast just
-blocks until the engines join it. Backend (``weight_sync_backend``): nccl when SGLang engines on GPUs meet a
+blocks until the engines join it. Backend (group.py ``weight_sync_backend``): nccl when SGLang engines on GPUs meet a
 trainer on GPUs (untested here: no GPU), gloo otherwise (the embedded engine; a CPU trainer).
 
 A lost engine. A group's membership is fixed when it forms: a failed member cannot receive, and its replacement
@@ -41,11 +36,23 @@ changed:
              ``weight_sync/members/policy_version=<k+1>``: the engine ranks of a new group (those in service and
              the replacements waiting), or none when no member failed and no replacement waits
              trainer rank 0 (``publish``): waits for that record; for a new group, leaves the old one, publishes the
-             plan ``weight_sync/plan/policy_version=<k+1>`` with it (new port, new name) and joins it as rank 0
+             plan ``weight_sync/plan/policy_version=<k+1>/attempt=0`` with it (new port, new name) and joins it
              rollout node: reads the plan; the engines in service and the replacements join the new group, in slot
              order; then policy k+1 is broadcast to all of them
-    An engine that fails after the members record (during the broadcast) stops the run, saying so; it resumes from
-    the step's checkpoint.
+    k -> k+1 an engine dies during the broadcast: the collective cannot end for anyone (a gloo or NCCL collective
+             cannot be cancelled; the others would wait for the group's timeout)
+             rank 0: its broadcast fails (the dead peer's connection closed), or the outcome record below says so
+             rollout node (supervisor.py ``load_weights_distributed``): the dead engine's call fails; the others are
+             told to leave the group (/destroy_weights_update_group: the embedded engine's server gives the receive
+             up at once and serves nothing until a whole policy loads; one that has not given it up within
+             ``LEAVE_GRACE_S``, an SGLang scheduler stuck in the collective, is replaced too); the dead one is
+             replaced; the outcome of attempt a is ``{"received": false, "num_engine_ranks": n}``
+             rank 0: leaves the group (the step's deferred update and a sharded gather finish the bucket in hand),
+             forms a new one of n engine ranks, publishes it as the plan of attempt a+1, and broadcasts the whole
+             policy again, with fresh MAC records (``attempt=<a+1>``): the same bytes, as the update is applied to
+             each parameter once (grpo_trainer.py ``_update``). It goes on until an attempt is received; each one
+             costs a failure of a slot, so ``rollout.max_engine_failures`` bounds them. Any other failure of the
+             broadcast (a refused bucket) stops the run, saying so; it resumes from the step's checkpoint.
 
 Authentication. Nobody outside the run may put bytes into an engine, and a process group authenticates nothing: its
 rendezvous store is SGLang's and takes no seal, and anyone who reaches it or a member's port can pose as a member
@@ -59,44 +66,27 @@ does not match (it then serves nothing until a whole policy loads), so the rollo
 route has no field for a MAC: SGLang engines take the buckets unchecked (no MAC is made for them), so a run with
 SGLang engines and this way keeps the group's ports within the run's nodes (docs/faults-and-security.md), or uses
 ``pipeline.weight_sync=disk``, whose file the rollout node checks whatever the engine.
-
-The process group is formed the way SGLang 0.5.23 forms it on the engine side (``init_custom_process_group``:
-a ``tcp://`` rendezvous whose rank 0 hosts the store, a ``PrefixStore`` named after the group, torch's group
-helper), so the embedded engine's server (rollout/engines/http_server.py) and trainer rank 0 use ``join_group``
-below and meet a real SGLang server on the same keys.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
-from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from rolloutpipe.control.env import free_port, node_address
 from rolloutpipe.control.transport import Transport
 from rolloutpipe.control.weights import EngineGroup, PolicyWeights, WeightSyncSettings, weights_record_key
-from rolloutpipe.control.weights.buckets import (
-    GROUP_NAME,
-    Bucket,
-    BucketMac,
-    BufferRing,
-    WeightGroup,
-    pack,
-    packed,
-    plan_buckets,
-    unpack,
-)
+from rolloutpipe.control.weights.buckets import GROUP_NAME, Bucket, BucketMac, WeightGroup
 from rolloutpipe.control.weights.digest import Digest, cores_beside_one, tensor_bytes, tensor_hash
+from rolloutpipe.control.weights.group import BroadcastBroken, Broadcaster, weight_sync_backend
 from rolloutpipe.control.weights.mac import SALT_BYTES, ChunkMac, gmac_key, weights_key
 
 log = logging.getLogger(__name__)
@@ -105,71 +95,27 @@ GROUP_RECORD = ("weight_sync", "group")
 """The first group (``open``)."""
 
 
-def plan_key(transport: Transport, version: int) -> str:
-    """Which group policy ``version`` is broadcast on (trainer rank 0 writes it before it sends)."""
-    return transport.key("weight_sync", f"plan/policy_version={version}")
+def plan_key(transport: Transport, version: int, attempt: int) -> str:
+    """Which group policy ``version``'s ``attempt`` (0, then 1 after a member died during the broadcast, ...) is
+    broadcast on (trainer rank 0 writes it before it sends)."""
+    return transport.key("weight_sync", f"plan/policy_version={version}/attempt={attempt}")
 
 
-def bucket_mac_key(transport: Transport, version: int, index: int) -> str:
-    """Bucket ``index`` of policy ``version``'s salt and tags (trainer rank 0 writes it before it sends the bucket)."""
-    return transport.key("weights", f"policy_version={version}", f"bucket={index}")
+def bucket_mac_key(transport: Transport, version: int, attempt: int, index: int) -> str:
+    """Bucket ``index`` of policy ``version``'s salt and tags in broadcast ``attempt`` (trainer rank 0 writes it before
+    it sends the bucket)."""
+    return transport.key("weights", f"policy_version={version}", f"attempt={attempt}/bucket={index}")
+
+
+def outcome_key(transport: Transport, version: int, attempt: int) -> str:
+    """How broadcast ``attempt`` of policy ``version`` ended, by the rollout node: ``{"received": true}``, or
+    ``{"received": false, "num_engine_ranks": n}`` when a member died during it (the next attempt's group size)."""
+    return transport.key("weight_sync", f"outcome/policy_version={version}/attempt={attempt}")
 
 
 def members_key(transport: Transport, version: int) -> str:
     """Who receives policy ``version``: the rollout node's record (module docstring), which trainer rank 0 waits for."""
     return transport.key("weight_sync", f"members/policy_version={version}")
-
-
-def weight_sync_backend(engines_on_gpus: bool, on_gpu: bool) -> str:
-    """nccl when both ends hold CUDA tensors (SGLang engines on GPUs, a trainer whose ``hf_on_gpu`` says so: no
-    backend's does yet, each hands host copies), else gloo.
-
-    gloo also serves a CPU trainer broadcasting into SGLang's CUDA receive buffers (it copies through host memory);
-    nccl cannot start from CPU tensors, nor put two ranks on one GPU (a trainer sharing the engines' GPU).
-    """
-    return "nccl" if engines_on_gpus and on_gpu else "gloo"
-
-
-def join_group(group: WeightGroup, rank: int, *, timeout_s: float = 1800.0) -> dist.ProcessGroup:
-    """Join ``group`` as ``rank``; returns when every member has joined. Keys as SGLang 0.5.23 lays them out.
-
-    Rank 0 (trainer rank 0) hosts the rendezvous store as ``tcp://`` rendezvous would, but on the master
-    address only (not every interface); the engines (SGLang's ``init_custom_process_group``, the embedded
-    server) connect to it through ``tcp://``. SGLang's side cannot check a seal, so this store is unsealed:
-    the security table of docs/faults-and-security.md names its port among those to keep to the run's nodes.
-    """
-    from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
-
-    from rolloutpipe.control.env import listen_socket
-
-    timeout = timedelta(seconds=timeout_s)
-    if rank == 0:
-        store = dist.TCPStore(group.master_address, group.master_port, group.world_size, is_master=True,
-                              timeout=timeout, wait_for_workers=False,
-                              master_listen_fd=listen_socket(group.master_address, group.master_port).detach())
-        world_size = group.world_size
-    else:
-        host = f"[{group.master_address}]" if ":" in group.master_address else group.master_address
-        store, rank, world_size = next(dist.rendezvous(f"tcp://{host}:{group.master_port}", rank, group.world_size,
-                                                       timeout=timeout))
-    store.set_timeout(timeout)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(group.backend),
-                                      dist.PrefixStore(group.group_name, store), group_name=group.group_name,
-                                      backend_options=None, timeout=timeout)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}  # so collectives may name ranks (src=0)
-    return pg
-
-
-def wait_all(works: list, check: Callable[[], None], poll_s: float = 0.02, check_every_s: float = 0.5) -> None:
-    """Wait for collective ``works``, calling ``check`` (which raises when a peer is gone) every ``check_every_s``."""
-    next_check_s = time.monotonic() + check_every_s
-    for work in works:
-        while not work.is_completed():
-            if time.monotonic() >= next_check_s:
-                check()
-                next_check_s = time.monotonic() + check_every_s
-            time.sleep(poll_s)
-        work.wait()  # raises if the collective failed
 
 
 def mac_record(tensors: Iterable[memoryview], key: bytes) -> dict:
@@ -217,76 +163,6 @@ def check_bucket(bucket: Bucket, tensors: Mapping[str, torch.Tensor], mac: Bucke
     return mac.matches(tensor_bytes(tensors[name]) for name in bucket.names)
 
 
-def receive_bucket(pg: dist.ProcessGroup, bucket: Bucket,
-                   buffer: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """An engine's side of one bucket (the embedded engine's server): one flat tensor from rank 0, unpacked into
-    views of ``buffer`` (uint8, at least the bucket's size; views valid until it is reused) or of a fresh one."""
-    flat = (torch.empty(bucket.num_bytes, dtype=torch.uint8) if buffer is None else buffer)[:bucket.num_bytes]
-    dist.broadcast(flat, src=0, group=pg)
-    return unpack(bucket, flat)
-
-
-class Broadcaster:
-    """Trainer rank 0's side: rank 0 of ``group`` (joined here, blocking until the engines have joined too), then
-    one ``send`` per policy version while the rollout node has the engines receive it.
-
-    ``check(what)`` runs every half second while this waits for the engines, and raises when the run is aborted or
-    the rollout node stopped heart-beating (transport.Liveness.check), so a lost peer is not a silent hang.
-    """
-
-    def __init__(self, *, group: WeightGroup, bucket_bytes: int, timeout_s: float,
-                 check: Callable[[str], None]) -> None:
-        self.group = group
-        self.bucket_bytes = bucket_bytes
-        self.device = "cuda" if group.backend == "nccl" else "cpu"
-        self._check = check
-        self._buffers = BufferRing(2, self.device)
-        """The two send buffers (none grown if nothing is packed), kept between policies."""
-        joined: dict[str, Any] = {}
-
-        def join() -> None:
-            try:
-                joined["pg"] = join_group(group, 0, timeout_s=timeout_s)
-            except BaseException as err:  # noqa: BLE001 - re-raised below, on the caller's thread
-                joined["error"] = err
-
-        thread = threading.Thread(target=join, name="weight-group-join", daemon=True)
-        thread.start()
-        while thread.is_alive():
-            self._check(f"the engines to join the weight-update group at {group.master_address}:{group.master_port}")
-            thread.join(timeout=0.5)
-        if "error" in joined:
-            raise joined["error"]
-        self._pg = joined["pg"]
-
-    def leave(self) -> None:
-        """Leave the group (it is replaced by a new one): a member that died cannot hold this rank up."""
-        dist.destroy_process_group(self._pg)
-
-    def plan(self, state: dict[str, torch.Tensor]) -> list[Bucket]:
-        return plan_buckets(state, self.bucket_bytes)
-
-    def send(self, state: Mapping[str, torch.Tensor], buckets: list[Bucket], policy_version: int) -> None:
-        self.stream(((bucket, state) for bucket in buckets), policy_version)
-
-    def stream(self, buckets: Iterable[tuple[Bucket, Mapping[str, torch.Tensor]]], policy_version: int) -> None:
-        """Broadcast each bucket as one flat tensor, in order. Two buffers alternate: a bucket is packed while the
-        one before it is on the wire, so whatever ``buckets`` does between yields (gather, digest) overlaps too. A
-        bucket whose tensors lie back to back in memory already goes from there, uncopied (buckets.py ``packed``).
-        Returns once every engine has received the last one."""
-        what = f"the engines to receive policy_version {policy_version}"
-        in_flight: list = [None, None]  # (the broadcast, the flat tensor it sends) from each slot
-        for i, (bucket, state) in enumerate(buckets):
-            slot = i % 2
-            if in_flight[slot] is not None:
-                wait_all([in_flight[slot][0]], lambda: self._check(what))
-            flat = packed(bucket, state)
-            if flat is None or flat.device.type != self.device:
-                flat = pack(bucket, state, self._buffers(slot, bucket.num_bytes))
-            in_flight[slot] = (dist.broadcast(flat, src=0, group=self._pg, async_op=True), flat)
-        wait_all([sent[0] for sent in in_flight if sent is not None], lambda: self._check(what))
-
-
 class Sender:
     """Trainer rank 0's side: ``open`` publishes the group and joins it as rank 0 (returns once every engine has
     joined); ``publish`` plans the buckets, announces them, and broadcasts them while the rollout node has the
@@ -300,8 +176,8 @@ class Sender:
         self.broadcaster: Broadcaster | None = None
         self.generation = 0
         """Groups formed so far (a new one each time an engine was replaced)."""
-        self._num_buckets: dict[int, int] = {}
-        """Per policy sent: its bucket records, deleted by ``retire``."""
+        self._num_buckets: dict[int, list[int]] = {}
+        """Per policy sent: its bucket records in each attempt, deleted by ``retire``."""
 
     def open(self) -> None:
         group = self._new_group(1 + self.settings.num_engine_ranks)
@@ -323,38 +199,78 @@ class Sender:
     def publish(self, version: int, *, serves: bool) -> str:
         """Each bucket is digested, authenticated and broadcast as the policy yields it (a sharded one gathers it
         then; the step's deferred update makes it final then); the last policy only goes to the final checkpoint: its
-        buckets are digested, not sent. Before sending, the group is re-formed if the engines that receive it changed
-        (module docstring)."""
+        buckets are digested, not sent. Before sending, the group is re-formed if the engines that receive it changed;
+        if a member dies during the broadcast, the policy goes again, whole, to a group without it (module
+        docstring)."""
         assert self.broadcaster is not None, "open() first"
-        if serves:
-            members = self.transport.wait_record(members_key(self.transport, version),
-                                                 what=f"the rollout node's engines for policy_version {version}")
-            group = None if members["num_engine_ranks"] is None else self._new_group(1 + members["num_engine_ranks"])
-            self.transport.put_record(plan_key(self.transport, version),
-                                      {"group": None if group is None else group.to_json()})
-            if group is not None:
-                self.broadcaster.leave()
-                self.broadcaster = self._join(group)
-        buckets, tensors = self.policy.hf_buckets()
-        digest, key = Digest(), weights_key(self.transport.secret)
         if not serves:
-            for state in tensors:
+            digest = Digest()
+            for state in self.policy.hf_buckets()[1]:
                 digest.update(state)
             return digest.hexdigest()
+        members = self.transport.wait_record(members_key(self.transport, version),
+                                             what=f"the rollout node's engines for policy_version {version}")
+        num_engine_ranks = members["num_engine_ranks"]
+        self._num_buckets[version] = []
+        for attempt in itertools.count():
+            self._regroup(version, attempt, num_engine_ranks)
+            digest = Digest()
+            sent = self._send(version, attempt, digest)
+            outcome = self.transport.wait_record(outcome_key(self.transport, version, attempt),
+                                                 what=f"the engines to receive policy_version {version}")
+            if outcome["received"]:
+                if not sent:
+                    raise RuntimeError(f"the rollout node says every engine received policy_version {version}, but "
+                                       "trainer rank 0's broadcast of it failed; refusing to go on.")
+                return digest.hexdigest()
+            num_engine_ranks = outcome["num_engine_ranks"]
+            log.warning("policy_version %d: an engine died during its broadcast (attempt %d); sending it again to "
+                        "a new weight-update group of %d engine ranks", version, attempt, num_engine_ranks)
+
+    def _regroup(self, version: int, attempt: int, num_engine_ranks: int | None) -> None:
+        """Publish the group of ``attempt`` (a new one of ``num_engine_ranks`` engine ranks, or None: the current
+        one) and join it."""
+        group = None if num_engine_ranks is None else self._new_group(1 + num_engine_ranks)
+        self.transport.put_record(plan_key(self.transport, version, attempt),
+                                  {"group": None if group is None else group.to_json()})
+        if group is not None:
+            self.broadcaster.leave()
+            self.broadcaster = self._join(group)
+
+    def _send(self, version: int, attempt: int, digest: Digest) -> bool:
+        """One broadcast of the policy to the current group; False if it broke (the group is then left)."""
+        buckets, tensors = self.policy.hf_buckets()
+        key = weights_key(self.transport.secret)
 
         def publish_mac(index: int, record: dict) -> None:
-            self.transport.put_record(bucket_mac_key(self.transport, version, index), record)
+            self.transport.put_record(bucket_mac_key(self.transport, version, attempt, index), record)
 
-        self.transport.put_record(weights_record_key(self.transport, version),
-                                  {"policy_version": version, "buckets": [asdict(b) for b in buckets]})
+        def broken() -> None:  # the rollout node found a member dead before this rank's broadcast failed
+            outcome = self.transport.read_record(outcome_key(self.transport, version, attempt))
+            if outcome is not None and not outcome["received"]:
+                raise BroadcastBroken("the rollout node says an engine died during the broadcast")
+
+        if attempt == 0:
+            self.transport.put_record(weights_record_key(self.transport, version),
+                                      {"policy_version": version, "buckets": [asdict(b) for b in buckets]})
         checked = self.settings.engines_check_buckets
-        self._num_buckets[version] = len(buckets) if checked else 0
-        self.broadcaster.stream(authenticated(buckets, tensors, key, digest, publish_mac if checked else None), version)
-        return digest.hexdigest()
+        self._num_buckets[version].append(len(buckets) if checked else 0)
+        sending = authenticated(buckets, tensors, key, digest, publish_mac if checked else None)
+        try:
+            self.broadcaster.stream(sending, version, broken)
+            return True
+        except BroadcastBroken as err:
+            log.warning("policy_version %d: the broadcast broke: %s", version, err)
+            sending.close()  # the bucket in hand is finished (a sharded gather is a collective of every rank)
+            if hasattr(tensors, "close"):
+                tensors.close()
+            self.broadcaster.leave()
+            return False
 
     def retire(self, version: int) -> None:
-        for index in range(self._num_buckets.pop(version, 0)):
-            self.transport.delete(bucket_mac_key(self.transport, version, index))
+        for attempt, num_buckets in enumerate(self._num_buckets.pop(version, [])):
+            for index in range(num_buckets):
+                self.transport.delete(bucket_mac_key(self.transport, version, attempt, index))
 
 
 class Receiver:
@@ -374,10 +290,34 @@ class Receiver:
         self.engines.join_weight_group(WeightGroup(**group), self.ranks_per_engine)
 
     def prepare(self, version: int) -> None:
+        self.transport.put_record(members_key(self.transport, version),
+                                  {"num_engine_ranks": self._num_engine_ranks()})
+        self._join_planned(version, 0)
+
+    def load(self, record: dict, version: int) -> None:
+        """Every engine receives the broadcast; if a member dies during it, the engines left and the replacement join
+        a new group and receive the whole policy again (module docstring)."""
+        if "buckets" not in record:
+            raise RuntimeError(f"the weights record of policy_version {version} has no buckets: the trainer and the "
+                               "rollout node disagree on pipeline.weight_sync; refusing it.")
+        buckets = [Bucket(**b) for b in record["buckets"]]
+        for attempt in itertools.count():
+            macs = BucketMacs(self.transport, version, attempt) if self.engines_check_buckets else None
+            if self.engines.load_weights_distributed(buckets, version, macs):
+                self.transport.put_record(outcome_key(self.transport, version, attempt), {"received": True})
+                return
+            self.transport.put_record(outcome_key(self.transport, version, attempt),
+                                      {"received": False, "num_engine_ranks": self._num_engine_ranks()})
+            self._join_planned(version, attempt + 1)
+
+    def _num_engine_ranks(self) -> int | None:
+        """The engine ranks of the next group (None: the current group serves)."""
         num_engines = self.engines.next_group_size()
-        self.transport.put_record(members_key(self.transport, version), {
-            "num_engine_ranks": None if num_engines is None else num_engines * self.ranks_per_engine})
-        plan = self.transport.wait_record(plan_key(self.transport, version),
+        return None if num_engines is None else num_engines * self.ranks_per_engine
+
+    def _join_planned(self, version: int, attempt: int) -> None:
+        """Have the engines join the group trainer rank 0 planned for ``attempt``, if it is a new one."""
+        plan = self.transport.wait_record(plan_key(self.transport, version, attempt),
                                           what=f"trainer rank 0's plan for policy_version {version}")
         if plan["group"] is not None:
             group = WeightGroup(**plan["group"])
@@ -385,21 +325,15 @@ class Receiver:
                         "or came back since the last one", version, group.world_size - 1, group.group_name)
             self.engines.rejoin_weight_group(group, self.ranks_per_engine)
 
-    def load(self, record: dict, version: int) -> None:
-        if "buckets" not in record:
-            raise RuntimeError(f"the weights record of policy_version {version} has no buckets: the trainer and the "
-                               "rollout node disagree on pipeline.weight_sync; refusing it.")
-        macs = BucketMacs(self.transport, version) if self.engines_check_buckets else None
-        self.engines.load_weights_distributed([Bucket(**b) for b in record["buckets"]], version, macs)
-
 
 class BucketMacs:
     """The rollout node's side of the buckets' MACs: bucket ``index``'s, read from trainer rank 0's sealed record
     once, by whichever engine's thread asks first (each asks before its call for the bucket)."""
 
-    def __init__(self, transport: Transport, version: int) -> None:
+    def __init__(self, transport: Transport, version: int, attempt: int) -> None:
         self.transport = transport
         self.version = version
+        self.attempt = attempt
         self._key = weights_key(transport.secret)
         self._macs: dict[int, BucketMac] = {}
         self._lock = threading.Lock()
@@ -408,7 +342,7 @@ class BucketMacs:
         with self._lock:
             if index not in self._macs:
                 record = self.transport.wait_record(
-                    bucket_mac_key(self.transport, self.version, index),
+                    bucket_mac_key(self.transport, self.version, self.attempt, index),
                     what=f"trainer rank 0's MAC of bucket {index} of policy_version {self.version}")
                 self._macs[index] = bucket_mac(record, self._key)
             return self._macs[index]

@@ -77,3 +77,7 @@ class JoinsWeightGroup(Engine, Protocol):
                                         macs: Callable[[int], BucketMac] | None) -> None:
         """Receive the broadcast ``buckets`` (every engine of the group at once) and serve ``policy_version``; bucket
         i goes with its MAC ``macs(i)`` (None: no MAC) for the engine to check before it loads the bucket."""
+
+    def leave_weight_group(self, group_name: str) -> None:
+        """Give up the broadcast in progress on ``group_name`` (another member died during it: it can never end) and
+        leave the group; the pending ``update_weights_from_distributed`` then fails. Best effort: returns at once."""

@@ -189,6 +189,12 @@ class SGLangEngine:
             self.endpoint, buckets, group_name, policy_version, macs=macs, timeout_s=self._weight_update_timeout_s))
         self._policy_version = policy_version
 
+    def leave_weight_group(self, group_name: str) -> None:
+        """SGLang's /destroy_weights_update_group, on a thread of its own: a server stuck in the broadcast (SGLang's
+        scheduler) answers only when the broadcast times out, and the supervisor recovers it before that."""
+        threading.Thread(target=sglang_api.destroy_weights_update_group, args=(self.endpoint, group_name),
+                         name=f"{self.name}-leave-{group_name}", daemon=True).start()
+
     def probe(self) -> None:
         if self.error is None and not self._stopping and not sglang_api.is_healthy(self.endpoint, PROBE_TIMEOUT_S):
             self._failed(RuntimeError(f"engine {self.name}: the server at {self.url} did not answer "

@@ -20,11 +20,13 @@ one given, as SGLang matches; an unknown rid is ignored),
 requests run), /begin_weight_update and /end_weight_update around /update_weights_from_disk (400 outside a
 session, as 0.5.23 does for its other weight-update routes) and /update_weights_from_distributed (400 outside a
 session, as in 0.5.23), after /init_weights_update_group (gloo only: this engine runs on CPU; the group is formed
-as SGLang forms it, see rolloutpipe/control/weights/distributed.py). A bucket's tensors are loaded as they
+as SGLang forms it, see rolloutpipe/control/weights/group.py). A bucket's tensors are loaded as they
 arrive, once they match the bucket's MAC (the ``X-RolloutPipe-Bucket-MAC`` header, which SGLang does not have: a
 bucket without one, or whose bytes do not match it, is refused with 400, and the server then answers /generate with
 503 until a weight-update session loads a whole policy); the version changes with the bucket that carries
-``weight_version``.
+``weight_version``. /destroy_weights_update_group leaves a group, and gives up a broadcast in progress on it (another
+member died during it: it would wait until the group's timeout); the server then serves nothing until a whole policy
+loads, as after a refused bucket.
 
 Threads: ``ThreadingHTTPServer`` runs one thread per connection; a /generate thread submits to the engine and waits
 for its result, which the engine's scheduler thread hands over through ``_Waiter``. The process stops on SIGTERM
@@ -49,7 +51,8 @@ from typing import Any
 import torch
 
 from rolloutpipe.control.weights.buckets import MAC_HEADER, Bucket, BucketMac, WeightGroup
-from rolloutpipe.control.weights.distributed import check_bucket, join_group, receive_bucket
+from rolloutpipe.control.weights.distributed import check_bucket
+from rolloutpipe.control.weights.group import BroadcastBroken, join_group, receive_bucket
 from rolloutpipe.rollout.engines import server_process, sglang_api
 from rolloutpipe.rollout.engines.embedded import EmbeddedEngine
 from rolloutpipe.types import GenerationResult
@@ -93,8 +96,9 @@ class EmbeddedServer:
         self._waiters: dict[str, _Waiter] = {}
         self._paused = False
         self._session_open = False
-        self._groups: dict = {}
-        """Weight-update process groups by name (/init_weights_update_group)."""
+        self._groups: dict[str, tuple[Any, threading.Event]] = {}
+        """Weight-update process groups by name (/init_weights_update_group), each with the event that
+        /destroy_weights_update_group sets to give up a broadcast in progress."""
         self._inbox = torch.empty(0, dtype=torch.uint8)
         """The buffer buckets are received into, grown to the largest; a bucket is loaded (copied) before the next
         arrives. A fresh one per bucket would fault in every page of every policy again."""
@@ -221,7 +225,8 @@ class EmbeddedServer:
             return HTTPStatus.BAD_REQUEST, {"success": False, "message": f"backend {group.backend!r}: the embedded "
                                             "engine runs on CPU and joins weight-update groups over gloo only"}
         try:
-            self._groups[group.group_name] = join_group(group, rank_offset, timeout_s=JOIN_TIMEOUT_S)
+            self._groups[group.group_name] = (join_group(group, rank_offset, timeout_s=JOIN_TIMEOUT_S),
+                                              threading.Event())
         except (RuntimeError, ValueError) as err:
             return HTTPStatus.BAD_REQUEST, {"success": False,
                                             "message": f"Failed to initialize custom process group: {err}."}
@@ -235,13 +240,21 @@ class EmbeddedServer:
         if not session_open:
             return HTTPStatus.BAD_REQUEST, {"success": False, "message": "update_weights_from_distributed must run "
                                             "between begin_weight_update() and end_weight_update()"}
-        if group_name not in self._groups:
+        if (joined := self._groups.get(group_name)) is None:
             return HTTPStatus.BAD_REQUEST, {"success": False, "message": f"Group {group_name} not in "
                                             f"{list(self._groups)}. Please call `init_weights_update_group` first."}
         bucket = Bucket(**bucket)
         if self._inbox.numel() < bucket.num_bytes:
             self._inbox = torch.empty(bucket.num_bytes, dtype=torch.uint8)
-        tensors = receive_bucket(self._groups[group_name], bucket, self._inbox)  # first: the broadcast waits for all
+        try:  # first: the broadcast waits for all
+            tensors = receive_bucket(joined[0], bucket, self._inbox, abandoned=joined[1])
+        except BroadcastBroken as err:
+            why = f"the broadcast on {group_name} broke ({err}); this engine serves nothing until a whole policy loads"
+            with self._lock:
+                self._torn, self._refused_in_session = why, True
+                self._inbox = torch.empty(0, dtype=torch.uint8)  # the broken receive may still write the old one
+            self._groups.pop(group_name, None)  # (a broken group cannot serve again)
+            return HTTPStatus.BAD_REQUEST, {"success": False, "message": f"Failed to update parameter online: {why}"}
         try:
             genuine = mac is not None and check_bucket(bucket, tensors, BucketMac.parse(mac))
         except ValueError:
@@ -265,6 +278,13 @@ class EmbeddedServer:
                 if not self._refused_in_session:
                     self._torn = None
         return HTTPStatus.OK, {"success": True, "message": "Succeeded to update parameter online."}
+
+    def destroy_weights_update_group(self, body: dict[str, Any]) -> tuple[int, Any]:
+        group_name = body["group_name"]
+        if (joined := self._groups.pop(group_name, None)) is None:
+            return HTTPStatus.BAD_REQUEST, {"success": False, "message": f"Group {group_name} not in groups."}
+        joined[1].set()  # a receive in progress gives up (the group's gloo work ends on its timeout, unread)
+        return HTTPStatus.OK, {"success": True, "message": "Succeeded to destroy custom process group."}
 
     def model_info(self) -> tuple[int, Any]:
         return HTTPStatus.OK, {"model_path": self.model_path, "is_generation": True,
@@ -314,6 +334,7 @@ def _handler_for(server: EmbeddedServer) -> type[BaseHTTPRequestHandler]:
         sglang_api.UPDATE_WEIGHTS_FROM_DISK: server.update_weights_from_disk,
         sglang_api.INIT_WEIGHTS_UPDATE_GROUP: server.init_weights_update_group,
         sglang_api.UPDATE_WEIGHTS_FROM_DISTRIBUTED: server.update_weights_from_distributed,
+        sglang_api.DESTROY_WEIGHTS_UPDATE_GROUP: server.destroy_weights_update_group,
     }
     with_mac = {server.update_weights_from_distributed}
     gets = {sglang_api.HEALTH: server.health, sglang_api.MODEL_INFO: server.model_info, V1_MODELS: server.models,

@@ -45,6 +45,7 @@ Facts about 0.5.23 that shape this module (read in its source):
   (names, dtypes, shapes, group_name, flush_cache, weight_version, load_format) receives the tensors as one flat
   broadcast (``flattened_bucket``) and loads them; its MAC goes in a header of ours (buckets.py ``MAC_HEADER``)
   that SGLang ignores. Both answer ``{"success", "message"}``, HTTP 400 on failure (distributed.py: the trainer).
+  ``/destroy_weights_update_group`` (group_name) leaves a group; the scheduler runs it after a broadcast in progress.
 - ``/update_weights_from_disk`` takes a *directory* (``model_path``) and loads every ``*.safetensors`` in it;
   ``model_dir_for`` turns the trainer's one-file-per-version layout into that. A load that fails takes the server
   down (its rollback reloads from the bad path), so the rollout node hands it only a file that is there complete
@@ -61,7 +62,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -87,9 +88,10 @@ UPDATE_WEIGHTS_FROM_DISK = "/update_weights_from_disk"
 END_WEIGHT_UPDATE = "/end_weight_update"
 INIT_WEIGHTS_UPDATE_GROUP = "/init_weights_update_group"
 UPDATE_WEIGHTS_FROM_DISTRIBUTED = "/update_weights_from_distributed"
+DESTROY_WEIGHTS_UPDATE_GROUP = "/destroy_weights_update_group"
 ROUTES = (GENERATE, HEALTH, MODEL_INFO, ABORT_REQUEST, PAUSE_GENERATION, CONTINUE_GENERATION, FLUSH_CACHE,
           BEGIN_WEIGHT_UPDATE, UPDATE_WEIGHTS_FROM_DISK, END_WEIGHT_UPDATE, INIT_WEIGHTS_UPDATE_GROUP,
-          UPDATE_WEIGHTS_FROM_DISTRIBUTED)
+          UPDATE_WEIGHTS_FROM_DISTRIBUTED, DESTROY_WEIGHTS_UPDATE_GROUP)
 
 API_KEY_ENV = "RP_ENGINE_API_KEY"
 """How a server this node starts gets its API key: in its environment (never on its command line, which any user
@@ -270,18 +272,6 @@ def pause_body() -> dict[str, Any]:
     return {"mode": "abort"}
 
 
-def continue_body() -> dict[str, Any]:
-    return {}
-
-
-def begin_weight_update_body() -> dict[str, Any]:
-    return {}
-
-
-def end_weight_update_body() -> dict[str, Any]:
-    return {}
-
-
 def update_weights_from_disk_body(model_dir: str, policy_version: int) -> dict[str, Any]:
     return {"model_path": model_dir, "weight_version": str(policy_version), "flush_cache": True}
 
@@ -439,14 +429,14 @@ def weight_update_session(server: Endpoint):
     """
     call(server, PAUSE_GENERATION, pause_body())
     try:
-        call(server, BEGIN_WEIGHT_UPDATE, begin_weight_update_body())
+        call(server, BEGIN_WEIGHT_UPDATE, {})  # (this route, END_WEIGHT_UPDATE and CONTINUE_GENERATION: no fields)
         try:
             yield
         finally:
-            call(server, END_WEIGHT_UPDATE, end_weight_update_body())
+            call(server, END_WEIGHT_UPDATE, {})
         call(server, FLUSH_CACHE, {})
     finally:
-        call(server, CONTINUE_GENERATION, continue_body())
+        call(server, CONTINUE_GENERATION, {})
 
 
 def update_weights_from_disk(server: Endpoint, weights_path: str, policy_version: int, *, timeout_s: float) -> None:
@@ -463,6 +453,12 @@ def update_weights_from_disk(server: Endpoint, weights_path: str, policy_version
 def init_weights_update_group(server: Endpoint, group: WeightGroup, rank_offset: int, *, timeout_s: float) -> None:
     """Make the server join ``group`` from ``rank_offset``; returns once every member has joined."""
     call(server, INIT_WEIGHTS_UPDATE_GROUP, init_weights_update_group_body(group, rank_offset), timeout_s=timeout_s)
+
+
+def destroy_weights_update_group(server: Endpoint, group_name: str) -> None:
+    """Leave ``group_name``, giving up a broadcast in progress where the server can; best effort (errors ignored)."""
+    with suppress(SGLangError):
+        call(server, DESTROY_WEIGHTS_UPDATE_GROUP, {"group_name": group_name})
 
 
 def update_weights_from_distributed(server: Endpoint, buckets: list[Bucket], group_name: str, policy_version: int, *,

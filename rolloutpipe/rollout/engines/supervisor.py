@@ -30,7 +30,10 @@ so one that died idle is replaced now and not found by the broadcast; if a membe
 trainer rank 0 forms a new group, and the engines in service and the replacements join it (``rejoin_weight_group``)
 and receive the next policy together. An engine of another rollout node that is still restarting, or whose host is
 lost, is left out; it waits as above once its host has registered it, and joins the group after that. The group's
-ranks follow the engines in slot order, so a slot out of service leaves no gap.
+ranks follow the engines in slot order, so a slot out of service leaves no gap. An engine that dies during the
+broadcast breaks it for every member: the others are told to leave the group, the dead one (and one stuck in the
+broken collective) is recovered as above, and ``load_weights_distributed`` says the policy must go again, to the
+new group (``next_group_size``).
 
 The supervisor has no thread: the rollout loop calls ``check`` every poll and ``load_weights`` between steps.
 The restart runs on that loop (seconds for a server process), while the other engines keep generating what
@@ -58,6 +61,9 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+
+LEAVE_GRACE_S = 30.0
+"""How long an engine may take to give up a broadcast that a dead member broke (``load_weights_distributed``)."""
 
 
 class EngineFailed(RuntimeError):
@@ -186,14 +192,52 @@ class EngineSupervisor:
                               lambda slot, engine: engine.init_weights_update_group(group, first_rank[slot]))
 
     def load_weights_distributed(self, buckets: list[Bucket], policy_version: int,
-                                 macs: Callable[[int], BucketMac] | None) -> None:
+                                 macs: Callable[[int], BucketMac] | None) -> bool:
         """Serve ``policy_version`` on every engine from trainer rank 0's broadcast of ``buckets``, each checked
-        against its MAC where the engine can (between steps)."""
-        self._on_every_engine(
-            f"the engines to receive policy_version {policy_version}",
-            lambda slot, engine: engine.update_weights_from_distributed(buckets, self.weight_group.group_name,
-                                                                         policy_version, macs))
-        self.policy_version = policy_version
+        against its MAC where the engine can (between steps). False if an engine died during the broadcast: it is
+        recovered, the others give it up (``leave_weight_group``), and the policy must go again to a new group; an
+        engine that does not give it up within ``LEAVE_GRACE_S`` is recovered too (it is stuck in the broken
+        broadcast). Any other failure stops the run."""
+        group_name = self.weight_group.group_name
+        what = f"the engines to receive policy_version {policy_version}"
+        calls = self._start_on_every_engine(lambda slot, engine: engine.update_weights_from_distributed(
+            buckets, group_name, policy_version, macs))
+        left_at, probed = None, set()
+        while any(thread.is_alive() for thread, _ in calls.values()):
+            self.check_peers(what)
+            failed = [e for e, (_, error) in calls.items() if error and e.name not in probed]
+            probed.update(e.name for e in failed)
+            if left_at is None and failed and self._died(failed):
+                left_at = time.monotonic()
+                for engine, (thread, _) in calls.items():
+                    if thread.is_alive():
+                        engine.leave_weight_group(group_name)
+            if left_at is not None and time.monotonic() - left_at > LEAVE_GRACE_S:
+                break
+            time.sleep(0.05)
+        errors = {e.name: error[0] for e, (_, error) in calls.items() if error}
+        if not errors and left_at is None:
+            self.policy_version = policy_version
+            return True
+        if left_at is None and not self._died([e for e in calls if e.name in errors]):
+            self._raise_for(errors, what)
+        self._member_failed = True  # the group is broken, whoever died
+        for engine, (thread, _) in calls.items():
+            if engine.error is not None or thread.is_alive():
+                reason = (repr(engine.error) if engine.error is not None else
+                          f"it did not give up the broken broadcast of policy_version {policy_version} within "
+                          f"{LEAVE_GRACE_S:g}s: stuck")
+                log.warning("engine %s failed during the broadcast of policy_version %d (%s); the others gave it up "
+                            "and receive the policy again, with its replacement, in a new weight-update group",
+                            engine.name, policy_version, reason)
+                self._recover(self._slot_of[engine.name], engine, reason)
+        return False
+
+    def _died(self, engines: list[Engine]) -> bool:
+        """Whether any of ``engines`` (whose weight-update call failed) is gone: its server answers no probe."""
+        for engine in engines:
+            engine.probe()
+        return any(engine.error is not None for engine in engines)
 
     def next_group_size(self) -> int | None:
         """Before a policy is broadcast: every engine in service is asked whether its server is still there (one
@@ -233,28 +277,38 @@ class EngineSupervisor:
 
     def _on_every_engine(self, what: str, call: Callable[[int, Engine], None]) -> None:
         """``call`` on every engine at once, one thread each; any failure stops the run (see module docstring)."""
-        errors: dict[str, BaseException] = {}
+        calls = self._start_on_every_engine(call)
+        for thread, _ in calls.values():
+            while thread.is_alive():
+                self.check_peers(what)
+                thread.join(timeout=0.5)
+        if errors := {e.name: error[0] for e, (_, error) in calls.items() if error}:
+            self._raise_for(errors, what)
+
+    def _start_on_every_engine(self, call: Callable[[int, Engine], None]
+                               ) -> dict[Engine, tuple[threading.Thread, list[BaseException]]]:
+        """``call`` on every engine at once, one thread each: per engine, its thread and the error it raised (if)."""
+        calls: dict[Engine, tuple[threading.Thread, list[BaseException]]] = {}
 
         def run(slot: int, engine: Engine) -> None:
             try:
                 call(slot, engine)
-            except Exception as err:  # noqa: BLE001 - reported below with the engine's name
-                errors[engine.name] = err
+            except Exception as err:  # noqa: BLE001 - reported by the caller with the engine's name
+                calls[engine][1].append(err)
 
-        threads = [threading.Thread(target=run, args=(self._slot_of[e.name], e), name=f"weights-{e.name}", daemon=True)
-                   for e in self.engines]
-        for thread in threads:
+        for engine in self.engines:
+            calls[engine] = (threading.Thread(target=run, args=(self._slot_of[engine.name], engine),
+                                              name=f"weights-{engine.name}", daemon=True), [])
+        for thread, _ in calls.values():
             thread.start()
-        for thread in threads:
-            while thread.is_alive():
-                self.check_peers(what)
-                thread.join(timeout=0.5)
-        if errors:
-            name, err = next(iter(errors.items()))
-            engine = next(e for e in self.engines if e.name == name)
-            raise EngineFailed(f"weight sync failed on {sorted(errors)} (waiting for {what}): {name}: {err}. With "
-                               f"pipeline.weight_sync=distributed this stops the run. Look at "
-                               f"{self.where_to_look(engine)}") from err
+        return calls
+
+    def _raise_for(self, errors: dict[str, BaseException], what: str) -> None:
+        name, err = next(iter(errors.items()))
+        engine = next(e for e in self.engines if e.name == name)
+        raise EngineFailed(f"weight sync failed on {sorted(errors)} (waiting for {what}): {name}: {err}. With "
+                           f"pipeline.weight_sync=distributed this stops the run. Look at "
+                           f"{self.where_to_look(engine)}") from err
 
     def _failure(self, engine: Engine) -> str | None:
         if engine.error is not None:
