@@ -110,26 +110,32 @@ def test_a_stop_writes_the_last_finished_steps_checkpoint_and_the_resume_matches
     assert max((final[k] - uninterrupted[k]).abs().max().item() for k in final) < 1e-9
 
 
-# Engine failure: the run goes on. (point, rollout.engine, which call of the point fails): each in step 1
+# Engine failure: the run goes on. (point, rollout.engine, which call of the point fails, weight sync, the trainer):
+# each in step 1 or at its end
 ENGINE_FAULTS = [
-    ("engine_crash", "embedded", 14, "disk"),  # a decode step of step 1 raises in one engine's scheduler thread
-    ("engine_server_killed", "embedded_http", 20, "disk"),  # step 1's 4th request: its engine's server is SIGKILLed
+    ("engine_crash", "embedded", 14, "disk", "torch"),  # a decode step of step 1 raises in an engine's scheduler thread
+    ("engine_server_killed", "embedded_http", 20, "disk", "torch"),  # step 1's 4th request: its server is SIGKILLed
     # the same under broadcast weight sync: the replacement joins a new weight-update group before step 2's policy
-    ("engine_server_killed", "embedded_http", 20, "distributed"),
+    ("engine_server_killed", "embedded_http", 20, "distributed", "torch"),
     # an engine's server dies during the broadcast of step 2's policy (the 3rd load: 2 engines), between its first
-    # and second bucket: the other engine gives the broadcast up, and the policy goes again to a new group
-    ("engine_server_killed_mid_broadcast", "embedded_http", 3, "distributed"),
+    # and second bucket: the other engine gives the broadcast up, and the policy goes again to a new group. Trainer
+    # rank 0 had applied part of the step's update bucket by bucket; the second send applies the rest, once
+    ("engine_server_killed_mid_broadcast", "embedded_http", 3, "distributed", "torch"),
+    # the same with the policy sharded over two FSDP ranks: the first send's gathers stop at the bucket in hand, and
+    # the second gathers every bucket again, the other rank joining each
+    ("engine_server_killed_mid_broadcast", "embedded_http", 3, "distributed", "fsdp"),
 ]
 
 
-@pytest.mark.parametrize("point,engine,nth,weight_sync", ENGINE_FAULTS,
-                         ids=[f"{f[0]}-{f[3]}" for f in ENGINE_FAULTS])
+@pytest.mark.parametrize("point,engine,nth,weight_sync,trainer", ENGINE_FAULTS,
+                         ids=[f"{f[0]}-{f[3]}-{f[4]}" for f in ENGINE_FAULTS])
 def test_a_failed_engine_loses_no_sample_and_the_run_matches_the_uninterrupted_one(
-        tmp_path, data, uninterrupted, point, engine, nth, weight_sync):
+        tmp_path, data, uninterrupted, point, engine, nth, weight_sync, trainer):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     procs = start_nodes(run_dir, *workload(data), f"rollout.engine={engine}", "rollout.num_engines=2",
                         f"pipeline.weight_sync={weight_sync}", "pipeline.weight_sync_bucket_mb=0.001",  # 1 KiB: buckets
+                        f"trainer.backend={trainer}", f"trainer.num_ranks={2 if trainer == 'fsdp' else 1}",
                         commands={"rollout": ["-m", "tests.faults.inject", point, str(nth)]})
     outputs = {role: p.communicate(timeout=180) for role, p in procs.items()}
     for role, p in procs.items():
