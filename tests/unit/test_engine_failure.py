@@ -135,6 +135,29 @@ def test_an_engine_that_does_not_give_up_the_broken_broadcast_is_replaced_too(mo
     assert supervisor.next_group_size() == 3
 
 
+def test_the_last_engine_in_service_dying_between_steps_is_replaced_and_its_replacement_receives_the_policy():
+    """Mid-step, the last engine in service cannot wait for the next group (the test above); between steps it can:
+    the new group forms now, of its replacement alone. So it goes for one that died idle (found by the probe before
+    the policy) and for one that dies during the broadcast."""
+    rollout = in_group_of(1)
+    supervisor, [e0] = rollout.supervisor, rollout.engines
+    e0.server_gone = True
+    assert supervisor.next_group_size() == 1 and rollout.engines == []
+    assert supervisor.replacements_waiting() == ["engine0-restart1"]
+    supervisor.rejoin_weight_group(WeightGroup(master_address="h", master_port=2, world_size=2, group_name="g-2"), 1)
+    [replacement] = rollout.engines
+    dies_mid_broadcast(replacement)
+    assert supervisor.load_weights_distributed([], 4, macs=None) is False
+    assert rollout.engines == [] and supervisor.replacements_waiting() == ["engine0-restart2"]
+    assert supervisor.next_group_size() == 1
+    supervisor.rejoin_weight_group(WeightGroup(master_address="h", master_port=3, world_size=2, group_name="g-3"), 1)
+    assert supervisor.load_weights_distributed([], 4, macs=None) is True
+    assert [e.weights for e in rollout.engines] == [("g-3", 4)]
+    rollout.engines[0].error = RuntimeError("lost mid-step")
+    with pytest.raises(EngineFailed, match="It was the last engine in service"):
+        supervisor.check()
+
+
 def test_a_failed_broadcast_where_no_engine_died_stops_the_run():
     """A refused bucket (its MAC does not match) is no lost member: nothing is sent again, the run stops."""
     rollout = in_group_of(2)

@@ -105,6 +105,9 @@ class EngineSupervisor:
         """Distributed weight sync: slots whose replacement waits for the next group, out of service."""
         self._member_failed = False
         """Distributed weight sync: an engine of the current group failed (it cannot broadcast to it again)."""
+        self._at_boundary = False
+        """Distributed weight sync: the engines are between steps, about to join a new group and receive a policy
+        (``_between_steps``)."""
         self.num_failures = [0] * len(engines)
         self._names = [e.name for e in engines]
         self._slot_of = {e.name: slot for slot, e in enumerate(engines)}
@@ -230,8 +233,19 @@ class EngineSupervisor:
                 log.warning("engine %s failed during the broadcast of policy_version %d (%s); the others gave it up "
                             "and receive the policy again, with its replacement, in a new weight-update group",
                             engine.name, policy_version, reason)
-                self._recover(self._slot_of[engine.name], engine, reason)
+                with self._between_steps():
+                    self._recover(self._slot_of[engine.name], engine, reason)
         return False
+
+    @contextmanager
+    def _between_steps(self) -> Iterator[None]:
+        """Around a recovery at the step boundary, before a new group receives a policy: the replacement joins that
+        group now, so the last engine in service may be the one replaced (``_await_group``)."""
+        self._at_boundary = True
+        try:
+            yield
+        finally:
+            self._at_boundary = False
 
     def _died(self, engines: list[Engine]) -> bool:
         """Whether any of ``engines`` (whose weight-update call failed) is gone: its server answers no probe."""
@@ -250,7 +264,8 @@ class EngineSupervisor:
             probe.start()
         for probe in probes:
             probe.join()
-        self.check()
+        with self._between_steps():
+            self.check()
         if not self._member_failed and not self._awaiting_group:
             return None
         return len(self.engines) + len(self._awaiting_group)
@@ -419,7 +434,7 @@ class EngineSupervisor:
         failed = failure.failed
         if failed in self.engines:
             self.engines.remove(failed)
-        if not self.engines:
+        if not self.engines and not self._at_boundary:
             raise EngineFailed(
                 f"engine {failed.name} failed: {failure.reason}. It was the last engine in service, and with "
                 "pipeline.weight_sync=distributed its replacement can serve only from the next step's weights, which "
