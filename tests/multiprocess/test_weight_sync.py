@@ -7,6 +7,7 @@ plays in a run; the rollout node's side (EngineSupervisor -> SGLangEngine -> sgl
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from contextlib import contextmanager
@@ -192,14 +193,12 @@ def test_an_engine_told_to_leave_gives_up_the_broadcast_at_once_and_serves_nothi
 
         receiving = threading.Thread(target=receive)
         receiving.start()
-        time.sleep(1.0)
+        time.sleep(1.0)  # (setup: the receive has started)
         assert receiving.is_alive(), "the receive waits for rank 0"
-        start = time.monotonic()
         sglang_api.destroy_weights_update_group(servers[0].endpoint, "left")
-        receiving.join(timeout=10)
-        assert not receiving.is_alive() and time.monotonic() - start < 10
-        [err] = failure
-        assert err.status == 400 and "the broadcast on left broke" in str(err)
+        receiving.join()
+        [err] = failure  # given up on being told, not ended by the group's timeout ("Timed out waiting")
+        assert err.status == 400 and "the broadcast on left broke (the broadcast was given up" in str(err)
         with pytest.raises(sglang_api.SGLangError, match="broke") as refused:
             sglang_api.generate(servers[0].endpoint, request(0), timeout_s=30)
         assert refused.value.status == 503
@@ -214,17 +213,17 @@ def test_rank_0_gives_up_its_broadcast_once_the_rollout_node_says_a_member_died(
     waiting once the rollout node's outcome record says the broadcast broke (``broken``), and leaves the group."""
     with in_a_group(servers, "said-broken") as (_, _, rank0):
         state = {"w": torch.ones(8 << 20, dtype=torch.float32)}  # 32 MiB: more than the sockets buffer
-        told_at = time.monotonic() + 1.0
+        checks = itertools.count()
 
-        def broken() -> None:
-            if time.monotonic() > told_at:
+        def broken() -> None:  # the rollout node's record appears at rank 0's third check
+            if next(checks) == 2:
                 raise BroadcastBroken("the rollout node says an engine died during the broadcast")
 
         with pytest.raises(BroadcastBroken, match="says an engine died"):
             rank0.stream([(bucket, state) for bucket in plan_buckets(state, 4 << 20)], 3, broken)  # no one receives
-        start = time.monotonic()
-        rank0.leave()  # without waiting for the group's timeout (60 s) to end the broadcast in flight
-        assert time.monotonic() - start < 30
+        in_flight = [sent[0] for sent in rank0._in_flight if sent is not None]
+        rank0.leave()  # without waiting for the group's timeout to end the broadcast in flight
+        assert in_flight and not all(work.is_completed() for work in in_flight), "leave waited for the broadcast"
         rank0.leave()  # once left, leaving again does nothing (a new attempt's group replaces it)
 
 
