@@ -1,8 +1,11 @@
 """The step's last optimizer update against weight sync: applied whole and then sent, or applied bucket by bucket
-while the buckets before are sent (grpo_trainer.py, "the step's last update"), on the torch backend.
+while the buckets before are sent (grpo_trainer.py, "the step's last update"), on the torch backend, or on
+Megatron's distributed optimizer (``--backend megatron-distributed``: one rank, gloo, trainer/megatron/cpu.py; its
+DDP buckets as large as weight sync's, each stepped and all-gathered as the buckets reach it).
 
     python bench/update_overlap.py                     # about two minutes on 2 CPU cores, ~3 GB of memory
     python bench/update_overlap.py --hidden 2048 --layers 16 --bucket-mb 64
+    python bench/update_overlap.py --backend megatron-distributed
 
 A Qwen3-shaped bfloat16 policy with float32 master weights (mixed precision, as on a GPU). Each round trains one
 micro-batch (not timed), then times, from the batch's ``finish_batch`` to the last byte written:
@@ -31,20 +34,26 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def policy_trainer(hidden: int, layers: int, vocab: int, bucket_mb: float):
+def policy_trainer(hidden: int, layers: int, vocab: int, bucket_mb: float, backend: str):
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
-    from rolloutpipe.trainer.torch_backend import PolicyTrainer
+    from rolloutpipe.trainer.backend import trainer_class
+    from rolloutpipe.trainer.config import GRPOConfig, MegatronConfig, OldLogprobSource, TrainerBackend, TrainerConfig
 
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
                          num_attention_heads=max(1, hidden // 128), num_key_value_heads=max(1, hidden // 512),
                          head_dim=128, tie_word_embeddings=True)
     model = Qwen3ForCausalLM(config).to(torch.bfloat16)
-    trainer = PolicyTrainer(model=model, cfg=TrainerConfig(), grpo=GRPOConfig(), temperature=1.0, pad_id=0,
-                            multi_step=False, process_group_active=False, old_logprobs=OldLogprobSource.trainer)
+    cfg = TrainerConfig()
+    if backend == "megatron-distributed":
+        cfg = TrainerConfig(backend=TrainerBackend.megatron, megatron=MegatronConfig(
+            distributed_optimizer=True, ddp_bucket_size=int(bucket_mb * 2**20) // 2))  # bfloat16 parameters
+    trainer = trainer_class(cfg.backend)(model=model, cfg=cfg, grpo=GRPOConfig(), temperature=1.0, pad_id=0,
+                                         multi_step=False, process_group_active=False,
+                                         old_logprobs=OldLogprobSource.trainer)
+    assert trainer.updates_by_bucket
     trainer.bucket_bytes = int(bucket_mb * 2**20)
     return trainer
 
@@ -71,11 +80,12 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--bucket-mb", type=float, default=64.0)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--backend", choices=["torch", "megatron-distributed"], default="torch")
     args = parser.parse_args()
     from rolloutpipe.control.weights.disk import SHM
 
-    trainer = policy_trainer(args.hidden, args.layers, args.vocab, args.bucket_mb)
-    num_params = sum(p.numel() for p in trainer.model.parameters())
+    trainer = policy_trainer(args.hidden, args.layers, args.vocab, args.bucket_mb, args.backend)
+    num_params = sum(p.numel() for p in trainer._policy().parameters())
     rows: dict[str, list[float]] = {}
     wall = time.perf_counter()
 
@@ -98,7 +108,8 @@ def main() -> None:
             gradients(trainer)
             timed("update while sending", lambda: (trainer.finish_batch(defer_update=True), send(trainer, path),
                                                    trainer.apply_deferred_update()))
-    print(f"Qwen3-shaped, hidden {args.hidden}, {args.layers} layers: {num_params / 1e6:.0f}M parameters, bfloat16 "
+    print(f"{args.backend} backend; Qwen3-shaped, hidden {args.hidden}, {args.layers} layers: "
+          f"{num_params / 1e6:.0f}M parameters, bfloat16 "
           f"with float32 masters, {args.bucket_mb:g} MiB buckets, {os.cpu_count()} CPUs, median of {args.rounds} "
           f"rounds, {time.perf_counter() - wall:.0f} s wall")
     print("| from finish_batch to the last byte written | seconds |")

@@ -208,8 +208,7 @@ def train_step(node: TrainerNode, step: int) -> TrainStats:
                             groups=work.groups):
                 # all-reduce, normalise once, clip, step; the step's last update on rank 0 as weight sync sends
                 # each bucket, so that the first buckets leave while the last are updated (grpo_trainer.py)
-                result = trainer.finish_batch(defer_update=node.is_writer
-                                              and work.batch == cfg.num_steps_per_rollout - 1)
+                result = trainer.finish_batch(defer_update=work.batch == cfg.num_steps_per_rollout - 1)
             optimizer_s = time.time() - start
             stats.losses.append(result.loss)
             stats.grad_norms.append(result.grad_norm)

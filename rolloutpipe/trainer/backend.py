@@ -52,8 +52,8 @@ class PolicyBackend(Protocol):
 
     def finish_batch(self, *, defer_update: bool = False) -> BatchResult:
         """The training batch is complete (on every rank): its one optimizer step. ``defer_update`` (the step's last
-        batch, on the rank that sends the weights): applied bucket by bucket as ``hf_buckets`` yields, where the
-        backend can (grpo_trainer.py)."""
+        batch, on every rank): applied bucket by bucket as trainer rank 0's ``hf_buckets`` yields, where the backend
+        can (grpo_trainer.py: on rank 0, or on every rank where a collective finishes it)."""
 
     def apply_deferred_update(self) -> None:
         """Apply what ``hf_buckets`` has not of a deferred update (nothing if none)."""

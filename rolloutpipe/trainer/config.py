@@ -32,6 +32,11 @@ class MegatronConfig:
     """Megatron's DistributedOptimizer: AdamW state and float32 master weights sharded over the data-parallel ranks.
     null: true on a GPU, false on the CPU (where true runs too, under trainer/megatron/cpu.py's redirection) and for
     float64 (which it refuses). Resolved, and true with float64 refused, by megatron/optimizer.py."""
+    ddp_bucket_size: int | None = None
+    """Parameters per bucket of Megatron DDP's buffers under the distributed optimizer (Megatron's
+    ``--ddp-bucket-size``); null: Megatron's default, max(40M, 1M x data-parallel size). The step's last update is
+    stepped and all-gathered one such bucket at a time, as weight sync reaches its parameters (megatron/optimizer.py
+    ``ParamSyncByBucket``), so the first weight-sync buckets leave while the last are updated."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -79,6 +84,9 @@ class TrainerConfig:
         tp, pp = self.megatron.tensor_parallel_size, self.megatron.pipeline_parallel_size
         if self.backend is not TrainerBackend.megatron and (tp, pp) != (1, 1):
             raise ValueError("trainer.megatron.* parallel sizes need trainer.backend=megatron.")
+        if self.megatron.ddp_bucket_size is not None and self.megatron.ddp_bucket_size < 1:
+            raise ValueError(f"trainer.megatron.ddp_bucket_size={self.megatron.ddp_bucket_size} must be >= 1 "
+                             "(parameters per bucket), or null for Megatron's default.")
         if tp < 1 or pp < 1:
             raise ValueError(f"trainer.megatron.tensor_parallel_size={tp} and pipeline_parallel_size={pp} "
                              "must be >= 1.")

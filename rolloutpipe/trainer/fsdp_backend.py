@@ -60,7 +60,7 @@ from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConf
 from rolloutpipe.trainer.fsdp_exact import ShardedExactSum, clip_gathered_grad_norm
 from rolloutpipe.trainer.grpo import LossSums
 from rolloutpipe.trainer.grpo_trainer import GRPOTrainer, TrainSample, pack
-from rolloutpipe.trainer.lead import LeadReads
+from rolloutpipe.trainer.lead import LeadReads, led
 from rolloutpipe.trainer.logprobs import token_entropy, token_logprobs
 from rolloutpipe.trainer.torch_backend import MASTER, clip_grad_norm, enable_recompute, logprob_head, step_only
 
@@ -297,7 +297,7 @@ class FSDPTrainer(GRPOTrainer):
 
     def _lead_gather(self, buffers: BufferRing | None = None) -> Iterator[dict[str, torch.Tensor]]:
         self._lead.ask(_GATHER, reads="the sharded policy")
-        return self._gathered_buckets(buffers)
+        return led(self._gathered_buckets(buffers))
 
     def _gathered_buckets(self, buffers: BufferRing | None = None) -> Iterator[dict[str, torch.Tensor]]:
         """Every rank: the full tensors, one ``plan_buckets`` bucket at a time (a collective per tensor); rank 0

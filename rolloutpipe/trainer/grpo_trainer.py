@@ -31,8 +31,11 @@ takes that bucket's tensors, on a thread one bucket ahead of weight sync: while 
 bucket j + 1 is updated and gathered, so the last bucket leaves a bucket's time after the update instead of a whole
 model's. The update is the same to the bit (AdamW is elementwise; each parameter is stepped once, from the same
 gradient, clipped by the same global norm), and ``apply_deferred_update`` applies whatever is left (the node calls
-it before anything else reads the weights). A backend that cannot step part of its parameters (Megatron's
-distributed optimizer steps as one) applies the whole update before the first bucket.
+it on every rank before anything else reads the weights). The other ranks apply their update whole, before rank 0
+reads theirs (an FSDP gather), except where a collective finishes it (``deferred_on_every_rank``: Megatron's
+distributed optimizer all-gathers each bucket group's updated shards; its ranks finish the same groups in step with
+rank 0's reads). A backend that cannot step part of its parameters (FusedAdam counts its steps per call) applies the
+whole update before the first bucket.
 
 Precision. Token counts come from the response mask's non-zeros (exact integers in every dtype); log-probs, the
 loss and its sums are float32 at least, whatever the model's dtype.
@@ -115,6 +118,8 @@ class GRPOTrainer(abc.ABC):
     """Whether each rank checkpoints its own shards (backend.PolicyBackend); FSDP's do."""
     updates_by_bucket = False
     """Whether ``_update`` can step part of the parameters (module docstring: the step's last update)."""
+    deferred_on_every_rank = False
+    """Whether every rank defers the step's last update, not only trainer rank 0 (module docstring)."""
 
     def __init__(self, *, cfg: TrainerConfig, grpo: GRPOConfig, temperature: float, pad_id: int, multi_step: bool,
                  old_logprobs: OldLogprobSource) -> None:
@@ -178,7 +183,8 @@ class GRPOTrainer(abc.ABC):
         with self._framework_calls():
             total = self._totals.reduce(self.all_reduce, with_max=self.grpo.corrects_rollout)
             scale = 1.0 / normaliser(self.grpo, num_tokens=total.num_loss_tokens, num_samples=total.num_loss_samples)
-            self._deferred = defer_update and self.updates_by_bucket
+            self._deferred = defer_update and self.updates_by_bucket and (self.deferred_on_every_rank
+                                                                          or _trainer_rank() == 0)
             try:
                 grad_norm = self._optimizer_step(scale)
             except BaseException:
@@ -275,6 +281,9 @@ class GRPOTrainer(abc.ABC):
             leaving.set()
             room.release()
             thread.join()
+            if hasattr(tensors, "close"):  # a reader that left early: the gathers the others wait in (lead.py)
+                with self._framework_calls():
+                    tensors.close()
         self.apply_deferred_update()
 
     def _hf_buckets(self) -> tuple[list[Bucket], Iterator[dict[str, torch.Tensor]]]:
@@ -347,6 +356,10 @@ def pack(samples: list[TrainSample], *, pad_id: int) -> tuple[torch.Tensor, ...]
         else:  # an episode: the environment's tokens are context, never trained
             mask[b, len(s.prompt_ids) - 1 : len(seq) - 1] = torch.tensor(s.response_mask, dtype=torch.float32)
     return input_ids, input_ids[:, 1:], mask
+
+
+def _trainer_rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def engine_logprobs(samples: list[TrainSample], *, like: torch.Tensor, complete: bool = False) -> torch.Tensor:

@@ -3,19 +3,26 @@
 Some of what rank 0 reads is spread over the ranks: FSDP's policy, and Megatron's with tensor parallelism (each
 gathered bucket by bucket). Each gather is a collective, so while rank 0 reads inside ``writer_reads`` (trainer
 node, pipeline.py), the other ranks wait there for its requests and join each one, until rank 0 leaves. A request is
-one int64 broadcast from rank 0; ``DONE`` ends the wait. (Megatron's distributed optimizer needs none: each rank
-checkpoints its own shards.)
+one int64 broadcast from rank 0; ``DONE`` ends the wait. Megatron's distributed optimizer joins them too while the
+step's last update is deferred: its ranks all-gather each bucket group's updated shards as rank 0's reads reach it.
+
+A reader may stop early: trainer rank 0's broadcast breaks when an engine dies, and it closes the buckets it was
+reading. The other ranks still wait in the gathers left, so rank 0 makes them too (``led``), their results dropped,
+before anything else.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 DONE = 0
+
+T = TypeVar("T")
 
 
 class LeadReads:
@@ -60,6 +67,18 @@ class LeadReads:
         message = torch.tensor([-1 if request is None else request], dtype=torch.int64, device=self.device)
         dist.broadcast(message, src=0)
         return int(message.item())
+
+
+def led(gathers: Iterable[T]) -> Iterator[T]:
+    """Rank 0's side of the gathers it asked for: closed before the end, it still makes the gathers left (module
+    docstring). (Not ``yield from``: closing this must not close ``gathers``.)"""
+    gathers = iter(gathers)
+    try:
+        for item in gathers:
+            yield item
+    finally:
+        for _ in gathers:
+            pass
 
 
 def _several_ranks() -> bool:

@@ -21,10 +21,11 @@ WORKLOAD = [*SMALL, *DENSE_REWARD, *EXACT, "run.save_samples=true", "run.checkpo
 
 
 MEGATRON_DISTRIBUTED = ["trainer.backend=megatron", "trainer.megatron.distributed_optimizer=true", "trainer.num_ranks=2",
-                        "model.dtype=float32"]
+                        "model.dtype=float32", "trainer.megatron.ddp_bucket_size=4000"]
 """Megatron's DistributedOptimizer on two data-parallel ranks (on the CPU under trainer/megatron/cpu.py's redirection):
 each rank checkpoints its own shards and reads back the ranges its layout needs on resume, also on one rank, torch's
-AdamW step counts in state.json. float32, where the shards are views of the parameters (copied into under no_grad);
+AdamW step counts in state.json. DDP buckets of 4000 parameters: each step's last update is stepped and all-gathered
+a bucket at a time as weight sync reads the policy. float32, where the shards are views of the parameters (copied into under no_grad);
 bfloat16's masters on one rank: tests/unit/test_megatron_checkpoint.py."""
 
 

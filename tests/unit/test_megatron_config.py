@@ -97,10 +97,37 @@ def test_the_megatron_configs_carry_the_resolved_key(distributed):
     ddp, optimizer = megatron_optimizer_configs(cfg, dtype=torch.bfloat16, distributed=distributed)
     assert ddp.use_distributed_optimizer is distributed
     assert optimizer.use_distributed_optimizer is distributed
-    # the batch's one reduce runs in finalize_model_grads: nothing may start during a micro-batch's backward
-    assert not ddp.overlap_grad_reduce and not ddp.overlap_param_gather
+    # the batch's one reduce runs in finalize_model_grads: nothing may start during a micro-batch's backward (the
+    # distributed optimizer's DDP is built with overlap_grad_reduce for its buckets, then switched off: below)
+    assert ddp.overlap_grad_reduce is distributed and not ddp.overlap_param_gather
     assert ddp.grad_reduce_in_fp32 and optimizer.bf16 and optimizer.params_dtype is torch.bfloat16
     assert (optimizer.lr, optimizer.clip_grad, optimizer.optimizer) == (3e-6, 0.5, "adam")
+
+
+@needs_extra("megatron", "megatron.core")
+def test_the_distributed_optimizers_ddp_has_buckets_of_the_size_asked_and_reduces_only_when_the_batch_is_done():
+    """trainer.megatron.ddp_bucket_size: Megatron's DDP makes buckets only with overlap_grad_reduce, which the trainer
+    switches off once DDP is built (Megatron reads it at every backward and reduce)."""
+    from rolloutpipe.trainer.backend import trainer_class
+
+    cfg = TrainerConfig(backend=TrainerBackend.megatron, megatron=MegatronConfig(distributed_optimizer=True,
+                                                                                 ddp_bucket_size=4000))
+    trainer = trainer_class(TrainerBackend.megatron)(
+        model=load_model(ModelConfig(dtype=DType.float32), len(build_tiny_tokenizer())), cfg=cfg,
+        grpo=GRPOConfig(), temperature=1.0, pad_id=0, multi_step=False, process_group_active=False,
+        old_logprobs=OldLogprobSource.trainer)
+    try:
+        num_params = sum(p.numel() for p in trainer.gpt.parameters())
+        assert len(trainer.ddp.bucket_groups) >= num_params // 8000
+        assert not trainer.ddp.ddp_config.overlap_grad_reduce
+        assert all(not group.ddp_config.overlap_grad_reduce for group in trainer.ddp.bucket_groups)
+    finally:
+        trainer.close()
+
+
+def test_a_ddp_bucket_size_below_one_is_refused_naming_the_key():
+    with pytest.raises(ValueError, match=r"trainer.megatron.ddp_bucket_size=0 must be >= 1"):
+        TrainerConfig(backend=TrainerBackend.megatron, megatron=MegatronConfig(ddp_bucket_size=0))
 
 
 class FakeDistributedOptimizer:

@@ -7,18 +7,34 @@ import pytest
 import torch
 
 from rolloutpipe.control.weights.buckets import packed
-from rolloutpipe.model import DType
+from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
 from rolloutpipe.trainer import torch_backend
-from rolloutpipe.trainer.config import TrainerBackend
+from rolloutpipe.trainer.backend import trainer_class
+from rolloutpipe.trainer.config import GRPOConfig, MegatronConfig, OldLogprobSource, TrainerBackend, TrainerConfig
 from rolloutpipe.trainer.fsdp_backend import FSDPTrainer
 from rolloutpipe.trainer.megatron.trainer import MegatronTrainer
-from tests.unit.test_exact_sum import groups, trainer
+from tests.unit.test_exact_sum import groups
+from tests.unit.test_exact_sum import trainer as exact_sum_trainer
 
+DISTRIBUTED = "megatron-distributed"
+"""Megatron's distributed optimizer, with DDP buckets of 4000 parameters (several bucket groups)."""
 CASES = [(TrainerBackend.torch, DType.float32), (TrainerBackend.torch, DType.bfloat16),
          (TrainerBackend.fsdp, DType.float32), (TrainerBackend.fsdp, DType.bfloat16),
-         (TrainerBackend.megatron, DType.float32), (TrainerBackend.megatron, DType.bfloat16)]
+         (TrainerBackend.megatron, DType.float32), (TrainerBackend.megatron, DType.bfloat16),
+         (DISTRIBUTED, DType.float32), (DISTRIBUTED, DType.bfloat16)]
 IDS = ["torch-float32", "torch-bfloat16-masters", "fsdp-float32", "fsdp-bfloat16", "megatron-float32",
-       "megatron-bfloat16-masters"]
+       "megatron-bfloat16-masters", "megatron-distributed-float32", "megatron-distributed-bfloat16-masters"]
+
+
+def trainer(dtype: DType, *, exact: bool, backend=TrainerBackend.torch):
+    if backend != DISTRIBUTED:
+        return exact_sum_trainer(dtype, exact=exact, backend=backend)
+    model = load_model(ModelConfig(dtype=dtype), len(build_tiny_tokenizer()))
+    cfg = TrainerConfig(backend=TrainerBackend.megatron, exact_accumulation=exact,
+                        megatron=MegatronConfig(distributed_optimizer=True, ddp_bucket_size=4000))
+    return trainer_class(TrainerBackend.megatron)(
+        model=model, cfg=cfg, grpo=GRPOConfig(), temperature=1.0, pad_id=0, multi_step=False,
+        process_group_active=False, old_logprobs=OldLogprobSource.trainer)
 
 
 def stepped_by(policy) -> torch.optim.Optimizer:
@@ -148,3 +164,27 @@ def test_fsdp_rank_0_gathers_each_bucket_into_one_range_of_four_reused_buffers()
         policy.close()
     assert len(buckets) > 4
     assert len(set(memory[1])) == 4 and memory[1] == memory[2]  # (the first policy grows the buffers)
+
+
+@pytest.mark.parametrize("backend,dtype", CASES[::2], ids=IDS[::2])
+def test_the_first_bucket_leaves_before_the_last_parameters_are_updated(backend, dtype):
+    """The point of the update by bucket: when weight sync has the first bucket, part of the policy is updated (its
+    parameters, and those one bucket ahead) and the rest is not yet; all of it is once the last bucket is taken."""
+    policy = trainer(dtype, exact=False, backend=backend)
+    try:
+        before = held(policy)
+        train(policy, defer=True)
+        policy.bucket_bytes = 2048
+        with policy.writer_reads():
+            buckets, tensors = policy.hf_buckets()
+            next(tensors)
+            midway = held(policy)
+            for _ in tensors:
+                pass
+        after = held(policy)
+    finally:
+        policy.close()
+    assert len(buckets) >= 8
+    assert [k for k in before if midway[k] != before[k]], "nothing was updated for the first bucket"
+    assert [k for k in before if midway[k] == before[k] != after[k]], "all was updated before the first bucket left"
+    assert [k for k in before if after[k] == before[k]] == []

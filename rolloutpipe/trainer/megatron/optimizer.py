@@ -11,6 +11,9 @@ runs under cpu.py's redirection (gloo), which is how the tests run it.
 No overlap. ``overlap_grad_reduce`` / ``overlap_param_gather`` stay off: Megatron starts a bucket's reduce when its
 last gradient of the *last* micro-batch is ready, and CGP does not know which micro-batch is last before its backward
 (a training batch is complete only when its last group arrives); the batch's one reduce runs in finalize_model_grads.
+(The distributed optimizer's DDP is built with ``overlap_grad_reduce`` on and switched off once built: Megatron
+makes buckets of ``trainer.megatron.ddp_bucket_size`` parameters only then, and ``ParamSyncByBucket`` steps and
+all-gathers the step's last update by those buckets. Megatron reads the flag at each backward and reduce.)
 
 Checkpoints. Replicated: Megatron's own optimizer state dict in control/checkpoint.py's layout (``{"state": {index:
 {name: tensor}}, "param_groups": [...]}``), written whole by trainer rank 0, as before. Distributed
@@ -57,6 +60,7 @@ def resolve_distributed_optimizer(requested: bool | None, *, cuda: bool, dtype: 
 
 def megatron_optimizer_configs(cfg: TrainerConfig, *, dtype: torch.dtype, distributed: bool):
     """Megatron's DDP config and optimizer config for this trainer: (DistributedDataParallelConfig, OptimizerConfig).
+    The distributed optimizer's DDP config asks for buckets: ``without_overlap`` once DDP is built (module docstring).
 
     fp32 Adam with decoupled weight decay (as the torch backend's AdamW), clipping by the global norm; gradients
     reduced in float32 unless the model is float64 (kept exact)."""
@@ -65,13 +69,74 @@ def megatron_optimizer_configs(cfg: TrainerConfig, *, dtype: torch.dtype, distri
 
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=dtype != torch.float64,
                                         use_distributed_optimizer=distributed,
-                                        overlap_grad_reduce=False, overlap_param_gather=False)
+                                        overlap_grad_reduce=distributed, overlap_param_gather=False,
+                                        bucket_size=cfg.megatron.ddp_bucket_size)
     optimizer = OptimizerConfig(
         optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
         adam_beta2=cfg.adam_beta2, adam_eps=1e-8, clip_grad=cfg.max_grad_norm,
         bf16=dtype == torch.bfloat16, params_dtype=dtype, use_distributed_optimizer=distributed,
     )
     return ddp, optimizer
+
+
+def without_overlap(ddp) -> None:
+    """Megatron DDP, built with ``overlap_grad_reduce`` for its buckets: its gradients reduced in one go when the
+    batch is complete (``finalize_model_grads``), as without the flag."""
+    assert all(group.ddp_config is ddp.ddp_config for group in ddp.bucket_groups)
+    ddp.ddp_config.overlap_grad_reduce = False
+
+
+class ParamSyncByBucket:
+    """The distributed optimizer's update applied one DDP bucket group at a time: this rank's shards of the group's
+    parameters stepped (torch's Adam on their float32 masters, each once), copied into the parameter buffer, and the
+    group's parameters all-gathered over the data-parallel ranks, which is what Megatron's ``step_with_ready_grads``
+    and ``start_param_sync`` do for all at once. Every data-parallel rank defers and finishes the same groups in the
+    same order (the all-gather is a collective): trainer.py finishes them as weight sync's buckets need them."""
+
+    def __init__(self, optimizer, ddp) -> None:
+        self.groups = list(ddp.bucket_groups) + list(ddp.expert_parallel_bucket_groups)
+        self.group_of = ddp.param_to_bucket_group
+        self.masters = []
+        """(DistributedOptimizer, {parameter: this rank's float32 master of its range})."""
+        for sub in optimizer.chained_optimizers:
+            pairs = zip(sub.model_float16_groups + sub.model_fp32_groups,
+                        sub.shard_fp32_from_float16_groups + sub.shard_fp32_groups, strict=True)
+            self.masters.append((sub, {p: master for params, masters in pairs
+                                       for p, master in zip(params, masters, strict=True)}))
+        self.left: list = []
+        """The groups of a deferred update not yet stepped and gathered, in Megatron's order."""
+
+    def steps_in_parts(self) -> bool:
+        """torch's Adam (ReplicatedState.steps_in_parts)."""
+        return all(type(sub.optimizer) in (torch.optim.Adam, torch.optim.AdamW) for sub, _ in self.masters)
+
+    def defer(self) -> None:
+        self.left = list(self.groups)
+
+    def finish(self, params: list[torch.nn.Parameter] | None) -> None:
+        """Step and gather the groups left that hold any of ``params`` (None: every group left), in the order of
+        ``params``."""
+        if not self.left:
+            return
+        wanted = self.left if params is None else list(dict.fromkeys(self.group_of[p] for p in params))
+        for group in [g for g in wanted if g in self.left]:
+            self.left.remove(group)
+            with torch.no_grad():
+                for sub, masters in self.masters:
+                    held = [p for p in group.params if p in masters]
+                    stepped = {id(t) for t in step_only(sub.optimizer, [masters[p] for p in held])}
+                    for p in held:
+                        if id(masters[p]) in stepped:
+                            _param_buffer_range(sub, p).copy_(masters[p])
+                group.start_param_sync(force_sync=True)
+
+
+def _param_buffer_range(sub, param: torch.nn.Parameter) -> torch.Tensor:
+    """Where this rank's range of ``param`` lies in the DDP parameter buffer that the all-gather reads (Megatron's
+    ``_copy_main_params_to_model_params``)."""
+    world = sub._get_model_param_range_map(param)["gbuf_world_in_bucket"]
+    buffer, _, bucket = sub.model_param_gbuf_map[param]
+    return sub.buffers[buffer].buckets[bucket].param_data.view(-1)[world.start:world.end]
 
 
 class DistributedShards:

@@ -39,8 +39,11 @@ The step's last update by bucket (grpo_trainer.py). With the replicated optimize
 a rollout step runs Megatron's ``step`` up to its inner step (gradients prepared, their global norm taken and
 clipped), and ``_update`` applies the rest to each bucket's Megatron parameters before that bucket is mapped
 (optimizer.py ``ReplicatedState.step_only``: torch's Adam on them, the float32 masters copied into 16-bit
-parameters), so the first buckets leave while the last are updated. The distributed optimizer steps as one: its
-all-gather of the updated shards is a collective of the whole data-parallel group.
+parameters), so the first buckets leave while the last are updated. With the distributed optimizer every
+data-parallel rank defers it (``deferred_on_every_rank``): each DDP bucket group (``trainer.megatron.ddp_bucket_size``
+parameters) is stepped on every rank's shards and all-gathered when rank 0's reads first reach one of its parameters
+(optimizer.py ``ParamSyncByBucket``); the other ranks make the same all-gathers in the same order inside
+``writer_reads`` (``_walk``).
 
 CPU. Without CUDA every Megatron call runs inside ``cpu.cuda_calls_on_cpu()``, which redirects
 Megatron's CUDA-only calls: every dtype and both optimizers (the bf16 one and the distributed one included) run
@@ -63,7 +66,7 @@ from rolloutpipe.control.weights.buckets import BUCKETS_HELD, Bucket, BufferRing
 from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerConfig
 from rolloutpipe.trainer.exact_sum import ExactGradientSum
 from rolloutpipe.trainer.grpo_trainer import GRPOTrainer
-from rolloutpipe.trainer.lead import LeadReads
+from rolloutpipe.trainer.lead import LeadReads, led
 from rolloutpipe.trainer.logprobs import VocabShard, chunked_logprobs
 from rolloutpipe.trainer.megatron import cpu
 from rolloutpipe.trainer.megatron.convert import (
@@ -86,9 +89,11 @@ from rolloutpipe.trainer.megatron.model import (
 )
 from rolloutpipe.trainer.megatron.optimizer import (
     DistributedShards,
+    ParamSyncByBucket,
     ReplicatedState,
     megatron_optimizer_configs,
     resolve_distributed_optimizer,
+    without_overlap,
 )
 
 _GATHER = 1
@@ -134,14 +139,20 @@ class MegatronTrainer(GRPOTrainer):
                                                                       distributed=self.distributed_optimizer)
             self.ddp = DistributedDataParallel(config=self.gpt.config, module=self.gpt, ddp_config=ddp_config)
             self.megatron_optimizer = get_megatron_optimizer(optimizer_config, [self.ddp])
+        self._param_sync = None
+        """The distributed optimizer's deferred update, by DDP bucket group (optimizer.py)."""
+        if self.distributed_optimizer:
+            without_overlap(self.ddp)
+            self._param_sync = ParamSyncByBucket(self.megatron_optimizer, self.ddp)
         self.optimizer = (DistributedShards(self.megatron_optimizer, params=list(self.gpt.parameters()),
                                             tp_rank=self.tp_rank, data_parallel_size=self.data_parallel_size,
                                             tensor_parallel_size=tp)
                           if self.distributed_optimizer else ReplicatedState(self.megatron_optimizer))
         """What checkpoints read and load (optimizer.py); ``megatron_optimizer`` steps."""
-        self.updates_by_bucket = not self.distributed_optimizer and self.optimizer.steps_in_parts()
-        """The replicated optimizer steps a bucket's parameters at a time (``_update``); the distributed one steps as
-        one (its all-gather of the updated shards is a collective of the data-parallel group)."""
+        self.updates_by_bucket = (self._param_sync or self.optimizer).steps_in_parts()
+        """The replicated optimizer steps a bucket's parameters at a time (``_update``); the distributed one a DDP
+        bucket group's, on every rank (``_walk``)."""
+        self.deferred_on_every_rank = self.distributed_optimizer
         self.sharded_checkpoint = self.distributed_optimizer
         """The distributed optimizer: every rank checkpoints its own shards (``training_shards``)."""
         self._writer = dist.get_rank() == 0
@@ -173,9 +184,9 @@ class MegatronTrainer(GRPOTrainer):
         return state
 
     def writer_reads(self) -> contextlib.AbstractContextManager:
-        """With tensor parallelism, every rank enters it around trainer rank 0's reads of the policy; the ranks of
-        rank 0's tensor-parallel group join its gathers (lead.py) until rank 0 leaves."""
-        if self.layout.tp_size == 1:
+        """With tensor parallelism or the distributed optimizer, every rank enters it around trainer rank 0's reads of
+        the policy and joins its gathers (lead.py, ``_walk``) until rank 0 leaves."""
+        if self.layout.tp_size == 1 and self._param_sync is None:
             return contextlib.nullcontext()
         return self._lead.session(self._serve)
 
@@ -211,6 +222,7 @@ class MegatronTrainer(GRPOTrainer):
         still there.)"""
         destroy_parallel_state(created_world=self._created_world)
         self.gpt = self.ddp = self.megatron_optimizer = self.optimizer = self._head = self._exact = None
+        self._param_sync = self._local_params = None
         self._bucket_buffers = None
         gc.collect()
 
@@ -248,9 +260,11 @@ class MegatronTrainer(GRPOTrainer):
         finalize_model_grads([self.ddp])
         if self._exact is None:
             self.ddp.scale_gradients(scale)
-        if self._deferred:  # summed, scaled and clipped; ``_update`` steps it, bucket by bucket
+        if self._deferred:  # summed, scaled and clipped; ``_update`` (``_walk``) steps it, bucket by bucket
             with _inner_step_left_out(self.megatron_optimizer):
                 _, grad_norm, _ = self.megatron_optimizer.step()
+            if self._param_sync is not None:
+                self._param_sync.defer()
             return float(grad_norm)
         _, grad_norm, _ = self.megatron_optimizer.step()
         self._zero_grads()
@@ -259,6 +273,11 @@ class MegatronTrainer(GRPOTrainer):
     def _update(self, names: list[str] | None) -> None:
         """The deferred step (replicated optimizer) on the Megatron parameters that the HF tensors ``names`` are
         mapped from (None: every one left); the gradient buffers are zeroed once all are stepped."""
+        if self._param_sync is not None:  # the distributed optimizer's groups: ``_walk`` finishes them in step
+            if names is None:
+                self._param_sync.finish(None)
+                self._zero_grads()
+            return
         if names is None:
             self.optimizer.step_only(None)
             self._zero_grads()
@@ -316,31 +335,38 @@ class MegatronTrainer(GRPOTrainer):
     def _read(self, buckets: list[Bucket]) -> Iterable[tuple[Bucket, list[dict[str, torch.Tensor]]]]:
         """Trainer rank 0: each bucket with the parameters of every tensor-parallel rank it maps from, in turn: its
         own where they lie, or those its group gathers for it (inside ``writer_reads``)."""
-        if self.layout.tp_size == 1:
+        if self.layout.tp_size == 1 and not (self._param_sync and self._param_sync.left):
             params = [self._params()]
             return ((bucket, params) for bucket in buckets)
-        self._lead.ask(_GATHER, reads="the tensor-parallel policy")
-        return self._gathered(buckets)
+        self._lead.ask(_GATHER, reads="the policy")
+        return led(self._walk(buckets))
 
     def _serve(self, request: int) -> None:
         assert request == _GATHER, request
-        if self.data_parallel_rank == 0:  # rank 0's tensor-parallel group; the other groups have nothing to do
-            for _ in self._gathered(self._plan()):
-                pass
+        for _ in self._walk(self._plan()):
+            pass
 
-    def _gathered(self, buckets: list[Bucket]) -> Iterator[tuple[Bucket, list[dict[str, torch.Tensor]] | None]]:
-        """Every rank of rank 0's tensor-parallel group, in step: each bucket's parameters all-gathered onto the
-        host, one bucket at a time (rank 0 gets every rank's, the others None)."""
+    def _walk(self, buckets: list[Bucket]) -> Iterator[tuple[Bucket, list[dict[str, torch.Tensor]] | None]]:
+        """Every rank, in step with rank 0's reads, bucket by bucket: the deferred update of the DDP bucket groups
+        the bucket reads finished (stepped and all-gathered over the data-parallel ranks), then with tensor
+        parallelism the bucket's parameters all-gathered onto the host in rank 0's tensor-parallel group (rank 0
+        gets every rank's, the others None); at the end, any group left finished."""
         params, tp = self._params(), self.layout.tp_size
+        gathers = tp > 1 and self.data_parallel_rank == 0  # rank 0's tensor-parallel group
         for bucket in buckets:
-            shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
-            for name in bucket_sources(bucket.names, self._sources):
+            names = bucket_sources(bucket.names, self._sources)
+            if self._param_sync is not None:
+                self._param_sync.finish([self._local_params[name] for name in names])
+            shards: list[dict[str, torch.Tensor]] = [params] if tp == 1 else [{} for _ in range(tp)]
+            for name in names if gathers else ():
                 value = params[name].to("cpu")
                 parts = [torch.empty_like(value) for _ in range(tp)]
                 dist.all_gather(parts, value, group=self.tp_group)
                 for shard, part in zip(shards, parts, strict=True):
                     shard[name] = part
-            yield bucket, shards if self.tp_rank == 0 else None
+            yield bucket, shards if self.tp_rank == 0 and self.data_parallel_rank == 0 else None
+        if self._param_sync is not None:
+            self._param_sync.finish(None)
 
 @contextlib.contextmanager
 def _inner_step_left_out(optimizer) -> Iterator[None]:
