@@ -9,6 +9,9 @@ the torch backend, through a checkpoint, and at real width (a whole job's stop a
    within ``RESUME_RTOL`` of the uninterrupted one.
 3. GPU only: each rank's peak memory at Qwen3-1.7B's width in bfloat16, with and without the distributed optimizer,
    held to the memory plan's figure for that many ranks within [0.8, 1.25].
+4. The step's last update deferred and applied by DDP bucket as weight sync reads the policy (every rank all-gathers
+   each bucket as rank 0's reads reach it, on a thread one bucket ahead: NCCL on the GPUs) sends what the step of all
+   gives (``RESUME_RTOL``, and whether to the bit).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ magnitude, so elements whose gradient is near eps (1e-8) differ by up to lr; the
 RESUME_RTOL = 1e-5
 """The step after a resume vs the uninterrupted one, relative to that step's update: the same state and samples
 (bit-identical but for non-deterministic kernels); a lost moment or step count is off by O(1)."""
+DDP_BUCKET_SIZE = 4000
+"""Parameters per DDP bucket of the tiny model's trainers: several buckets, so that check 4 steps by parts."""
 PLAN_RANGE = (0.8, 1.25)
 PROMPT_TOKENS, RESPONSE_TOKENS = 512, 2048
 """Each rank's two samples in the memory comparison (3)."""
@@ -66,6 +71,10 @@ def check(machine: Machine) -> list[Row]:
         Row(part="distributed_optimizer", checked="next step after a checkpoint round trip vs uninterrupted",
             measured=f"differs by {got['resume_rdiff']:.1e} (bit-identical: {got['resume_identical']})",
             limit=f"{RESUME_RTOL:g} of the step's update", verdict=verdict(got["resume_rdiff"] <= RESUME_RTOL)),
+        Row(part="distributed_optimizer", checked="the step's last update by DDP bucket, read by weight sync's "
+                                                  "buckets, vs the step of all",
+            measured=f"differs by {got['by_bucket_rdiff']:.1e} (bit-identical: {got['by_bucket_identical']})",
+            limit=f"{RESUME_RTOL:g} of the step's update", verdict=verdict(got["by_bucket_rdiff"] <= RESUME_RTOL)),
     ]
     if not got["memory"]:
         rows.append(Row(part="distributed_optimizer", checked="peak memory per rank at Qwen3-1.7B width",
@@ -104,8 +113,9 @@ def _tiny_trainer(backend: str, *, process_group_active: bool, model_path: Path 
     model_cfg = tiny_model_config()
     if model_path is not None:
         model_cfg.path = str(model_path)
+    megatron = {"distributed_optimizer": distributed, "ddp_bucket_size": DDP_BUCKET_SIZE}
     cfg = load_config({"trainer": {"backend": backend, "max_grad_norm": 0.1,  # the clip is part of the check
-                                   **({"megatron": {"distributed_optimizer": distributed}} if distributed else {})}})
+                                   **({"megatron": megatron} if distributed else {})}})
     return trainer_class(TrainerBackend(backend))(
         model=load_model(model_cfg, len(build_tiny_tokenizer())), cfg=cfg.trainer, grpo=cfg.grpo, temperature=1.0,
         pad_id=0, multi_step=False, process_group_active=process_group_active, old_logprobs=OldLogprobSource.trainer)
@@ -162,11 +172,38 @@ def _rank(rank: int, world: int, layers: int, out: Path, port: int) -> None:
         report["resume_identical"] = all(torch.equal(v, again[k]) for k, v in uninterrupted.items())
         report["resume_rdiff"] = _relative_difference(again, uninterrupted, first)
     resumed.close()
+    report |= _by_bucket(rank, mine, out)
     report["memory"] = ([_rank_peak(rank, world, layers, distributed) for distributed in (True, False)]
                         if torch.cuda.is_available() else [])
     if rank == 0:
         (out / "rank0.json").write_text(json.dumps(report))
     dist.destroy_process_group()
+
+
+def _by_bucket(rank: int, mine: list, out: Path) -> dict:
+    """Check 4 on every rank: the first step (from before.safetensors' weights) deferred and read by 2 KiB weight-sync
+    buckets on rank 0, against the same step applied whole."""
+    import torch
+    from safetensors.torch import load_file
+
+    sent = {}
+    for deferred in (False, True):
+        trainer = _tiny_trainer("megatron", process_group_active=True, distributed=True)
+        trainer.forward_backward(mine, first_batch_of_step=True)
+        trainer.finish_batch(defer_update=deferred)
+        trainer.bucket_bytes = 2048
+        with trainer.writer_reads():
+            if rank == 0:
+                buckets, tensors = trainer.hf_buckets()
+                sent[deferred] = {k: v.cpu().clone() for bucket in tensors for k, v in bucket.items()}
+                assert len(buckets) > 4 and len(trainer.ddp.bucket_groups) > 1
+        trainer.apply_deferred_update()
+        trainer.close()
+    if rank != 0:
+        return {}
+    before = load_file(str(out / "before.safetensors"))
+    return {"by_bucket_identical": all(torch.equal(v, sent[True][k]) for k, v in sent[False].items()),
+            "by_bucket_rdiff": _relative_difference(sent[True], sent[False], before)}
 
 
 def _relative_difference(got: dict, want: dict, start: dict) -> float:
