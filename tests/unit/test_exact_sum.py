@@ -13,7 +13,7 @@ import torch
 from rolloutpipe.control.checkpoint import latest_checkpoint, load_optimizer, save_checkpoint
 from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
 from rolloutpipe.trainer.backend import PolicyBackend, trainer_class
-from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerBackend, TrainerConfig
+from rolloutpipe.trainer.config import GRPOConfig, MegatronConfig, OldLogprobSource, TrainerBackend, TrainerConfig
 from rolloutpipe.trainer.exact_sum import BYTES_PER_ELEMENT, ExactGradientSum
 from rolloutpipe.trainer.fsdp_backend import FSDPTrainer
 from rolloutpipe.trainer.grpo_trainer import TrainSample
@@ -180,13 +180,13 @@ def test_a_gradient_that_is_not_finite_is_an_error_that_names_the_batch_and_micr
 
 
 def trainer(dtype: DType, *, exact: bool, backend: TrainerBackend = TrainerBackend.torch,
-            max_grad_norm: float = 1.0) -> PolicyBackend:
+            max_grad_norm: float = 1.0, megatron: MegatronConfig | None = None) -> PolicyBackend:
     """A trainer of the tiny model alone; FSDP and Megatron on a world of one rank of their own (``close`` ends
     it)."""
     model = load_model(ModelConfig(dtype=dtype), len(build_tiny_tokenizer()))
     cls = trainer_class(backend)
     policy = cls(model=model, cfg=TrainerConfig(backend=backend, exact_accumulation=exact,
-                                                max_grad_norm=max_grad_norm),
+                                                max_grad_norm=max_grad_norm, megatron=megatron or MegatronConfig()),
                  grpo=GRPOConfig(), temperature=1.0, pad_id=0, multi_step=False, process_group_active=False,
                  old_logprobs=OldLogprobSource.trainer)
     if exact:

@@ -108,14 +108,10 @@ def test_the_megatron_configs_carry_the_resolved_key(distributed):
 def test_the_distributed_optimizers_ddp_has_buckets_of_the_size_asked_and_reduces_only_when_the_batch_is_done():
     """trainer.megatron.ddp_bucket_size: Megatron's DDP makes buckets only with overlap_grad_reduce, which the trainer
     switches off once DDP is built (Megatron reads it at every backward and reduce)."""
-    from rolloutpipe.trainer.backend import trainer_class
+    from tests.unit.test_exact_sum import trainer as tiny_trainer
 
-    cfg = TrainerConfig(backend=TrainerBackend.megatron, megatron=MegatronConfig(distributed_optimizer=True,
-                                                                                 ddp_bucket_size=4000))
-    trainer = trainer_class(TrainerBackend.megatron)(
-        model=load_model(ModelConfig(dtype=DType.float32), len(build_tiny_tokenizer())), cfg=cfg,
-        grpo=GRPOConfig(), temperature=1.0, pad_id=0, multi_step=False, process_group_active=False,
-        old_logprobs=OldLogprobSource.trainer)
+    trainer = tiny_trainer(DType.float32, exact=False, backend=TrainerBackend.megatron,
+                           megatron=MegatronConfig(distributed_optimizer=True, ddp_bucket_size=4000))
     try:
         num_params = sum(p.numel() for p in trainer.gpt.parameters())
         assert len(trainer.ddp.bucket_groups) >= num_params // 8000

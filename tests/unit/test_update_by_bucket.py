@@ -7,10 +7,9 @@ import pytest
 import torch
 
 from rolloutpipe.control.weights.buckets import packed
-from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
+from rolloutpipe.model import DType
 from rolloutpipe.trainer import torch_backend
-from rolloutpipe.trainer.backend import trainer_class
-from rolloutpipe.trainer.config import GRPOConfig, MegatronConfig, OldLogprobSource, TrainerBackend, TrainerConfig
+from rolloutpipe.trainer.config import MegatronConfig, TrainerBackend
 from rolloutpipe.trainer.fsdp_backend import FSDPTrainer
 from rolloutpipe.trainer.megatron.trainer import MegatronTrainer
 from tests.unit.test_exact_sum import groups
@@ -29,12 +28,8 @@ IDS = ["torch-float32", "torch-bfloat16-masters", "fsdp-float32", "fsdp-bfloat16
 def trainer(dtype: DType, *, exact: bool, backend=TrainerBackend.torch):
     if backend != DISTRIBUTED:
         return exact_sum_trainer(dtype, exact=exact, backend=backend)
-    model = load_model(ModelConfig(dtype=dtype), len(build_tiny_tokenizer()))
-    cfg = TrainerConfig(backend=TrainerBackend.megatron, exact_accumulation=exact,
-                        megatron=MegatronConfig(distributed_optimizer=True, ddp_bucket_size=4000))
-    return trainer_class(TrainerBackend.megatron)(
-        model=model, cfg=cfg, grpo=GRPOConfig(), temperature=1.0, pad_id=0, multi_step=False,
-        process_group_active=False, old_logprobs=OldLogprobSource.trainer)
+    return exact_sum_trainer(dtype, exact=exact, backend=TrainerBackend.megatron,
+                             megatron=MegatronConfig(distributed_optimizer=True, ddp_bucket_size=4000))
 
 
 def stepped_by(policy) -> torch.optim.Optimizer:

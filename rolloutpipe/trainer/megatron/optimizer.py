@@ -107,8 +107,7 @@ class ParamSyncByBucket:
         """The groups of a deferred update not yet stepped and gathered, in Megatron's order."""
 
     def steps_in_parts(self) -> bool:
-        """torch's Adam (ReplicatedState.steps_in_parts)."""
-        return all(type(sub.optimizer) in (torch.optim.Adam, torch.optim.AdamW) for sub, _ in self.masters)
+        return all(_steps_in_parts(sub.optimizer) for sub, _ in self.masters)
 
     def defer(self) -> None:
         self.left = list(self.groups)
@@ -129,6 +128,13 @@ class ParamSyncByBucket:
                         if id(masters[p]) in stepped:
                             _param_buffer_range(sub, p).copy_(masters[p])
                 group.start_param_sync(force_sync=True)
+
+
+def _steps_in_parts(inner: torch.optim.Optimizer) -> bool:
+    """Whether ``step_only`` on Megatron's inner optimizer gives Megatron's own step: torch's Adam, which keeps each
+    parameter's step count in its state and skips a parameter without a gradient. Transformer Engine's or Apex's
+    FusedAdam counts the steps per call, and would count one per part."""
+    return type(inner) in (torch.optim.Adam, torch.optim.AdamW)
 
 
 def _param_buffer_range(sub, param: torch.nn.Parameter) -> torch.Tensor:
@@ -251,10 +257,7 @@ class ReplicatedState:
         return state
 
     def steps_in_parts(self) -> bool:
-        """Whether ``step_only`` gives Megatron's own step: torch's Adam, which keeps each parameter's step count in
-        its state and skips a parameter without a gradient. Transformer Engine's or Apex's FusedAdam counts the steps
-        per call, and would count one per part."""
-        return type(self._sub.optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+        return _steps_in_parts(self._sub.optimizer)
 
     def step_only(self, params: list[torch.nn.Parameter] | None) -> None:
         """Megatron's ``step_with_ready_grads`` on those of the model's ``params`` (None: all) still holding a
