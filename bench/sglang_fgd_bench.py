@@ -49,10 +49,7 @@ SETTINGS: dict[str, dict] = {
     "retraction": {"engines": 1, "args": ["--max-total-tokens", "512", "--max-running-requests", "32"],
                    "environ": {"SGLANG_INIT_NEW_TOKEN_RATIO": "0.05", "SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR": "0.05"}},
     "request_limit": {"engines": 1, "args": ["--max-total-tokens", "8192", "--max-running-requests", "4"]},
-    "two_engines": {"engines": 2, "args": ["--max-total-tokens", "8192", "--max-running-requests", "4"],
-                    # SGLang's CPU path binds engine j (base GPU id j) to NUMA node j, or to the j-th '|'-separated
-                    # core group of this variable: both engines get every core
-                    "environ": {"SGLANG_CPU_OMP_THREADS_BIND": "|".join([f"0-{os.cpu_count() - 1}"] * 2)}},
+    "two_engines": {"engines": 2, "args": ["--max-total-tokens", "8192", "--max-running-requests", "4"]},
 }
 ADMISSION = {"fifo": ["rollout.admission=fifo"], "fgd": ["rollout.admission=fgd"]}
 COLUMNS = [("perf/first_group_s", "first_grp_s"), ("perf/rollout_to_train_end_s", "r2t_s"),

@@ -43,13 +43,23 @@ def keep_busy(*args, **kwargs):
 
 
 def kill_server_before_second_bucket(original, engine, buckets, group_name, policy_version, macs):
-    """Wraps the call (``arm`` hands it ``original``): each bucket's MAC is asked for just before its call."""
-    def kill_then_mac(index):
-        if index == 1:
-            kill_engine_server(engine)
-        return macs(index)
+    """Wraps the call (``arm`` hands it ``original``): the server dies as the call takes the second bucket, before
+    its MAC (if any: SGLang's calls have none) is asked for and its request made."""
+    return original(engine, _KillsAtSecond(buckets, engine), group_name, policy_version, macs)
 
-    return original(engine, buckets, group_name, policy_version, kill_then_mac)
+
+class _KillsAtSecond(list):
+    """The buckets, which kill ``engine``'s server when iteration reaches the second one."""
+
+    def __init__(self, buckets, engine) -> None:
+        super().__init__(buckets)
+        self.engine = engine
+
+    def __iter__(self):
+        for index, bucket in enumerate(super().__iter__()):
+            if index == 1:
+                kill_engine_server(self.engine)
+            yield bucket
 
 
 kill_server_before_second_bucket.wraps = True

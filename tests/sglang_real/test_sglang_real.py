@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -32,7 +33,17 @@ from rolloutpipe.rollout.engines.http_client import SGLangEngine
 from rolloutpipe.trainer.logprobs import token_logprobs
 from rolloutpipe.types import FinishReason, GenerationRequest
 from tests import sglang_cpu
-from tests.conftest import REPO, SMALL, final_weights, node_environ, read_metrics, read_samples, samples, wait_for
+from tests.conftest import (
+    REPO,
+    SMALL,
+    final_weights,
+    node_environ,
+    read_metrics,
+    read_samples,
+    samples,
+    start_nodes,
+    wait_for,
+)
 from tests.helpers.http_engine import Results
 
 pytestmark = [pytest.mark.sglang_real, pytest.mark.multiprocess]
@@ -463,6 +474,42 @@ def test_a_killed_sglang_engine_is_restarted_and_its_requests_resubmitted_with_t
     _, stderr = cgp_run
     assert "unfinished requests resubmitted with their seeds" in stderr, stderr[-3000:]
     assert "engine engine0 restarted as engine0-restart1" in stderr, stderr[-3000:]
+
+
+@pytest.mark.timeout(900)
+def test_an_sglang_server_killed_mid_broadcast_is_replaced_and_the_policy_sent_again(model_dir, sync_run, tmp_path):
+    """Two SGLang servers in the weight-update group; one is SIGKILLed as it takes the second bucket of step 0's
+    policy (tests/faults/inject.py). Trainer rank 0's broadcast breaks, and it leaves the group; the survivor's
+    receive then fails too (gloo: "Connection closed by peer"), so SGLang answers its leave at once and only the
+    dead server is replaced. The policy goes again to a new group of both, and the run trains on sync_run's samples
+    to its weights."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    procs = start_nodes(run_dir, *workload(model_dir), "pipeline.mode=sync", "pipeline.weight_sync=distributed", TIS,
+                        "rollout.num_engines=2", "pipeline.weight_sync_bucket_mb=0.01",  # 10 KiB buckets
+                        commands={"rollout": ["-m", "tests.faults.inject", "engine_server_killed_mid_broadcast", "1"]},
+                        environ=CPU_ENVIRON)
+    try:
+        outputs = {role: p.communicate(timeout=800) for role, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    for role, p in procs.items():
+        assert p.returncode == 0, outputs[role][1][-4000:]
+    stderr = outputs["rollout"][1]
+    killed = re.search(r"injected: SIGKILL to (engine\d)'s server", stderr)
+    assert killed, f"the fault never fired: {stderr[-3000:]}"
+    engine = killed.group(1)
+    assert f"engine {engine} failed during the broadcast of policy_version 1" in stderr, stderr[-3000:]
+    assert "policy_version 1 goes to a new weight-update group of 2 engine ranks" in stderr, stderr[-3000:]
+    assert (f"engine {engine} restarted as {engine}-restart1" in stderr
+            and "it joined the new weight-update group and receives policy_version 1 with the others" in stderr), \
+        stderr[-3000:]
+    assert stderr.count("restarted as") == 1, "the survivor gave the broken broadcast up: it is not replaced"
+    ours, theirs = samples(run_dir), samples(sync_run)
+    assert len(ours) == 2 * 16 and ours == theirs
+    assert max_weight_diff(run_dir, sync_run) < 1e-5
 
 
 def test_dynamic_sampling_aborts_the_groups_it_no_longer_needs_on_sglang(model_dir, tmp_path):
