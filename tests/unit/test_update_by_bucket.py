@@ -3,6 +3,8 @@ and what the trainer holds afterwards, are the bits of the update applied whole.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -55,6 +57,25 @@ def held(policy) -> dict[str, bytes]:
     for name, param in policy._policy().named_parameters():
         out[name] = _bits(param)
     return out
+
+
+def ahead_taken(policy) -> threading.Event:
+    """Set once the weights-ahead thread has taken the second bucket, so it then waits for room and leaves the policy
+    alone: a read of ``held`` while that thread updates the bucket ahead would race it (its optimizer state grows)."""
+    taken, plan = threading.Event(), policy._hf_buckets
+
+    def counted():
+        buckets, tensors = plan()
+
+        def each():
+            for i, bucket in enumerate(tensors):
+                if i == 1:
+                    taken.set()
+                yield bucket
+        return buckets, each()
+
+    policy._hf_buckets = counted
+    return taken
 
 
 def _bits(tensor: torch.Tensor) -> bytes:
@@ -166,6 +187,7 @@ def test_the_first_bucket_leaves_before_the_last_parameters_are_updated(backend,
     """The point of the update by bucket: when weight sync has the first bucket, part of the policy is updated (its
     parameters, and those one bucket ahead) and the rest is not yet; all of it is once the last bucket is taken."""
     policy = trainer(dtype, exact=False, backend=backend)
+    ahead = ahead_taken(policy)
     try:
         before = held(policy)
         train(policy, defer=True)
@@ -173,6 +195,7 @@ def test_the_first_bucket_leaves_before_the_last_parameters_are_updated(backend,
         with policy.writer_reads():
             buckets, tensors = policy.hf_buckets()
             next(tensors)
+            assert ahead.wait(timeout=120), "the bucket ahead was never taken"
             midway = held(policy)
             for _ in tensors:
                 pass
