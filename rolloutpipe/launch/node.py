@@ -80,19 +80,32 @@ def _run(env: NodeEnv, who: str) -> int:
 
 
 def exit_with(code: int) -> None:
-    """Exit; without the interpreter's finalization while a store call is in flight (control/bounded_store.py: one
-    given up on, or whose caller a stop signal took): the call returning during finalization would abort the
-    process. What the node had to write is written by now (checkpoint, outcome, logs: flushed here); what it keeps in
-    /dev/shm (disk weight sync's policies) is removed here, as atexit would have."""
+    """Exit without the interpreter's finalization. Once finalization begins, a thread that takes the GIL again ends
+    with ``pthread_exit``, and where that thread is inside torch's C++ the process aborts ("terminate called without
+    an active exception", exit by SIGABRT after a run that finished): a store call returning (control/
+    bounded_store.py), or gloo's worker thread freeing the tensors of the last collective (an FSDP rank's last
+    broadcast from rank 0, whose worker thread still held them: seen in a core dump). The node has written and
+    closed what it writes by now; as an exit would, this waits for the threads that are not daemons, runs the exit
+    handlers (W&B, logging, the policies disk weight sync keeps in /dev/shm), flushes the standard streams, then
+    leaves with ``os._exit``. With a store call in flight it runs no exit handler (one that touched the store would
+    wait for it) but the removal of those /dev/shm directories."""
+    import atexit
+    import threading
+
     from rolloutpipe.control.bounded_store import calls_in_flight
     from rolloutpipe.control.weights.disk import remove_private_dirs
 
     if calls_in_flight():
         remove_private_dirs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    else:
+        threading._shutdown()  # what CPython's exit does first (waits for them), then its exit handlers:
+        atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe, a closed stream: nothing more can be said there
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -126,3 +126,53 @@ def test_a_stopping_rollout_node_rewards_none_of_the_results_still_queued():
     release.set()
     closer.join(timeout=30)
     assert not closer.is_alive() and rewarded == [0] and threads.idle()
+
+
+LEAVING = """
+import atexit, datetime, gc, sys, threading, time
+import torch.distributed as dist
+from rolloutpipe.launch.node import exit_with
+
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+waiting = threading.Event()
+
+
+def wait() -> None:  # torch's C++, the GIL released, returning once the interpreter finalizes
+    waiting.set()
+    try:
+        store.wait(["never written"], datetime.timedelta(seconds=1))
+    except Exception:  # noqa: BLE001 - the wait's timeout: what matters is that it returns
+        pass
+
+
+class SlowTeardown:  # garbage in a cycle: the finalizing interpreter's collection frees it, slower than the wait
+    def __del__(self, sleep=time.sleep, finalizing=sys.is_finalizing) -> None:
+        if finalizing():
+            sleep(3)
+
+
+threading.Thread(target=wait, daemon=True).start()
+waiting.wait()
+gc.set_threshold(1_000_000)  # no collection before the one at exit
+teardown = SlowTeardown()
+teardown.cycle = teardown
+del teardown
+atexit.register(lambda: print("exit handler ran", flush=True))
+print("written, unflushed", end="")
+exit_with(int(sys.argv[1]))
+"""
+"""A node process leaving while a thread of its own is inside torch's C++ (a raw store call here; gloo's worker
+thread freeing the last collective's tensors in the run that aborted), which returns only once the interpreter
+would be finalizing."""
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_node_leaves_with_its_exit_code_while_a_thread_is_inside_torch(code):
+    """launch/node.py ``exit_with``: the exit handlers run and the streams are flushed, then the process leaves
+    without finalizing the interpreter. (Finalizing, the thread's return into Python aborts it: SIGABRT. An FSDP
+    trainer rank did so under load after a run that finished, 2 times in 186 runs on torch 2.9.)"""
+    done = subprocess.run([sys.executable, "-c", LEAVING, str(code)], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == code, done.stderr[-3000:]
+    assert done.stdout == "written, unflushedexit handler ran\n", done.stdout
+    assert "terminate called" not in done.stderr, done.stderr[-3000:]
