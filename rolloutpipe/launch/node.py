@@ -98,7 +98,7 @@ def exit_with(code: int) -> None:
     if calls_in_flight():
         remove_private_dirs()
     else:
-        threading._shutdown()  # what CPython's exit does first (waits for them), then its exit handlers:
+        threading._shutdown()  # as CPython's exit does: wait for the non-daemon threads, then the exit handlers
         atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

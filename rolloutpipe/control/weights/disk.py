@@ -26,8 +26,8 @@ Where the file goes. On one node (the store on loopback: a local run) the run di
 memory unless it is memory-backed itself, so the files go to a private directory in ``/dev/shm`` (mode 0700, made
 per attempt; ``run_dir/weights`` links to it) when ``/dev/shm`` is a tmpfs with room for SHM_COPIES policies.
 Otherwise, and on several nodes, they stay in ``run_dir/weights``. RAM holds what is left there, so nothing may stay:
-the directory goes at exit (``remove_private_dirs``: atexit, and launch/node.py's ``exit_with`` before an
-``os._exit``), and a directory whose owner was killed goes with the next run's ``place`` (``sweep_orphans``: its
+the directory goes at exit (``remove_private_dirs``: atexit, and launch/node.py's ``exit_with`` itself when it
+runs no exit handler), and a directory whose owner was killed goes with the next run's ``place`` (``sweep_orphans``: its
 owner holds a lock on it for life, which the kernel drops however the process ends).
 """
 
@@ -351,8 +351,8 @@ def private_dir(parent: Path, prefix: str, remove: Callable[[], None]) -> Path:
 
 
 def remove_private_dirs() -> None:
-    """Remove this process's private directories (at exit; launch/node.py's ``exit_with`` calls it before an
-    ``os._exit``, which runs no atexit handler)."""
+    """Remove this process's private directories (at exit; launch/node.py's ``exit_with`` calls it itself when a
+    store call is in flight, and runs no other exit handler)."""
     while _private_dirs:
         _, (fd, remove) = _private_dirs.popitem()
         remove()
