@@ -182,7 +182,10 @@ def train_step(node: TrainerNode, step: int) -> TrainStats:
     for seq in range(cfg.rollout_batch_size):
         with spans.span("train/wait", step=step, seq=seq) as extra:
             start = time.time()
-            handle = node.transport.wait_handle(step=step, seq=seq, policy_version=version)
+            # (distributed sync: the rollout node lost its last engine mid-step and asks for its policy again)
+            handle = node.transport.wait_handle(step=step, seq=seq, policy_version=version,
+                                                on_poll=lambda: node.send_again_before(step, seq))
+            node.send_again_before(step, seq)  # (a request put there before the handle)
             stats.wait_s += time.time() - start
             extra["group"] = handle.group
         for work in consumer.arrive(handle, lambda h: train_samples(node.transport.load_group(h))):

@@ -197,7 +197,8 @@ def start_nodes(run_dir: Path, *overrides: str, commands: dict[str, list[str]] |
                 capture: bool = True, roles: tuple[str, ...] = ("rollout", "trainer"),
                 port: int | None = None, environ: dict[str, str] | None = None) -> dict[str, subprocess.Popen]:
     """Start the two node groups by hand with the launcher's environment contract (no launcher watching): run id
-    ``bytest``, secret ``b"k" * 32``.
+    ``bytest``, secret ``b"k" * 32``. Every trainer rank of ``trainer.num_ranks`` starts (``trainer``, then
+    ``trainer1``, ... in the result); the rollout group is its manager alone.
 
     ``commands`` replaces a role's ``-m rolloutpipe.launch.node`` (the fault suite runs a role under a wrapper);
     ``roles`` and ``port`` start one group now and the other later, on the same store port; ``environ``: more
@@ -211,16 +212,18 @@ def start_nodes(run_dir: Path, *overrides: str, commands: dict[str, list[str]] |
     if not (run_dir / "config.yaml").exists():
         cfg = load_config(OmegaConf.from_dotlist([*overrides, f"run.dir={run_dir}", "run.id=bytest"]))
         save_config(cfg, run_dir / "config.yaml")
+    num_trainer_ranks = OmegaConf.load(run_dir / "config.yaml").trainer.num_ranks
     port = port or free_port()
     procs = {}
     for role in map(Role, roles):
-        env = NodeEnv(role=role, rank=0, world_size=1, store_host="127.0.0.1", store_port=port, run_id="bytest",
-                      secret=b"k" * 32, run_dir=run_dir)
-        command = (commands or {}).get(role.value, ["-m", "rolloutpipe.launch.node"])
-        pipe = subprocess.PIPE if capture else subprocess.DEVNULL
-        procs[role.value] = subprocess.Popen([sys.executable, *command], cwd=REPO,
-                                             env={**node_environ(), **env.to_environ(), **(environ or {})}, stdout=pipe,
-                                             stderr=pipe, text=True)
+        for rank in range(num_trainer_ranks if role is Role.trainer else 1):
+            env = NodeEnv(role=role, rank=rank, world_size=num_trainer_ranks if role is Role.trainer else 1,
+                          store_host="127.0.0.1", store_port=port, run_id="bytest", secret=b"k" * 32, run_dir=run_dir)
+            command = (commands or {}).get(role.value, ["-m", "rolloutpipe.launch.node"])
+            pipe = subprocess.PIPE if capture else subprocess.DEVNULL
+            procs[role.value + (str(rank) if rank else "")] = subprocess.Popen(
+                [sys.executable, *command], cwd=REPO, env={**node_environ(), **env.to_environ(), **(environ or {})},
+                stdout=pipe, stderr=pipe, text=True)
     return procs
 
 

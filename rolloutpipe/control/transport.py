@@ -147,14 +147,8 @@ class Transport:
         default it is)."""
         try:
             listen_fd = listen_socket(address.host, address.port).detach() if is_host else None
-            store = dist.TCPStore(
-                address.host,
-                address.port,
-                is_master=is_host,
-                wait_for_workers=False,
-                timeout=timedelta(seconds=connect_timeout_s),
-                master_listen_fd=listen_fd,
-            )
+            store = dist.TCPStore(address.host, address.port, is_master=is_host, wait_for_workers=False,
+                                  timeout=timedelta(seconds=connect_timeout_s), master_listen_fd=listen_fd)
         except (RuntimeError, OSError) as err:
             if is_host:
                 raise TransportError(f"could not host the TCPStore on {address.host}:{address.port}: {err}") from err
@@ -230,8 +224,8 @@ class Transport:
         except RuntimeError as err:
             raise self._lost(err) from err
 
-    def wait_get(self, key: str, *, what: str) -> bytes:
-        """Block until ``key`` exists, checking every ``poll_s`` that the peers are alive; return its value."""
+    def wait_get(self, key: str, *, what: str, on_poll: Callable | None = None) -> bytes:
+        """Block until ``key`` exists, checking every ``poll_s`` that the peers are alive, then ``on_poll()``."""
         while True:
             try:
                 self.store.wait([key], timedelta(seconds=self.poll_s))
@@ -242,6 +236,8 @@ class Transport:
             except RuntimeError as err:
                 raise self._lost(err) from err
             self.check_peers(what)
+            if on_poll is not None:
+                on_poll()
 
     def check_peers(self, waiting_for: str) -> None:
         if self.liveness is not None:
@@ -326,10 +322,10 @@ class Transport:
         """Block until ``key`` holds a genuine record and return it; forged values are refused and waited past."""
         return self._wait_genuine(key, what=what, read=lambda raw: self.unseal(key, raw))
 
-    def _wait_genuine(self, key: str, *, what: str, read: Callable[[bytes], T]) -> T:
+    def _wait_genuine(self, key: str, *, what: str, read: Callable[[bytes], T], on_poll: Callable | None = None) -> T:
         """``read`` of ``key``'s value once it exists and ``read`` does not raise Forged; a forged value is refused
         (logged once) and re-read every ``poll_s``, with the peers checked, until the genuine writer replaces it."""
-        raw = self.wait_get(key, what=what)
+        raw = self.wait_get(key, what=what, on_poll=on_poll)
         while True:
             try:
                 return read(raw)
@@ -376,8 +372,9 @@ class Transport:
         self.set(self.key(step_key, "handle", f"seq={seq}"), json.dumps(dataclasses.asdict(handle)), keep=True)
         return handle
 
-    def wait_handle(self, *, step: int, seq: int, policy_version: int) -> GroupHandle:
-        """Wait for the handle published ``seq``-th in ``step`` and verify it (signature, run, step, version).
+    def wait_handle(self, *, step: int, seq: int, policy_version: int, on_poll: Callable | None = None) -> GroupHandle:
+        """Wait for the handle published ``seq``-th in ``step`` (``on_poll``: ``wait_get``'s) and verify it (signature,
+        run, step, version).
 
         A handle without this run's signature, or a genuine one copied from another key (another step, seq or
         version: a replay), is refused (logged) and waited past; its writer writes the genuine one back
@@ -385,7 +382,7 @@ class Transport:
         only a bug of the run's own writes one).
         """
         key = self.key(f"step={step}", "handle", f"seq={seq}")
-        return self._wait_genuine(key, what=f"group handle step={step}/seq={seq}", read=lambda raw: (
+        return self._wait_genuine(key, what=f"group handle step={step}/seq={seq}", on_poll=on_poll, read=lambda raw: (
             self._verified_handle(raw, key=key, step=step, seq=seq, policy_version=policy_version)))
 
     def load_group(self, handle: GroupHandle) -> CompleteGroup:

@@ -8,6 +8,8 @@ Dispatcher thread
     shuts down on ``close()`` (a sentinel) once the queue is drained; on an error (store gone) it keeps
                the exception in ``error`` and drops further groups; the rollout loop checks ``error``
                while it waits and stops the run with it.
+    also runs  what ``at_position`` puts in the queue, between two handles (a request to the trainer that must
+               come between the same two handles for every trainer rank: supervisor.py ``stranded``).
 
 Release policy. ``cgp`` (and ``async_one_step``) publish each group as soon as it is complete and
 placed in its training batch, so the trainer starts on the first one. ``sync`` holds the step's groups
@@ -21,11 +23,18 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import TypeVar
 
 from rolloutpipe.control.run import PipelineMode
 from rolloutpipe.control.transport import Transport
 from rolloutpipe.observe.metrics import SpanRecorder
 from rolloutpipe.types import CompleteGroup
+
+T = TypeVar("T")
 
 
 class Release:
@@ -47,6 +56,13 @@ class Release:
 
 
 _CLOSE = object()
+
+
+@dataclass(frozen=True, slots=True)
+class _AtPosition:
+    step: int
+    call: Callable[[Transport, int], object]
+    done: Future
 
 
 class Dispatcher:
@@ -84,12 +100,28 @@ class Dispatcher:
                 lambda: self.error is not None or self._num_published[step] == self._expected[step], timeout_s
             )
 
+    def at_position(self, step: int, call: Callable[[Transport, int], T], check: Callable[[], None],
+                    poll_s: float = 0.5) -> T:
+        """``call(transport, seq)`` on the dispatcher's thread (``transport``: its connection to the store) after the
+        groups put so far: ``seq`` handles of ``step`` are published then, and the next one only after ``call``
+        returns. Returns what it returned (raises what it raised); ``check()`` runs every ``poll_s`` meanwhile."""
+        done: Future = Future()
+        self._queue.put(_AtPosition(step, call, done))
+        while True:
+            try:
+                return done.result(timeout=poll_s)
+            except FutureTimeout:
+                check()
+
     def close(self) -> None:
         self._queue.put(_CLOSE)
         self._thread.join()
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not _CLOSE:
+            if isinstance(item, _AtPosition):
+                self._call_at(item)
+                continue
             if self.error is not None:
                 continue
             try:
@@ -98,6 +130,15 @@ class Dispatcher:
                 with self._published:
                     self.error = err
                     self._published.notify_all()
+
+    def _call_at(self, item: _AtPosition) -> None:
+        if self.error is not None:
+            item.done.set_exception(RuntimeError(f"the dispatcher failed: {self.error!r}"))
+            return
+        try:
+            item.done.set_result(item.call(self.transport, self._num_published[item.step]))
+        except BaseException as err:  # noqa: BLE001 - raised in the caller's thread
+            item.done.set_exception(err)
 
     def _release_and_publish(self, group: CompleteGroup) -> None:
         for g in self._release.add(group, self._expected[group.step]):

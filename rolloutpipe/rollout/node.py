@@ -24,19 +24,20 @@ Rollout main loop (pipeline.run_rollout, on the process's main thread)
 
 from __future__ import annotations
 
+import functools
 import json
 import queue
 import sys
 import time
 from dataclasses import asdict, dataclass
 
-from rolloutpipe.config import Config, ConfigError, ResumeMode
+from rolloutpipe.config import Config, ConfigError, PipelineMode, ResumeMode
 from rolloutpipe.control.attempt import Outcome, read_outcome, write_outcome
 from rolloutpipe.control.checkpoint import latest_checkpoint
 from rolloutpipe.control.clock import sync_clock
 from rolloutpipe.control.env import NodeEnv
 from rolloutpipe.control.transport import PeerGone, Transport
-from rolloutpipe.control.weights import receiver, weights_record_key
+from rolloutpipe.control.weights import WeightSync, receiver, weights_record_key
 from rolloutpipe.model import context_len, load_tokenizer
 from rolloutpipe.observe.metrics import RolloutStats, SpanRecorder
 from rolloutpipe.observe.progress import Progress
@@ -45,7 +46,7 @@ from rolloutpipe.rollout.data import PromptSource, load_prompts, prepare_data_pa
 from rolloutpipe.rollout.dispatcher import Dispatcher
 from rolloutpipe.rollout.drafts import Drafts
 from rolloutpipe.rollout.engines.factory import EngineFactory
-from rolloutpipe.rollout.engines.supervisor import EngineSupervisor
+from rolloutpipe.rollout.engines.supervisor import EngineFailed, EngineSupervisor
 from rolloutpipe.rollout.environments.episodes import Episode, EpisodeRunner
 from rolloutpipe.rollout.environments.pool import EnvPool
 from rolloutpipe.rollout.evaluation import Evaluation
@@ -130,6 +131,8 @@ class RolloutNode:
         self.weights = receiver(cfg.weight_sync(), transport=transport, run_dir=env.run_dir, engines=self.supervisor,
                                 check=self.check_health)
         """Policy k+1 onto every engine between steps, the way pipeline.weight_sync names (control/weights/)."""
+        self.supervisor.sends_again = (cfg.weight_sync().way is WeightSync.distributed  # (_policy_again)
+                                       and cfg.pipeline.mode is not PipelineMode.async_one_step)
 
     def start(self) -> tuple[int, int]:
         """Resume (if asked), join the weight-update group (distributed sync), wait for the trainer.
@@ -286,6 +289,8 @@ class RolloutNode:
 
     def check_health(self, waiting_for: str) -> None:
         self.supervisor.check()  # a failed engine is replaced; past rollout.max_engine_failures it raises
+        if (failed := self.supervisor.stranded()) is not None:  # distributed sync: the last engine, mid-step
+            self._policy_again(failed)
         for engine in self.engines:
             if engine.request_error is not None:  # a restart or a retry elsewhere would be refused the same way
                 raise ConfigError(str(engine.request_error)) from engine.request_error
@@ -293,6 +298,30 @@ class RolloutNode:
             if component.error is not None:
                 raise RuntimeError(f"{type(component).__name__} failed: {component.error!r}") from component.error
         self.transport.liveness.check(waiting_for=waiting_for)
+
+    def _policy_again(self, failed: str) -> None:
+        """The replacements of the last engines in service (``failed`` the last) receive the step's policy from
+        trainer rank 0 again (distributed.py ``Receiver.send_again``), then take requests. Trainer rank 0 holds that
+        policy until the step's first optimizer step, which comes after the first batch's groups are published: the
+        request goes among the group handles before then, or the run stops."""
+        step, version = self.supervisor.step, self.supervisor.policy_version
+
+        def before_first_update(write, transport, seq: int) -> None:
+            if seq >= self.cfg.groups_per_batch:
+                raise EngineFailed(
+                    f"engine {failed} failed mid-step. It was the last engine in service, and with "
+                    "pipeline.weight_sync=distributed its replacement needs this step's policy from trainer rank 0, "
+                    f"which may have updated it by now ({seq} groups of step {step} published, a training batch is "
+                    f"{self.cfg.groups_per_batch}); stopping the run. Resume it (run.resume=auto), or run more "
+                    "engines.")
+            write(transport, seq)
+
+        start = time.time()
+        self.weights.send_again(step, version, lambda write: self.dispatcher.at_position(
+            step, functools.partial(before_first_update, write),
+            check=lambda: self.transport.liveness.check(waiting_for="the dispatcher")))
+        self.supervisor.back_in_service()
+        self.spans.add("sync/weights_again", step=step, start_s=start, end_s=time.time(), policy_version=version)
 
     def finish(self) -> None:
         self.transport.wait_record(self.transport.key("trainer", "done"), what="the trainer to finish")

@@ -58,7 +58,7 @@ from rolloutpipe.control.clock import sync_clock
 from rolloutpipe.control.env import NodeEnv, trainer_process_group_backend
 from rolloutpipe.control.lifetime import requeue_margin_s, stop_deferred
 from rolloutpipe.control.transport import ABORT_S, PeerGone, RunRequeued, SealedStore, Transport, TransportError
-from rolloutpipe.control.weights import WeightSender, sender
+from rolloutpipe.control.weights import WeightSender, WeightSync, sender
 from rolloutpipe.model import load_model, load_tokenizer
 from rolloutpipe.observe.metrics import RolloutStats, SpanRecorder, TrainStats, reduce_step, summary_line
 from rolloutpipe.observe.timeline import finish_run
@@ -142,12 +142,36 @@ class TrainerNode:
         if redone:  # cut off the records of the steps that will be redone (appended again); the kept bytes stay
             os.truncate(self.metrics_path, self._kept_bytes)
         self.progress = None
+        self._sends_again = (cfg.weight_sync().way is WeightSync.distributed
+                             and cfg.pipeline.mode is not PipelineMode.async_one_step)
+        """Whether the rollout node may ask for the current policy again mid-step (``send_again_before``)."""
+        self._num_again = (self.first_step, 0)
+        """The step, and the requests of it served."""
         self._stopping = False
         """Rank 0: the step just ended is where the run stops for a requeue (``end_step`` decided it)."""
         self._finished = False
         """Rank 0: the final policy and the finished outcome are written (``finish``)."""
         self._requeue_requested_s: float | None = None
         """When the batch script asked the run to stop for a requeue (``_requeue_watch``)."""
+
+    def send_again_before(self, step: int, seq: int) -> None:
+        """Every rank, before it takes group handle ``seq`` of ``step`` and while it waits for it: the rollout node's
+        requests to send the current policy again that it put there (it lost its last engine in service mid-step:
+        control/weights/distributed.py ``Receiver.send_again``), in turn. Rank 0 sends the policy; the others join
+        its gathers (a sharded policy). Only requests placed before the step's first optimizer step come."""
+        if not self._sends_again:
+            return
+        from rolloutpipe.control.weights.distributed import again_key
+
+        index = self._num_again[1] if self._num_again[0] == step else 0
+        while (request := self.transport.read_record(again_key(self.transport, step, index))) is not None \
+                and request["before_seq"] == seq:
+            with self.spans.span("sync/weights_again", step=step, seq=seq, policy_version=request["policy_version"]):
+                with self.trainer.writer_reads():
+                    if self.is_writer:
+                        self.weights.send_again(request)
+            index += 1
+        self._num_again = (step, index)
 
     def _metrics_to_keep(self) -> tuple[list[dict], bool]:
         """Rank 0 on resume: the metrics records of the steps before ``first_step``, and whether the file holds

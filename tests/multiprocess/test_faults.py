@@ -110,30 +110,36 @@ def test_a_stop_writes_the_last_finished_steps_checkpoint_and_the_resume_matches
     assert max((final[k] - uninterrupted[k]).abs().max().item() for k in final) < 1e-9
 
 
-# Engine failure: the run goes on. (point, rollout.engine, which call of the point fails, weight sync, the trainer):
-# each in step 1 or at its end
+# Engine failure: the run goes on. (point, rollout.engine, which call of the point fails, weight sync, the trainer,
+# rollout.num_engines): each in step 1 or at its end
 ENGINE_FAULTS = [
-    ("engine_crash", "embedded", 14, "disk", "torch"),  # a decode step of step 1 raises in an engine's scheduler thread
-    ("engine_server_killed", "embedded_http", 20, "disk", "torch"),  # step 1's 4th request: its server is SIGKILLed
+    ("engine_crash", "embedded", 14, "disk", "torch", 2),  # a decode step of step 1 raises in an engine's scheduler
+    ("engine_server_killed", "embedded_http", 20, "disk", "torch", 2),  # step 1's 4th request: its server SIGKILLed
     # the same under broadcast weight sync: the replacement joins a new weight-update group before step 2's policy
-    ("engine_server_killed", "embedded_http", 20, "distributed", "torch"),
+    ("engine_server_killed", "embedded_http", 20, "distributed", "torch", 2),
+    # the same with the only engine (step 1's 4th request; step 0 made 16): no engine is left in service, so trainer
+    # rank 0 sends policy 1 again mid-step, to a group of the replacement alone, before it takes the step's first
+    # group (no optimizer step of step 1 has come: a batch is 2 groups)
+    ("engine_server_killed", "embedded_http", 20, "distributed", "torch", 1),
+    # the same with the policy sharded over two FSDP ranks: the other rank joins rank 0's gathers mid-step
+    ("engine_server_killed", "embedded_http", 20, "distributed", "fsdp", 1),
     # an engine's server dies during the broadcast of step 2's policy (the 3rd load: 2 engines), between its first
     # and second bucket: the other engine gives the broadcast up, and the policy goes again to a new group. Trainer
     # rank 0 had applied part of the step's update bucket by bucket; the second send applies the rest, once
-    ("engine_server_killed_mid_broadcast", "embedded_http", 3, "distributed", "torch"),
+    ("engine_server_killed_mid_broadcast", "embedded_http", 3, "distributed", "torch", 2),
     # the same with the policy sharded over two FSDP ranks: the first send's gathers stop at the bucket in hand, and
     # the second gathers every bucket again, the other rank joining each
-    ("engine_server_killed_mid_broadcast", "embedded_http", 3, "distributed", "fsdp"),
+    ("engine_server_killed_mid_broadcast", "embedded_http", 3, "distributed", "fsdp", 2),
 ]
 
 
-@pytest.mark.parametrize("point,engine,nth,weight_sync,trainer", ENGINE_FAULTS,
-                         ids=[f"{f[0]}-{f[3]}-{f[4]}" for f in ENGINE_FAULTS])
+@pytest.mark.parametrize("point,engine,nth,weight_sync,trainer,num_engines", ENGINE_FAULTS,
+                         ids=[f"{f[0]}-{f[3]}-{f[4]}-{f[5]}" for f in ENGINE_FAULTS])
 def test_a_failed_engine_loses_no_sample_and_the_run_matches_the_uninterrupted_one(
-        tmp_path, data, uninterrupted, point, engine, nth, weight_sync, trainer):
+        tmp_path, data, uninterrupted, point, engine, nth, weight_sync, trainer, num_engines):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    procs = start_nodes(run_dir, *workload(data), f"rollout.engine={engine}", "rollout.num_engines=2",
+    procs = start_nodes(run_dir, *workload(data), f"rollout.engine={engine}", f"rollout.num_engines={num_engines}",
                         f"pipeline.weight_sync={weight_sync}", "pipeline.weight_sync_bucket_mb=0.001",  # 1 KiB: buckets
                         f"trainer.backend={trainer}", f"trainer.num_ranks={2 if trainer == 'fsdp' else 1}",
                         commands={"rollout": ["-m", "tests.faults.inject", point, str(nth)]})
@@ -148,6 +154,8 @@ def test_a_failed_engine_loses_no_sample_and_the_run_matches_the_uninterrupted_o
         for s in range(4)), "every sample of every step exactly once"
     restarts = [s for s in spans(run_dir) if s[0] == "rollout/engine_restart"]
     assert len(restarts) == 1 and restarts[0][1] == 1, restarts  # one restart, in step 1
+    again = [s for s in spans(run_dir) if s[0] == "sync/weights_again"]
+    assert [s[1] for s in again] == ([1] if num_engines == 1 else []), again  # the policy sent again mid-step 1
     final = load_file(str(run_dir / "checkpoints" / "final" / "model.safetensors"))
     assert max((final[k] - uninterrupted[k]).abs().max().item() for k in final) < 1e-9
 

@@ -82,9 +82,11 @@ def test_under_broadcast_weight_sync_a_replacement_waits_for_the_next_group_and_
 
 
 def in_group_of(num_engines: int) -> Rollout:
+    """Engines in a weight-update group, serving policy 3, which came by broadcast (a replacement cannot load it)."""
     rollout = Rollout(num_engines=num_engines)
     rollout.supervisor.join_weight_group(WeightGroup(master_address="h", master_port=1, world_size=1 + num_engines,
                                                      group_name="g-1"), 1)
+    assert rollout.supervisor.load_weights_distributed([], 3, macs=None)
     return rollout
 
 
@@ -115,7 +117,7 @@ def test_an_engine_dying_during_the_broadcast_has_the_others_give_it_up_and_a_ne
     assert supervisor.load_weights_distributed([], 4, macs=None) is False
     assert e1.left == ["g-1"] and e0.left == [] and e0.shut_down and not e1.shut_down
     assert rollout.engines == [e1] and supervisor.replacements_waiting() == ["engine0-restart1"]
-    assert supervisor.policy_version == 0 and supervisor.next_group_size() == 2
+    assert supervisor.policy_version == 3 and supervisor.next_group_size() == 2
     e1.receive = None
     supervisor.rejoin_weight_group(WeightGroup(master_address="h", master_port=2, world_size=3, group_name="g-2"), 1)
     assert supervisor.load_weights_distributed([], 4, macs=None) is True
@@ -167,6 +169,51 @@ def test_a_failed_broadcast_where_no_engine_died_stops_the_run():
     with pytest.raises(EngineFailed, match="does not match its MAC.*this stops the run"):
         rollout.supervisor.load_weights_distributed([], 4, macs=None)
     assert rollout.engines[1].left == [] and rollout.restarted == []
+
+
+def test_the_last_engine_lost_mid_step_leaves_its_replacement_stranded_until_the_policy_comes_again():
+    """With ``sends_again`` (rollout/node.py: distributed sync, not async), the last engine in service failing mid-step
+    does not stop the run: its replacement waits (``stranded``), joins a group of its own to receive the current
+    policy again (``rejoin_weight_group`` with the version), and takes the requests that waited once it has it."""
+    rollout = in_group_of(1)
+    supervisor, [e0] = rollout.supervisor, rollout.engines
+    supervisor.sends_again = True
+    rollout.admission.add_group(0, group_requests(0, n=2))
+    e0.error = RuntimeError("server exited with code -9")
+    supervisor.check()
+    [replacement] = rollout.restarted
+    assert rollout.engines == [] and supervisor.stranded() == "engine0"
+    assert replacement.submitted == [] and supervisor.next_group_size() == 1
+    supervisor.rejoin_weight_group(WeightGroup(master_address="h", master_port=2, world_size=2, group_name="g-2"), 1,
+                                   policy_version=3)
+    assert rollout.engines == [replacement] and supervisor.stranded() is None and replacement.groups == [("g-2", 1)]
+    assert replacement.submitted == [], "no request before the policy has loaded"
+    assert supervisor.load_weights_distributed([], 3, macs=None) and replacement.weights == ("g-2", 3)
+    supervisor.back_in_service()
+    assert sorted(r.request_id for r in replacement.submitted) == [f"step=0/group=0/sample={i}" for i in range(2)]
+    (name, span), = rollout.spans.spans
+    assert name == "rollout/engine_restart" and span["policy_version"] == 3
+    assert supervisor.next_group_size() is None, "the group it joined serves the next policy"
+
+
+def test_a_replacement_serves_at_once_where_its_policy_needs_no_broadcast():
+    """Under distributed sync a replacement that can load the current policy without trainer rank 0 (the model's own
+    weights, policy 0; or the file a resumed run's first policy came from) goes back into service at once, and the
+    next policy goes to a new group with it."""
+    for weights in (None, ("/run/weights/policy_v5.safetensors", 5)):
+        rollout = Rollout(num_engines=2)
+        supervisor, (e0, e1) = rollout.supervisor, rollout.engines
+        if weights is not None:
+            supervisor.load_weights(*weights)
+        supervisor.join_weight_group(WeightGroup(master_address="h", master_port=1, world_size=3, group_name="g-1"), 1)
+        e0.error = RuntimeError("server exited with code -9")
+        supervisor.check()
+        [replacement] = rollout.restarted
+        assert rollout.engines == [replacement, e1] and supervisor.replacements_waiting() == []
+        for g in range(2):
+            rollout.admission.add_group(g, group_requests(g, n=2))
+        assert len(replacement.submitted) == 2 and replacement.weights == weights
+        assert supervisor.next_group_size() == 2
 
 
 def test_with_one_engine_its_requests_wait_for_the_restarted_one():

@@ -112,8 +112,10 @@ class EngineGroup(Protocol):
 
     def join_weight_group(self, group: WeightGroup, ranks_per_engine: int) -> None: ...
 
-    def rejoin_weight_group(self, group: WeightGroup, ranks_per_engine: int) -> None:
-        """The engines in service and the replacements of failed ones join a new group (distributed.py)."""
+    def rejoin_weight_group(self, group: WeightGroup, ranks_per_engine: int, policy_version: int | None = None
+                            ) -> None:
+        """The engines in service and the replacements of failed ones join a new group (distributed.py), to receive
+        the next policy; mid-step, with ``policy_version``: the replacements alone, to receive it again."""
 
     def next_group_size(self) -> int | None:
         """Before a policy is broadcast: how many engines a new weight-update group needs (those in service and the
@@ -128,7 +130,8 @@ class EngineGroup(Protocol):
 
 class WeightSender(Protocol):
     """Trainer rank 0's side: ``open`` once before the first step, ``publish`` after each step's last optimizer
-    step, ``retire`` once no engine can still need a policy."""
+    step, ``retire`` once no engine can still need a policy. (distributed.py's also has ``send_again``: the current
+    policy again mid-step, to the replacements of the last engines in service.)"""
 
     def open(self) -> None: ...
 
@@ -141,7 +144,8 @@ class WeightSender(Protocol):
 
 
 class WeightReceiver(Protocol):
-    """The rollout node's side: ``open`` once before the first step, ``prepare`` then ``load`` between steps."""
+    """The rollout node's side: ``open`` once before the first step, ``prepare`` then ``load`` between steps.
+    (distributed.py's also has ``send_again``, for the rollout node that lost its last engine in service mid-step.)"""
 
     def open(self) -> None: ...
 

@@ -39,6 +39,13 @@ changed:
              plan ``weight_sync/plan/policy_version=<k+1>/attempt=0`` with it (new port, new name) and joins it
              rollout node: reads the plan; the engines in service and the replacements join the new group, in slot
              order; then policy k+1 is broadcast to all of them
+    step k   the last engine in service fails: nobody is left to generate the step's samples until k+1, so the
+             rollout node asks for policy k again (``send_again``): a record ``weight_sync/again/step=<k>/request=<i>``
+             (the attempt, the replacements' engine ranks) that the dispatcher's thread writes between two group
+             handles, before the step's first optimizer step can have come, or the run stops. Every trainer rank
+             reads it before the next handle (trainer/node.py ``send_again_before``): rank 0 forms a new group for
+             that attempt and broadcasts policy k again, the others joining its gathers, as above; the digest must be
+             the first send's. The replacements join, receive it, and take requests.
     k -> k+1 an engine dies during the broadcast: the collective cannot end for anyone (a gloo or NCCL collective
              cannot be cancelled; the others would wait for the group's timeout)
              rank 0: its broadcast fails (the dead peer's connection closed), or the outcome record below says so
@@ -113,6 +120,12 @@ def outcome_key(transport: Transport, version: int, attempt: int) -> str:
     return transport.key("weight_sync", f"outcome/policy_version={version}/attempt={attempt}")
 
 
+def again_key(transport: Transport, step: int, index: int) -> str:
+    """The rollout node's ``index``-th request of ``step`` to send the current policy again (``Receiver.send_again``),
+    which every trainer rank reads before the group handle it names (trainer/node.py ``send_again_before``)."""
+    return transport.key("weight_sync", f"again/step={step}/request={index}")
+
+
 def members_key(transport: Transport, version: int) -> str:
     """Who receives policy ``version``: the rollout node's record (module docstring), which trainer rank 0 waits for."""
     return transport.key("weight_sync", f"members/policy_version={version}")
@@ -178,6 +191,8 @@ class Sender:
         """Groups formed so far (a new one each time an engine was replaced)."""
         self._num_buckets: dict[int, list[int]] = {}
         """Per policy sent: its bucket records in each attempt, deleted by ``retire``."""
+        self._digests: dict[int, str] = {}
+        """Per policy sent: its digest, which a policy sent again mid-step must have (``send_again``)."""
 
     def open(self) -> None:
         group = self._new_group(1 + self.settings.num_engine_ranks)
@@ -210,9 +225,30 @@ class Sender:
             return digest.hexdigest()
         members = self.transport.wait_record(members_key(self.transport, version),
                                              what=f"the rollout node's engines for policy_version {version}")
-        num_engine_ranks = members["num_engine_ranks"]
         self._num_buckets[version] = []
-        for attempt in itertools.count():
+        self._digests[version] = self._deliver(version, 0, members["num_engine_ranks"])
+        return self._digests[version]
+
+    def send_again(self, request: dict) -> None:
+        """Mid-step, the rollout node lost its last engine in service (``Receiver.send_again``): the current policy
+        goes again, whole, to a new group of the replacements. Every trainer rank reads the request before the same
+        group handle, before the step's first optimizer step, so the policy is still the one sent; its digest must
+        say so, or the run stops."""
+        version, attempt = request["policy_version"], request["attempt"]
+        if version not in self._digests or attempt != len(self._num_buckets[version]):
+            raise RuntimeError(f"the rollout node asks for policy_version {version} again (attempt {attempt}), "
+                               "which trainer rank 0 has not sent in as many attempts; refusing it.")
+        log.warning("policy_version %d: the rollout node lost its last engine in service mid-step; sending the "
+                    "policy again to %d engine ranks of its replacements", version, request["num_engine_ranks"])
+        if (digest := self._deliver(version, attempt, request["num_engine_ranks"])) != self._digests[version]:
+            raise RuntimeError(f"policy_version {version} sent again mid-step is not the policy sent first (weights "
+                               f"digest {digest[:12]}, not {self._digests[version][:12]}): trainer rank 0 updated it "
+                               "before the rollout node's request; stopping the run.")
+
+    def _deliver(self, version: int, first_attempt: int, num_engine_ranks: int | None) -> str:
+        """Broadcast attempts of policy ``version`` from ``first_attempt`` on until the rollout node says the engines
+        received one; its digest."""
+        for attempt in itertools.count(first_attempt):
             self._regroup(version, attempt, num_engine_ranks)
             digest = Digest()
             sent = self._send(version, attempt, digest)
@@ -268,6 +304,7 @@ class Sender:
             return False
 
     def retire(self, version: int) -> None:
+        self._digests.pop(version, None)
         for attempt, num_buckets in enumerate(self._num_buckets.pop(version, [])):
             for index in range(num_buckets):
                 self.transport.delete(bucket_mac_key(self.transport, version, attempt, index))
@@ -283,6 +320,10 @@ class Receiver:
         self.engines = engines
         self.ranks_per_engine = settings.ranks_per_engine
         self.engines_check_buckets = settings.engines_check_buckets
+        self._attempts: dict[int, int] = {}
+        """Per policy received: the broadcast attempts it took (a policy sent again mid-step takes more)."""
+        self._num_again: tuple[int, int] = (-1, 0)
+        """The step, and how many times the current policy was asked for again in it (``send_again``)."""
 
     def open(self) -> None:
         group = self.transport.wait_record(self.transport.key(*GROUP_RECORD),
@@ -300,30 +341,54 @@ class Receiver:
         if "buckets" not in record:
             raise RuntimeError(f"the weights record of policy_version {version} has no buckets: the trainer and the "
                                "rollout node disagree on pipeline.weight_sync; refusing it.")
-        buckets = [Bucket(**b) for b in record["buckets"]]
-        for attempt in itertools.count():
+        self._receive([Bucket(**b) for b in record["buckets"]], version, 0, again=False)
+        self._attempts = {version: self._attempts[version]}  # (the policies before it are no longer served)
+
+    def send_again(self, step: int, version: int,
+                   mark: Callable[[Callable[[Transport, int], None]], None]) -> None:
+        """Mid-step, no engine left in service (supervisor.py ``stranded``): trainer rank 0 sends the current policy
+        ``version`` again, to a new group of the replacements, and they receive it. The request is one record among
+        the step's group handles: ``mark(write)`` calls ``write(transport, seq)`` where ``seq`` handles of the step
+        are published and the next is not (the dispatcher's thread, on its connection), and raises if trainer rank
+        0 may have taken an optimizer step by then. Every trainer rank reads the request before handle ``seq``."""
+        step_asked, num_asked = self._num_again
+        index = num_asked if step_asked == step else 0
+        self._num_again = (step, index + 1)
+        attempt, num_engine_ranks = self._attempts[version] + 1, self._num_engine_ranks()
+        mark(lambda transport, seq: transport.put_record(again_key(transport, step, index), {
+            "policy_version": version, "attempt": attempt, "num_engine_ranks": num_engine_ranks, "before_seq": seq}))
+        record = self.transport.wait_record(weights_record_key(self.transport, version),
+                                            what=f"weights of policy_version {version}")
+        self._join_planned(version, attempt, again=True)
+        self._receive([Bucket(**b) for b in record["buckets"]], version, attempt, again=True)
+
+    def _receive(self, buckets: list[Bucket], version: int, first_attempt: int, *, again: bool) -> None:
+        """Broadcast attempts of policy ``version`` from ``first_attempt`` on, until the engines receive one."""
+        for attempt in itertools.count(first_attempt):
             macs = BucketMacs(self.transport, version, attempt) if self.engines_check_buckets else None
             if self.engines.load_weights_distributed(buckets, version, macs):
                 self.transport.put_record(outcome_key(self.transport, version, attempt), {"received": True})
+                self._attempts[version] = attempt
                 return
             self.transport.put_record(outcome_key(self.transport, version, attempt),
                                       {"received": False, "num_engine_ranks": self._num_engine_ranks()})
-            self._join_planned(version, attempt + 1)
+            self._join_planned(version, attempt + 1, again=again)
 
     def _num_engine_ranks(self) -> int | None:
         """The engine ranks of the next group (None: the current group serves)."""
         num_engines = self.engines.next_group_size()
         return None if num_engines is None else num_engines * self.ranks_per_engine
 
-    def _join_planned(self, version: int, attempt: int) -> None:
-        """Have the engines join the group trainer rank 0 planned for ``attempt``, if it is a new one."""
+    def _join_planned(self, version: int, attempt: int, *, again: bool = False) -> None:
+        """Have the engines join the group trainer rank 0 planned for ``attempt``, if it is a new one (``again``: the
+        replacements alone, mid-step, to receive the current policy ``version``)."""
         plan = self.transport.wait_record(plan_key(self.transport, version, attempt),
                                           what=f"trainer rank 0's plan for policy_version {version}")
         if plan["group"] is not None:
             group = WeightGroup(**plan["group"])
             log.warning("policy_version %d goes to a new weight-update group of %d engine ranks (%s): engines failed "
                         "or came back since the last one", version, group.world_size - 1, group.group_name)
-            self.engines.rejoin_weight_group(group, self.ranks_per_engine)
+            self.engines.rejoin_weight_group(group, self.ranks_per_engine, version if again else None)
 
 
 class BucketMacs:

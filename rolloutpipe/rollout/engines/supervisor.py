@@ -24,9 +24,11 @@ policy, as after a restart.
 
 With ``pipeline.weight_sync=distributed`` (control/weights/distributed.py) the engines form one process group with
 trainer rank 0, whose membership is fixed when it forms: the replacement cannot join it, nor load the current policy
-from a file. Step 2 then differs: the replacement waits out of service for the rest of the step (the others take
-its requests). At the step boundary (``next_group_size``) every engine's server is asked whether it is still there,
-so one that died idle is replaced now and not found by the broadcast; if a member failed or a replacement waits,
+from a file (unless no broadcast brought it: the model's own weights, policy 0, or a resumed run's file; it then
+serves at once). Step 2 then differs: the replacement waits out of service for the rest of the step (the others take
+its requests); where it replaced the last engine in service, trainer rank 0 sends the current policy again, to it
+alone (``stranded``). At the step boundary (``next_group_size``) every engine's server is asked whether it is still
+there, so one that died idle is replaced now and not found by the broadcast; if a member failed or a replacement waits,
 trainer rank 0 forms a new group, and the engines in service and the replacements join it (``rejoin_weight_group``)
 and receive the next policy together. An engine of another rollout node that is still restarting, or whose host is
 lost, is left out; it waits as above once its host has registered it, and joins the group after that. The group's
@@ -105,6 +107,11 @@ class EngineSupervisor:
         """Distributed weight sync: slots whose replacement waits for the next group, out of service."""
         self._member_failed = False
         """Distributed weight sync: an engine of the current group failed (it cannot broadcast to it again)."""
+        self.sends_again = False
+        """Distributed weight sync: whether trainer rank 0 may send the current policy again mid-step (rollout/node.py
+        sets it: ``stranded``); else the last engine in service failing mid-step stops the run."""
+        self._back_mid_step: list[tuple[Engine, Engine]] = []
+        """Failed engines and the replacements that received the current policy mid-step (``back_in_service``)."""
         self._at_boundary = False
         """Distributed weight sync: the engines are between steps, about to join a new group and receive a policy
         (``_between_steps``)."""
@@ -119,12 +126,12 @@ class EngineSupervisor:
         self._last_progress_s: dict[str, float] = {}
         """Per engine name: when it last handed a result back or was seen holding nothing."""
         self._admission: Admission | None = None
-        self._step = 0
+        self.step = 0
         self.also_held: Callable[[Engine], int] = lambda engine: 0
         """Requests an engine holds that Admission does not count (evaluation.py's), for the hang check."""
 
     def begin_step(self, step: int, admission: Admission) -> None:
-        self._step, self._admission = step, admission
+        self.step, self._admission = step, admission
         now = time.monotonic()
         self._last_progress_s = {e.name: now for e in self.engines}  # idle between steps is not hung
 
@@ -270,22 +277,28 @@ class EngineSupervisor:
             return None
         return len(self.engines) + len(self._awaiting_group)
 
-    def rejoin_weight_group(self, group: WeightGroup, ranks_per_engine: int) -> None:
+    def rejoin_weight_group(self, group: WeightGroup, ranks_per_engine: int, policy_version: int | None = None
+                            ) -> None:
         """Between steps: the replacements that waited come into service, and every engine joins ``group`` (trainer
-        rank 0's new one, sized by ``next_group_size``)."""
+        rank 0's new one, sized by ``next_group_size``) to receive the next policy. Mid-step (``stranded``): the
+        replacements alone join it, to receive the current ``policy_version`` again; they take requests once it has
+        loaded (``back_in_service``)."""
         awaiting, self._awaiting_group = self._awaiting_group, {}
         for slot, (failure, replacement) in sorted(awaiting.items()):
             self.engines.append(replacement)
             self._slot_of[replacement.name] = slot
             self._last_progress_s[replacement.name] = time.monotonic()
         self.join_weight_group(group, ranks_per_engine)
+        version = self.policy_version + 1 if policy_version is None else policy_version
         for slot, (failure, replacement) in sorted(awaiting.items()):
             log.warning("engine %s restarted as %s in %.1fs; it joined the new weight-update group and receives "
-                        "policy_version %d with the others.", failure.failed.name, replacement.name,
-                        time.time() - failure.start_s, self.policy_version + 1)
-            self.spans.add("rollout/engine_restart", step=self._step, start_s=failure.start_s, end_s=time.time(),
+                        "policy_version %d%s.", failure.failed.name, replacement.name, time.time() - failure.start_s,
+                        version, " with the others" if policy_version is None else ", sent again mid-step")
+            self.spans.add("rollout/engine_restart", step=self.step, start_s=failure.start_s, end_s=time.time(),
                            engine=failure.failed.name, replacement=replacement.name, num_retried=failure.num_retried,
-                           reason=failure.reason, policy_version=self.policy_version + 1)
+                           reason=failure.reason, policy_version=version)
+            if policy_version is not None:
+                self._back_mid_step.append((failure.failed, replacement))
 
     def replacements_waiting(self) -> list[str]:
         return [replacement.name for _, replacement in self._awaiting_group.values()]
@@ -390,7 +403,7 @@ class EngineSupervisor:
                 log.warning("engine %s is out of service until its host beats again: %s. Its requests went to the "
                             "other engines; %d engines remain in service (rollout.min_engines=%d).", self._names[slot],
                             lost, len(self.engines), self.min_engines)
-                self.spans.add("rollout/engine_lost", step=self._step, start_s=pending.start_s, end_s=time.time(),
+                self.spans.add("rollout/engine_lost", step=self.step, start_s=pending.start_s, end_s=time.time(),
                                engine=pending.failed.name, reason=str(lost))
                 self._check_enough(f"engine {pending.failed.name} is lost: {lost}")
             return
@@ -424,17 +437,25 @@ class EngineSupervisor:
         version = 0 if self.weights is None else self.weights[1]
         log.warning("engine %s restarted as %s in %.1fs, serving policy_version %d.", failed.name, replacement.name,
                     time.time() - failure.start_s, version)
-        self.spans.add("rollout/engine_restart", step=self._step, start_s=failure.start_s, end_s=time.time(),
+        self.spans.add("rollout/engine_restart", step=self.step, start_s=failure.start_s, end_s=time.time(),
                        engine=failed.name, replacement=replacement.name, num_retried=failure.num_retried,
                        reason=failure.reason, policy_version=version)
 
     def _await_group(self, slot: int, failure: _Pending, replacement: Engine) -> None:
-        """Distributed weight sync: the replacement cannot join the group, nor load the current policy from a file;
-        it waits out of service until the next step boundary's new group (``rejoin_weight_group``)."""
+        """Distributed weight sync: the replacement cannot join the group; unless it serves at once without the
+        trainer, it waits out of service for the next step boundary's new group (``rejoin_weight_group``), or, where
+        it was the last engine in service mid-step, for the policy sent again (``stranded``)."""
         failed = failure.failed
+        # The model's own weights (policy 0, never sent), or the file the policy came from (a resumed run's first):
+        # the replacement serves them at once; a member failed, so the next policy goes to a new group with it
+        if self.policy_version == (0 if self.weights is None else self.weights[1]):
+            if failed not in self.engines:  # (restarted on another node)
+                self.engines.append(replacement)
+            self._put_back(slot, failure, replacement)
+            return
         if failed in self.engines:
             self.engines.remove(failed)
-        if not self.engines and not self._at_boundary:
+        if not self.engines and not self._at_boundary and not self.sends_again:
             raise EngineFailed(
                 f"engine {failed.name} failed: {failure.reason}. It was the last engine in service, and with "
                 "pipeline.weight_sync=distributed its replacement can serve only from the next step's weights, which "
@@ -446,6 +467,20 @@ class EngineSupervisor:
         log.warning("engine %s: its replacement %s waits out of service for the next weight-update group (trainer "
                     "rank 0 forms it before policy_version %d).", failed.name, replacement.name,
                     self.policy_version + 1)
+
+    def stranded(self) -> str | None:
+        """With ``sends_again``, mid-step: no engine in service and replacements waiting; the name of the engine that
+        failed last. The rollout node then has trainer rank 0 send the current policy again, to the replacements
+        alone (distributed.py ``Receiver.send_again``), and puts them back (``back_in_service``)."""
+        if self.engines or not self._awaiting_group or self._at_boundary or not self.sends_again:
+            return None
+        return next(reversed(self._awaiting_group.values()))[0].failed.name
+
+    def back_in_service(self) -> None:
+        """The replacements that received the current policy mid-step (``rejoin_weight_group``) take requests."""
+        for failed, replacement in self._back_mid_step:
+            self._admission.put_back(failed, replacement)
+        self._back_mid_step = []
 
     def _check_enough(self, what: str) -> None:
         """Stop the run when fewer than rollout.min_engines engines are in service or on their way back."""
