@@ -121,8 +121,10 @@ ENGINE_FAULTS = [
     # rank 0 sends policy 1 again mid-step, to a group of the replacement alone, before it takes the step's first
     # group (no optimizer step of step 1 has come: a batch is 2 groups)
     ("engine_server_killed", "embedded_http", 20, "distributed", "torch", 1),
-    # the same with the policy sharded over two FSDP ranks: the other rank joins rank 0's gathers mid-step
+    # the same with the policy sharded over two FSDP ranks: the other rank joins rank 0's gathers mid-step; and over
+    # two Megatron tensor-parallel ranks (each bucket gathered from both)
     ("engine_server_killed", "embedded_http", 20, "distributed", "fsdp", 1),
+    ("engine_server_killed", "embedded_http", 20, "distributed", "megatron-tp2", 1),
     # an engine's server dies during the broadcast of step 2's policy (the 3rd load: 2 engines), between its first
     # and second bucket: the other engine gives the broadcast up, and the policy goes again to a new group. Trainer
     # rank 0 had applied part of the step's update bucket by bucket; the second send applies the rest, once
@@ -133,6 +135,11 @@ ENGINE_FAULTS = [
 ]
 
 
+TRAINERS = {"torch": ["trainer.backend=torch"], "fsdp": ["trainer.backend=fsdp", "trainer.num_ranks=2"],
+            "megatron-tp2": ["trainer.backend=megatron", "trainer.num_ranks=2",
+                             "trainer.megatron.tensor_parallel_size=2"]}
+
+
 @pytest.mark.parametrize("point,engine,nth,weight_sync,trainer,num_engines", ENGINE_FAULTS,
                          ids=[f"{f[0]}-{f[3]}-{f[4]}-{f[5]}" for f in ENGINE_FAULTS])
 def test_a_failed_engine_loses_no_sample_and_the_run_matches_the_uninterrupted_one(
@@ -141,9 +148,13 @@ def test_a_failed_engine_loses_no_sample_and_the_run_matches_the_uninterrupted_o
     run_dir.mkdir()
     procs = start_nodes(run_dir, *workload(data), f"rollout.engine={engine}", f"rollout.num_engines={num_engines}",
                         f"pipeline.weight_sync={weight_sync}", "pipeline.weight_sync_bucket_mb=0.001",  # 1 KiB: buckets
-                        f"trainer.backend={trainer}", f"trainer.num_ranks={2 if trainer == 'fsdp' else 1}",
-                        commands={"rollout": ["-m", "tests.faults.inject", point, str(nth)]})
-    outputs = {role: p.communicate(timeout=180) for role, p in procs.items()}
+                        *TRAINERS[trainer], commands={"rollout": ["-m", "tests.faults.inject", point, str(nth)]})
+    try:
+        outputs = {role: p.communicate(timeout=180) for role, p in procs.items()}
+    finally:  # (a run that hangs is stopped, not left running beside the next tests)
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
     for role, p in procs.items():
         assert p.returncode == 0, outputs[role][1][-3000:]
     assert "restarted as engine" in outputs["rollout"][1], "the fault never fired"
@@ -157,7 +168,9 @@ def test_a_failed_engine_loses_no_sample_and_the_run_matches_the_uninterrupted_o
     again = [s for s in spans(run_dir) if s[0] == "sync/weights_again"]
     assert [s[1] for s in again] == ([1] if num_engines == 1 else []), again  # the policy sent again mid-step 1
     final = load_file(str(run_dir / "checkpoints" / "final" / "model.safetensors"))
-    assert max((final[k] - uninterrupted[k]).abs().max().item() for k in final) < 1e-9
+    # (Megatron against the torch backend: HF's float32 RMSNorm shows, ~1e-6; a policy sent wrong moves ~lr)
+    assert max((final[k] - uninterrupted[k]).abs().max().item() for k in final) < (
+        2e-5 if trainer.startswith("megatron") else 1e-9)
 
 
 def test_with_max_engine_failures_zero_a_failed_engine_stops_the_run_naming_it(tmp_path, data):
