@@ -214,6 +214,13 @@ def test_a_replacement_serves_at_once_where_its_policy_needs_no_broadcast():
             rollout.admission.add_group(g, group_requests(g, n=2))
         assert len(replacement.submitted) == 2 and replacement.weights == weights
         assert supervisor.next_group_size() == 2
+    # between steps it joins the new group at once, as every replacement does (the policy goes to it there)
+    rollout = in_group_of(2)
+    rollout.supervisor.policy_version = 0
+    dies_mid_broadcast(rollout.engines[0])
+    waits_until_it_leaves(rollout.engines[1])
+    assert rollout.supervisor.load_weights_distributed([], 1, macs=None) is False
+    assert rollout.supervisor.replacements_waiting() == ["engine0-restart1"]
 
 
 def test_with_one_engine_its_requests_wait_for_the_restarted_one():

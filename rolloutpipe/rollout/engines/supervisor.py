@@ -443,12 +443,12 @@ class EngineSupervisor:
 
     def _await_group(self, slot: int, failure: _Pending, replacement: Engine) -> None:
         """Distributed weight sync: the replacement cannot join the group; unless it serves at once without the
-        trainer, it waits out of service for the next step boundary's new group (``rejoin_weight_group``), or, where
-        it was the last engine in service mid-step, for the policy sent again (``stranded``)."""
+        trainer (mid-step), it waits out of service for the next new group (``rejoin_weight_group``: at once between
+        steps), or, where it was the last engine in service mid-step, for the policy sent again (``stranded``)."""
         failed = failure.failed
-        # The model's own weights (policy 0, never sent), or the file the policy came from (a resumed run's first):
-        # the replacement serves them at once; a member failed, so the next policy goes to a new group with it
-        if self.policy_version == (0 if self.weights is None else self.weights[1]):
+        # Mid-step, the model's own weights (policy 0, never sent) or the file the policy came from (a resumed run's
+        # first): the replacement serves them at once; a member failed, so the next policy goes to a new group with it
+        if not self._at_boundary and self.policy_version == (0 if self.weights is None else self.weights[1]):
             if failed not in self.engines:  # (restarted on another node)
                 self.engines.append(replacement)
             self._put_back(slot, failure, replacement)
