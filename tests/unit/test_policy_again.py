@@ -89,3 +89,30 @@ def test_every_trainer_rank_serves_each_request_for_the_policy_again_before_the_
     node._num_again = (0, 0)
     TrainerNode.send_again_before(node, 1, 1)
     assert sent == []
+
+
+def test_the_rollout_node_asks_before_the_first_training_batch_is_published_and_stops_the_run_after():
+    """rollout/node.py ``_policy_again``: the request goes where fewer groups of the step are published than a training
+    batch holds (trainer rank 0 has not stepped); past that the run stops, saying why."""
+    from rolloutpipe.rollout.engines.supervisor import EngineFailed
+    from rolloutpipe.rollout.node import RolloutNode
+
+    d, handles = dispatcher(PipelineMode.cgp)
+    d.begin_step(1, 4)
+    asked: list[int] = []
+    weights = SimpleNamespace(send_again=lambda step, version, mark: mark(
+        lambda transport, seq: asked.append(seq)))
+    back: list[bool] = []
+    node = SimpleNamespace(
+        cfg=SimpleNamespace(groups_per_batch=2), dispatcher=d, weights=weights, spans=FakeSpans(),
+        supervisor=SimpleNamespace(step=1, policy_version=1, back_in_service=lambda: back.append(True)),
+        transport=SimpleNamespace(liveness=SimpleNamespace(check=lambda waiting_for: None)))
+    d.put(make_group(step=1, group=0))
+    RolloutNode._policy_again(node, "engine0")
+    assert asked == [1] and back == [True]
+    d.put(make_group(step=1, group=1))
+    with pytest.raises(EngineFailed, match=r"engine engine0 failed mid-step\. .*may have updated it by now \(2 groups "
+                                           r"of step 1 published, a training batch is 2\); stopping the run"):
+        RolloutNode._policy_again(node, "engine0")
+    d.close()
+    assert asked == [1] and back == [True]
