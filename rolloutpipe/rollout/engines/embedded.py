@@ -9,8 +9,9 @@
   Joiners are prefilled together (left padded) and their rows concatenated onto the batch; rows of finished
   requests are dropped and leading all-padding columns trimmed. Padded keys get exactly zero attention weight.
 - **Batch invariant** (rollout.batch_invariant): a request's logits, tokens and log-probs are the same bits alone,
-  among any batch-mates and in any row, in every dtype: attention per row over its own keys, every matmul a multiple
-  of ``ROW_BLOCK`` rows (row_attention.py: what differed, what it costs). Off: one padded call per layer, to rounding.
+  among any batch-mates and in any row, in every dtype: attention per row over its own keys, every linear layer in
+  calls of ``LINEAR_ROWS`` rows (row_attention.py: what differed, what it costs). Off: one padded call per layer, to
+  rounding.
 - **SGLang's seeded sampler** (sampler.py): Gumbel-max with noise hashed from the request's ``sampling_seed``, the
   token's position and the token id, so a request's tokens do not depend on its batch-mates and equal an SGLang
   server's from the same logits. ``output_logprobs``: log softmax(logits / temperature) of the sampled token.
@@ -38,7 +39,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -330,10 +331,8 @@ class EmbeddedEngine:
         now = time.time()
         fed = [s.request.input_ids + s.request.draft_ids for s in joiners]
         lengths = [len(f) for f in fed]
-        # Batch invariant: a multiple of ROW_BLOCK columns and kept logits, so every matmul has a multiple of its rows.
-        block = row_attention.ROW_BLOCK if self._batch_invariant else 1
-        width = -(-max(lengths) // block) * block
-        keep = -(-(max(len(s.request.draft_ids) for s in joiners) + 1) // block) * block
+        width = max(lengths)
+        keep = max(len(s.request.draft_ids) for s in joiners) + 1
         # Padding columns hold id 0; any valid id would do, as the mask hides them from every real token.
         input_ids = torch.tensor([[0] * (width - len(f)) + f for f in fed], dtype=torch.long)
         attention_mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], dtype=torch.long)
@@ -366,25 +365,16 @@ class EmbeddedEngine:
         return self._sample_and_retire(logits, first_row=0)
 
     def _decode_rows(self, input_ids: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
-        """The batch-invariant decode step: per-row attention, dummy rows (no keys) up to a multiple of ROW_BLOCK."""
-        num_rows = len(cached)
-        num_dummies = -num_rows % row_attention.ROW_BLOCK
-        cache = self._cache
-        if num_dummies:
-            cache = _hf_cache(self._model, row_attention.pad_rows(_hf_cache_tensors(cache), num_dummies))
-            input_ids = torch.cat([input_ids, input_ids.new_zeros(num_dummies, 1)])
-        lengths = (cached + 1).tolist() + [0] * num_dummies
-        positions = torch.cat([cached, cached.new_zeros(num_dummies)])[:, None]
-        logits = self._forward(input_ids, None, positions, cache, row_key_lengths=lengths)
-        if num_dummies:
-            self._cache = _hf_cache(self._model, [(k[:num_rows], v[:num_rows]) for k, v in _hf_cache_tensors(cache)])
-        return logits[:num_rows]
+        """The batch-invariant decode step: per-row attention (row_attention.py)."""
+        return self._forward(input_ids, None, cached[:, None], self._cache, row_key_lengths=(cached + 1).tolist())
 
     def _forward(self, input_ids, attention_mask, position_ids, cache, logits_to_keep: int = 1, **attention_kwargs
                  ) -> torch.Tensor:
         """Logits of the last ``logits_to_keep`` positions [B, K, V]; appends the new keys/values to ``cache``."""
-        out = self._model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
-                          logits_to_keep=logits_to_keep, **{self._cache_kwarg: cache}, **attention_kwargs)
+        with row_attention.row_blocks() if self._batch_invariant else nullcontext():
+            out = self._model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=True, logits_to_keep=logits_to_keep, **{self._cache_kwarg: cache},
+                              **attention_kwargs)
         return out.logits
 
     def _sample_and_retire(self, logits: torch.Tensor, first_row: int, drafts: list[list[int]] | None = None

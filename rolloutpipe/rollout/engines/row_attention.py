@@ -8,26 +8,34 @@ batch it shared, at rounding level in float32 and bfloat16:
   splits keys into 512-column blocks, so the same keys at another offset (or with another width) sum in another
   order. Fix: ``row_attention_forward`` runs scaled_dot_product_attention once per row over that row's own keys,
   unpadded: exactly the call a request running alone makes.
-- **float32 matmuls with another number of rows.** MKL's sgemm works on blocks of 4 rows; below 12 rows, the 1 to 3
-  rows left over after the last full block take other kernels (M = 1 is a gemv) and round differently, while a row
-  in a full block gives the same bits at every M and position measured (every row up to M = 40; M up to 1100).
-  Fix: every matmul gets a multiple of ``ROW_BLOCK`` rows: a decode batch takes dummy rows (no keys, output
-  discarded), a prefill is a multiple of it wide and keeps that many positions' logits. bfloat16 matmuls (oneDNN)
-  agreed at every M and row. That is MKL's AVX2 path: on an AVX-512 CPU (a Sapphire Rapids VM, 2026-12-05) its
-  default path takes other kernels by M (with K >= 128, a row of M = 4 differs from the same row at M >= 8), so the
-  package pins MKL to the AVX2 path (``MKL_CBWR=AVX2,STRICT`` unless set: rolloutpipe/__init__.py), which gave every
-  row the same bits at every multiple of 4 rows there too.
+- **Matmuls with another number of rows.** How MKL's GEMM rounds a row depends on how many rows the call has, and
+  on which CPU: on MKL's AVX2 path (Intel; a Sapphire Rapids VM, 2026-12-05) rows in full blocks of 4 agreed at every
+  multiple of 4 rows, the 1 to 3 left over did not (M = 1 is a gemv); on an AMD EPYC (Zen 4, 2026-12-06), whose MKL
+  runs ``MKL_CBWR=COMPATIBLE`` (rolloutpipe/__init__.py), a float32 row of a 4-row product differed from the same
+  row of an 8-row one, and under ``AUTO,STRICT`` a float64 row of 4 rows from the same row of 32. Padding batches to
+  a multiple of 4 rows, as this engine did, held on the first CPU only. Fix: every linear layer of the forward runs
+  its rows in calls of exactly ``LINEAR_ROWS`` rows, the last call topped up with zero rows (``row_blocks``), so every
+  row takes the same call shape whatever the batch: a row gave the same bits at every batch size and position
+  measured, in both MKL settings, for float32 and float64 and calls of 4, 8, 16 and 32 rows (M 1 to 100).
+  bfloat16 matmuls (oneDNN) agreed at every M and row already.
 
 Everything else in the model (embeddings, RMSNorm, RoPE, MLP activations, the seeded sampler) is per row already.
 
-Cost: one attention call per row and layer instead of one per layer. bench/batch_invariance.py (tiny model, one
-thread, 32 requests x 48 tokens) measured invariant / padded throughput 1.03, 0.86 and 0.63 at concurrency 8, 32 and
-64 in float32, and 0.92, 0.81 and 0.78 in bfloat16. One padded call per layer over keys gathered left-aligned into
-64-column buckets was also invariant (the flash kernel's sums do not change with trailing masked columns) and no
-cheaper within the noise (0.78 / 0.72 at 64), so the per-row call, invariant by construction, stayed.
+Cost: one attention call per row and layer instead of one per layer, and a linear layer's rows in calls of 16.
+bench/batch_invariance.py (tiny model, 2 threads, 64 requests x 64 tokens, AMD EPYC, 2026-12-06, medians of 3)
+measured invariant / padded throughput 0.76 and 0.56 at concurrency 8 and 32 in float32 (0.76 and 0.65 in float64);
+the 4-row padding it replaces gave 0.91 and 0.74 there (0.93 and 0.72), but not the same bits on that CPU. One padded
+attention call per layer over keys gathered left-aligned into 64-column buckets was also invariant (the flash
+kernel's sums do not change with trailing masked columns) and no cheaper within the noise, so the per-row call,
+invariant by construction, stayed.
 """
 
 from __future__ import annotations
+
+import threading
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +43,8 @@ import torch.nn.functional as F
 ROW_ATTENTION = "rolloutpipe_row_attention"
 """The transformers attention implementation name the engine sets on its model when batch invariant."""
 
-ROW_BLOCK = 4
-"""Every matmul of the forward gets a multiple of this many rows: MKL's float32 row block (module docstring)."""
+LINEAR_ROWS = 16
+"""Rows per BLAS call of a linear layer in the engine's forward (``row_blocks``): the one call shape every row takes."""
 
 
 def row_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -87,8 +95,35 @@ def use_row_attention(model: torch.nn.Module) -> None:
     AttentionInterface.register(ROW_ATTENTION, row_attention_forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ROW_ATTENTION, sdpa_mask)
     model.config._attn_implementation = ROW_ATTENTION
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            module.forward = types.MethodType(_linear_forward, module)
 
 
-def pad_rows(kv: list[tuple[torch.Tensor, torch.Tensor]], num_rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Appends ``num_rows`` zero rows to every layer's keys and values [B, H_kv, W, D] (dummy decode rows)."""
-    return [tuple(torch.cat([t, t.new_zeros(num_rows, *t.shape[1:])]) for t in layer) for layer in kv]
+_blocking = threading.local()
+"""``active`` is True on a thread inside ``row_blocks()``: the engine's forward."""
+
+
+@contextmanager
+def row_blocks() -> Iterator[None]:
+    """Inside it, on this thread, every linear layer of a model that ``use_row_attention`` set up (projections, MLP,
+    LM head: all its matmuls with a reduction) computes its rows ``LINEAR_ROWS`` per call (module docstring)."""
+    _blocking.active = True
+    try:
+        yield
+    finally:
+        _blocking.active = False
+
+
+def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear.forward``; inside ``row_blocks()``, ``LINEAR_ROWS`` rows per call, the last call's rows topped up
+    with zeros: every row is computed by the same BLAS call shape, whatever the batch."""
+    if not getattr(_blocking, "active", False):
+        return F.linear(x, self.weight, self.bias)
+    rows = x.reshape(-1, x.shape[-1])  # (a copy, freshly aligned, where x is a strided view)
+    num_rows = rows.shape[0]
+    if num_rows % LINEAR_ROWS:
+        rows = torch.cat([rows, rows.new_zeros(-num_rows % LINEAR_ROWS, rows.shape[1])])
+    out = torch.cat([F.linear(rows[i:i + LINEAR_ROWS], self.weight, self.bias)
+                     for i in range(0, rows.shape[0], LINEAR_ROWS)])
+    return out[:num_rows].reshape(*x.shape[:-1], out.shape[-1])
