@@ -40,6 +40,7 @@ import time
 from dataclasses import replace
 
 from rolloutpipe.config import Config, ConfigError, PipelineMode, ResumeMode
+from rolloutpipe.control.attempt import FreshStart
 from rolloutpipe.control.env import NodeEnv, Role
 from rolloutpipe.control.lifetime import Stopped
 from rolloutpipe.control.liveness import Liveness
@@ -298,7 +299,7 @@ def run_node(cfg: Config, env: NodeEnv) -> None:
         if isinstance(err, Stopped) and env.role is Role.rollout and env.rank > 0:
             raise  # an engine host stopped, its servers with it: as when it is killed, the manager decides (hosts.py)
         transport.abort(f"{who} was stopped by {err.name}" if isinstance(err, Stopped)
-                        else f"{who} failed: {type(err).__name__}: {err}")
+                        else f"{who} failed: {type(err).__name__}: {err}", requeue=isinstance(err, FreshStart))
         aborted = True
         if node is not None:  # trainer rank 0: the last finished step's checkpoint (trainer/restore.py), the attempt's
             node.stop(err)  # outcome; the rollout manager: that outcome if trainer rank 0 died without one

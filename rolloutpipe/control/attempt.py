@@ -14,7 +14,8 @@ How it ended: trainer rank 0 writes ``<run_dir>/outcome.json`` when the attempt 
 metrics written) with a checkpoint of step ``checkpoint_step`` on disk (trainer/restore.py), for ``reason``;
 ``requeue``: a fresh start of the job is the remedy: Slurm warned of the time limit, or a process of the run died
 without a word (its heart-beat or the store it hosted gone: a lost node, which Slurm does not requeue itself in the
-rollout het group, started with ``--no-kill``). The
+rollout het group, started with ``--no-kill``), or a process stopped on an error a fresh start fixes (``FreshStart``:
+the last engine in service lost where its policy can no longer be sent again). The
 requeue wrapper (launch/requeue.py) decides from this record, not from srun's exit code (the highest of every task's,
 so 137 for an engine host lost hours earlier). A record of another attempt fails the seal, so it reads as absent.
 """
@@ -30,12 +31,19 @@ from rolloutpipe.control.seal import Forged, seal, unseal
 OUTCOME_FILE = "outcome.json"
 
 
+class FreshStart(RuntimeError):
+    """An error that a fresh start of the job fixes: its process aborts the run for a requeue (pipeline.run_node), so
+    the attempt's outcome says ``requeue`` and a Slurm job resumes from the last finished step's checkpoint. Not for
+    an error that would come back in the next attempt (a bug, a bad config)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class Outcome:
     attempt: int
     finished: bool
     requeue: bool
-    """It stopped to be requeued (Slurm's warning, or a lost process or node): the wrapper requeues the job."""
+    """It stopped to be requeued (Slurm's warning, a lost process or node, a ``FreshStart`` error): the wrapper
+    requeues the job."""
     last_step: int
     """The last step whose metrics were written (-1: none yet)."""
     checkpoint_step: int

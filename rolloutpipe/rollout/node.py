@@ -32,7 +32,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from rolloutpipe.config import Config, ConfigError, PipelineMode, ResumeMode
-from rolloutpipe.control.attempt import Outcome, read_outcome, write_outcome
+from rolloutpipe.control.attempt import FreshStart, Outcome, read_outcome, write_outcome
 from rolloutpipe.control.checkpoint import latest_checkpoint
 from rolloutpipe.control.clock import sync_clock
 from rolloutpipe.control.env import NodeEnv
@@ -66,6 +66,12 @@ class NextTurn:
     request: GenerationRequest
     engine: str
     """The engine that served the episode's previous turn (its cache holds the conversation)."""
+
+
+class PolicyGone(EngineFailed, FreshStart):
+    """The last engines in service were lost after trainer rank 0 may have stepped past the step's policy, so their
+    replacements cannot be sent it again (``RolloutNode._policy_again``): a fresh start resumes from the last
+    finished step's checkpoint, whose policy the new engines load."""
 
 
 class RolloutNode:
@@ -308,12 +314,13 @@ class RolloutNode:
 
         def before_first_update(write, transport, seq: int) -> None:
             if seq >= self.cfg.groups_per_batch:
-                raise EngineFailed(
+                raise PolicyGone(
                     f"engine {failed} failed mid-step. It was the last engine in service, and with "
                     "pipeline.weight_sync=distributed its replacement needs this step's policy from trainer rank 0, "
                     f"which may have updated it by now ({seq} groups of step {step} published, a training batch is "
-                    f"{self.cfg.groups_per_batch}); stopping the run. Resume it (run.resume=auto), or run more "
-                    "engines.")
+                    f"{self.cfg.groups_per_batch}); stopping the run to be requeued: a Slurm job resumes from the "
+                    "last finished step's checkpoint (launcher.max_requeues), a local run with run.resume=auto. "
+                    "More engines in service avoid it.")
             write(transport, seq)
 
         start = time.time()

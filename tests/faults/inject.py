@@ -11,6 +11,8 @@ The process runs ``rolloutpipe.launch.node`` as usual, except that the ``nth`` c
   ``engine.error`` as any crash of that thread would;
 - ``engine_server_killed`` SIGKILLs the server process of the SGLang-API engine being submitted to (the
   ``nth`` submit of the run), as an OOM kill of that server would;
+- ``engines_killed_at_publish`` SIGKILLs the server of every SGLang-API engine in service as the dispatcher
+  publishes the ``nth`` group of the run (before it does);
 - ``engine_server_killed_mid_broadcast`` SIGKILLs the server of the engine making the ``nth`` broadcast weight load of
   the run (``update_weights_from_distributed``) once it has received the policy's first bucket, before the second:
   every other engine of the group has the first bucket and waits for the second.
@@ -75,6 +77,16 @@ def kill_engine_server(engine, *args, **kwargs):
     os.killpg(server._proc.pid, signal.SIGKILL)
 
 
+def kill_every_engine_server(*args, **kwargs):
+    import gc
+
+    from rolloutpipe.rollout.engines.http_client import SGLangEngine
+
+    for engine in [o for o in gc.get_objects() if isinstance(o, SGLangEngine)]:
+        if engine._stop_server.__self__._proc.poll() is None:  # (replaced engines' servers are gone already)
+            kill_engine_server(engine)
+
+
 POINTS = {
     # point: (module, attribute path) of the function whose nth call fails, and how it fails
     "mid_rollout": ("rolloutpipe.rollout.samples", "RewardThreads._reward", kill_process),
@@ -87,6 +99,7 @@ POINTS = {
                            kill_process),
     "engine_crash": ("rolloutpipe.rollout.engines.embedded", "EmbeddedEngine._decode_step", crash_engine),
     "engine_server_killed": ("rolloutpipe.rollout.engines.http_client", "SGLangEngine.submit", kill_engine_server),
+    "engines_killed_at_publish": ("rolloutpipe.rollout.dispatcher", "Dispatcher._publish", kill_every_engine_server),
     "engine_server_killed_mid_broadcast": ("rolloutpipe.rollout.engines.http_client",
                                            "SGLangEngine.update_weights_from_distributed",
                                            kill_server_before_second_bucket),

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from rolloutpipe.control.attempt import read_outcome
+from rolloutpipe.control.env import attempt_key
 from rolloutpipe.control.lifetime import PEER_STOPPED_EXIT
 from rolloutpipe.rollout.tasks import ReversalTaskConfig, write_reversal_jsonl
 
@@ -171,6 +173,39 @@ def test_a_failed_engine_loses_no_sample_and_the_run_matches_the_uninterrupted_o
     # (Megatron against the torch backend: HF's float32 RMSNorm shows, ~1e-6; a policy sent wrong moves ~lr)
     assert max((final[k] - uninterrupted[k]).abs().max().item() for k in final) < (
         2e-5 if trainer.startswith("megatron") else 1e-9)
+
+
+def test_the_only_engine_lost_after_the_first_training_batch_requeues_and_the_resume_matches(
+        tmp_path, data, uninterrupted):
+    """Distributed sync, one engine, two training batches per step (concurrency 4: one group at a time): its server
+    dies as step 1's second group is published, so trainer rank 0 may have stepped past policy 1 before the
+    replacement could take it. The run stops to be requeued (outcome ``requeue``, step 0's checkpoint), and the
+    resume ends with the weights of the uninterrupted run."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    overrides = [*workload(data), "rollout.engine=embedded_http", "rollout.num_engines=1", "rollout.concurrency=4",
+                 "pipeline.weight_sync=distributed"]
+    procs = start_nodes(run_dir, *overrides, commands={"rollout": ["-m", "tests.faults.inject",
+                                                                   "engines_killed_at_publish", "6"]})
+    try:
+        outputs = {role: p.communicate(timeout=180) for role, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    assert procs["rollout"].returncode == 1, outputs["rollout"][1][-3000:]
+    stderr = outputs["rollout"][1]
+    assert re.search(r"PolicyGone: engine engine0 failed mid-step\. .*\(\d groups of step 1 published, a training "
+                     r"batch is 2\); stopping the run to be requeued", stderr), stderr[-3000:]
+    outcome = read_outcome(run_dir, attempt_key(b"k" * 32, "bytest", 0), 0)  # (start_nodes' secret and run id)
+    assert outcome is not None and outcome.requeue and not outcome.finished, outputs["trainer"][1][-3000:]
+    assert outcome.checkpoint_step == 0 and "PolicyGone" in outcome.reason, outcome
+
+    resumed = run_job(run_dir, *overrides, "run.resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(run_dir)] == list(range(NUM_STEPS))
+    final = load_file(str(run_dir / "checkpoints" / "final" / "model.safetensors"))
+    assert max((final[k] - uninterrupted[k]).abs().max().item() for k in final) < 1e-9
 
 
 def test_with_max_engine_failures_zero_a_failed_engine_stops_the_run_naming_it(tmp_path, data):

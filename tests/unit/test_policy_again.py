@@ -93,9 +93,9 @@ def test_every_trainer_rank_serves_each_request_for_the_policy_again_before_the_
 
 def test_the_rollout_node_asks_before_the_first_training_batch_is_published_and_stops_the_run_after():
     """rollout/node.py ``_policy_again``: the request goes where fewer groups of the step are published than a training
-    batch holds (trainer rank 0 has not stepped); past that the run stops, saying why."""
-    from rolloutpipe.rollout.engines.supervisor import EngineFailed
-    from rolloutpipe.rollout.node import RolloutNode
+    batch holds (trainer rank 0 has not stepped); past that the run stops to be requeued, saying why."""
+    from rolloutpipe.control.attempt import FreshStart
+    from rolloutpipe.rollout.node import PolicyGone, RolloutNode
 
     d, handles = dispatcher(PipelineMode.cgp)
     d.begin_step(1, 4)
@@ -111,8 +111,10 @@ def test_the_rollout_node_asks_before_the_first_training_batch_is_published_and_
     RolloutNode._policy_again(node, "engine0")
     assert asked == [1] and back == [True]
     d.put(make_group(step=1, group=1))
-    with pytest.raises(EngineFailed, match=r"engine engine0 failed mid-step\. .*may have updated it by now \(2 groups "
-                                           r"of step 1 published, a training batch is 2\); stopping the run"):
+    with pytest.raises(PolicyGone, match=r"engine engine0 failed mid-step\. .*may have updated it by now \(2 groups "
+                                          r"of step 1 published, a training batch is 2\); stopping the run to be "
+                                          r"requeued") as stopped:
         RolloutNode._policy_again(node, "engine0")
+    assert isinstance(stopped.value, FreshStart)  # (pipeline.run_node: the abort says requeue)
     d.close()
     assert asked == [1] and back == [True]
