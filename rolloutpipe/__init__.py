@@ -18,31 +18,18 @@ submitit): those live in their adapters and are imported there.
 
 import os as _os
 
-
-def _reproducible_mkl_branch() -> str:
-    """MKL's conditional numerical reproducibility setting for this CPU (the package's default MKL_CBWR).
-
-    Measured (CPU torch 2.13 and 2.9, oneMKL 2024.0): on Intel CPUs, ``AVX2,STRICT`` (MKL's AVX2 code path, strict:
-    a GEMM's bits do not depend on its operands' alignment; on an AVX-512 Sapphire Rapids VM the default path took
-    other kernels by the number of rows). MKL honours the branch settings on Intel CPUs only: on an AMD EPYC (Zen 4,
-    2026-12-06), ``AVX2,STRICT`` ran as ``AUTO,STRICT`` (MKL_VERBOSE says so), whose float64 GEMM rounded a row of a
-    4-row product otherwise than the same row of a 32-row one, and a Megatron update on one data-parallel rank
-    differed from the same update on two (tests/multiprocess/test_resume.py); with MKL_CBWR unset, results moved with
-    the operands' alignment. ``COMPATIBLE`` (the branch every x86 CPU runs alike) gave the update the same bits on one
-    rank and two. Rows in the embedded engine's batch-invariant forward rest on none of these:
-    rollout/engines/row_attention.py computes each linear layer in calls of one shape."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            vendor = next((line for line in cpuinfo if line.startswith("vendor_id")), "")
-    except OSError:
-        vendor = ""
-    return "AVX2,STRICT" if "GenuineIntel" in vendor else "COMPATIBLE"
-
-
-_os.environ.setdefault("MKL_CBWR", _reproducible_mkl_branch())
-"""CPU numerics: MKL's conditional numerical reproducibility (unless MKL_CBWR is set already; MKL reads it at its first
-call, so importing the package before any matmul is enough, and every process a run starts inherits it), so that the
-runs' bit-identical updates (any arrival order, any number of data-parallel ranks) hold on the CPU: the setting for
-this CPU's vendor (``_reproducible_mkl_branch``). GPU math is not MKL's. MKL_CBWR=AUTO gives MKL's fastest path back."""
+_os.environ.setdefault("MKL_CBWR", "AVX2,STRICT")
+"""CPU numerics: MKL's conditional numerical reproducibility, its AVX2 code path, strict (unless MKL_CBWR is set
+already; MKL reads it at its first call, so importing the package before any matmul is enough, and every process a
+run starts inherits it), so that the runs' bit-identical updates (any arrival order, any number of data-parallel
+ranks) hold on the CPU. Measured with oneMKL 2024.0 (CPU torch 2.13 and 2.9): on an Intel AVX-512 Sapphire Rapids
+VM (2026-12-05) MKL's default path took other kernels by the number of rows, and this one gave a row the same bits at
+every multiple of 4 rows. MKL honours the branch on Intel CPUs only: on an AMD EPYC (Zen 4,
+2026-12-06) it runs as ``AUTO,STRICT`` (MKL_VERBOSE says so): float32 still independent of alignment and thread
+count, float64 not of the thread count, and a row's bits depend on the number of rows of its call on both CPUs
+(rollout/engines/row_attention.py, which no longer rests on MKL for that). There a Megatron update on one
+data-parallel rank differed from the same update on two (tests/multiprocess/test_resume.py pins ``COMPATIBLE`` off
+Intel, which gave them the same bits but made float32 depend on the thread count). GPU math is not MKL's.
+MKL_CBWR=AUTO gives MKL's fastest path back."""
 
 __version__ = "0.1.0"

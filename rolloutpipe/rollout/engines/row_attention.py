@@ -10,10 +10,10 @@ batch it shared, at rounding level in float32 and bfloat16:
   unpadded: exactly the call a request running alone makes.
 - **Matmuls with another number of rows.** How MKL's GEMM rounds a row depends on how many rows the call has, and
   on which CPU: on MKL's AVX2 path (Intel; a Sapphire Rapids VM, 2026-12-05) rows in full blocks of 4 agreed at every
-  multiple of 4 rows, the 1 to 3 left over did not (M = 1 is a gemv); on an AMD EPYC (Zen 4, 2026-12-06), whose MKL
-  runs ``MKL_CBWR=COMPATIBLE`` (rolloutpipe/__init__.py), a float32 row of a 4-row product differed from the same
-  row of an 8-row one, and under ``AUTO,STRICT`` a float64 row of 4 rows from the same row of 32. Padding batches to
-  a multiple of 4 rows, as this engine did, held on the first CPU only. Fix: every linear layer of the forward runs
+  multiple of 4 rows, the 1 to 3 left over did not (M = 1 is a gemv); on an AMD EPYC (Zen 4, 2026-12-06), where MKL
+  runs the package's ``AVX2,STRICT`` as ``AUTO,STRICT`` (rolloutpipe/__init__.py), a float64 row of a 4-row product
+  differed from the same row of a 32-row one, and under ``COMPATIBLE`` a float32 row of 4 rows from the same row of
+  8. Padding batches to a multiple of 4 rows, as this engine did, held on the first CPU only. Fix: every linear layer of the forward runs
   its rows in calls of exactly ``LINEAR_ROWS`` rows, the last call topped up with zero rows (``row_blocks``), so every
   row takes the same call shape whatever the batch: a row gave the same bits at every batch size and position
   measured, in both MKL settings, for float32 and float64 and calls of 4, 8, 16 and 32 rows (M 1 to 100).
