@@ -55,7 +55,7 @@ class RolloutConfig:
     """The embedded engine (embedded, embedded_http): a request's logits, tokens and log-probs are the same bits
     whatever its batch-mates and row, in every dtype (attention per row, linear layers in calls of 16 rows:
     engines/row_attention.py), so sync and cgp sample identically in float32 and bfloat16 too. It costs decode
-    throughput: 0.56-0.76 of the padded path's at concurrency 8-32 on a 2-core CPU (bench/batch_invariance.py).
+    throughput: 0.51-0.76 of the padded path's at concurrency 8-32 on a 2-core CPU (bench/batch_invariance.py).
     False: one padded attention call per layer, equal up to float rounding (exact in float64). Null: true with
     ``speculative`` (only this engine verifies a draft to the bit: engines/verify.py), else false."""
     speculative: bool = False

@@ -13,18 +13,18 @@ batch it shared, at rounding level in float32 and bfloat16:
   multiple of 4 rows, the 1 to 3 left over did not (M = 1 is a gemv); on an AMD EPYC (Zen 4, 2026-12-06), where MKL
   runs the package's ``AVX2,STRICT`` as ``AUTO,STRICT`` (rolloutpipe/__init__.py), a float64 row of a 4-row product
   differed from the same row of a 32-row one, and under ``COMPATIBLE`` a float32 row of 4 rows from the same row of
-  8. Padding batches to a multiple of 4 rows, as this engine did, held on the first CPU only. Fix: every linear layer of the forward runs
-  its rows in calls of exactly ``LINEAR_ROWS`` rows, the last call topped up with zero rows (``row_blocks``), so every
-  row takes the same call shape whatever the batch: a row gave the same bits at every batch size and position
-  measured, in both MKL settings, for float32 and float64 and calls of 4, 8, 16 and 32 rows (M 1 to 100).
-  bfloat16 matmuls (oneDNN) agreed at every M and row already.
+  8. Padding batches to a multiple of 4 rows, as this engine did, held on the first CPU only. Fix: every linear
+  layer of the forward runs its rows in calls of exactly ``LINEAR_ROWS`` rows, the last call topped up with zero rows
+  (``row_blocks``), so every row takes the same call shape whatever the batch: a row gave the same bits at every
+  batch size and position measured, in both MKL settings, for float32 and float64 and calls of 4, 8, 16 and 32 rows
+  (M 1 to 100). bfloat16 matmuls (oneDNN) agreed at every M and row already.
 
 Everything else in the model (embeddings, RMSNorm, RoPE, MLP activations, the seeded sampler) is per row already.
 
 Cost: one attention call per row and layer instead of one per layer, and a linear layer's rows in calls of 16.
 bench/batch_invariance.py (tiny model, 2 threads, 64 requests x 64 tokens, AMD EPYC, 2026-12-06, medians of 3)
-measured invariant / padded throughput 0.76 and 0.56 at concurrency 8 and 32 in float32 (0.76 and 0.65 in float64);
-the 4-row padding it replaces gave 0.91 and 0.74 there (0.93 and 0.72), but not the same bits on that CPU. One padded
+measured invariant / padded throughput 0.76 and 0.51 at concurrency 8 and 32 in float32 (0.75 and 0.59 in float64);
+the 4-row padding it replaces gave 0.96 and 0.63 there (0.91 and 0.68), but not the same bits on that CPU. One padded
 attention call per layer over keys gathered left-aligned into 64-column buckets was also invariant (the flash
 kernel's sums do not change with trailing masked columns) and no cheaper within the noise, so the per-row call,
 invariant by construction, stayed.
