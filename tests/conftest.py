@@ -227,6 +227,17 @@ def start_nodes(run_dir: Path, *overrides: str, commands: dict[str, list[str]] |
     return procs
 
 
+def outputs_of(procs: dict[str, subprocess.Popen], timeout_s: float) -> dict[str, tuple[str, str]]:
+    """Each started node's (stdout, stderr) once it exits; one still running when that fails (a hung run, a timeout)
+    is killed, not left beside the next tests."""
+    try:
+        return {role: p.communicate(timeout=timeout_s) for role, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+
+
 def four_engine_workload(data: Path) -> list[str]:
     """3 steps in float64 with two trainer ranks and four embedded engine servers, however many rollout nodes run
     them (tests/multiprocess/test_hosts.py, tests/cluster/test_slurm_hosts.py): the samples and the update are exact."""

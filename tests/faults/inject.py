@@ -71,8 +71,12 @@ def crash_engine(engine, *args, **kwargs):
     raise RuntimeError(f"injected crash of engine {engine.name}")
 
 
+def _server(engine):
+    return engine._stop_server.__self__  # the ServerProcess the rollout node started (engine/__init__.py)
+
+
 def kill_engine_server(engine, *args, **kwargs):
-    server = engine._stop_server.__self__  # the ServerProcess the rollout node started (engine/__init__.py)
+    server = _server(engine)
     print(f"injected: SIGKILL to {engine.name}'s server (pid {server._proc.pid})", file=sys.stderr, flush=True)
     os.killpg(server._proc.pid, signal.SIGKILL)
 
@@ -83,7 +87,7 @@ def kill_every_engine_server(*args, **kwargs):
     from rolloutpipe.rollout.engines.http_client import SGLangEngine
 
     for engine in [o for o in gc.get_objects() if isinstance(o, SGLangEngine)]:
-        if engine._stop_server.__self__._proc.poll() is None:  # (replaced engines' servers are gone already)
+        if _server(engine)._proc.poll() is None:  # (replaced engines' servers are gone already)
             kill_engine_server(engine)
 
 

@@ -16,7 +16,7 @@ from rolloutpipe.control.env import attempt_key
 from rolloutpipe.control.lifetime import PEER_STOPPED_EXIT
 from rolloutpipe.rollout.tasks import ReversalTaskConfig, write_reversal_jsonl
 
-from ..conftest import DENSE_REWARD, SMALL, read_metrics, read_samples, run_job, start_nodes
+from ..conftest import DENSE_REWARD, SMALL, outputs_of, read_metrics, read_samples, run_job, start_nodes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -151,12 +151,7 @@ def test_a_failed_engine_loses_no_sample_and_the_run_matches_the_uninterrupted_o
     procs = start_nodes(run_dir, *workload(data), f"rollout.engine={engine}", f"rollout.num_engines={num_engines}",
                         f"pipeline.weight_sync={weight_sync}", "pipeline.weight_sync_bucket_mb=0.001",  # 1 KiB: buckets
                         *TRAINERS[trainer], commands={"rollout": ["-m", "tests.faults.inject", point, str(nth)]})
-    try:
-        outputs = {role: p.communicate(timeout=180) for role, p in procs.items()}
-    finally:  # (a run that hangs is stopped, not left running beside the next tests)
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
+    outputs = outputs_of(procs, 180)
     for role, p in procs.items():
         assert p.returncode == 0, outputs[role][1][-3000:]
     assert "restarted as engine" in outputs["rollout"][1], "the fault never fired"
@@ -187,12 +182,7 @@ def test_the_only_engine_lost_after_the_first_training_batch_requeues_and_the_re
                  "pipeline.weight_sync=distributed"]
     procs = start_nodes(run_dir, *overrides, commands={"rollout": ["-m", "tests.faults.inject",
                                                                    "engines_killed_at_publish", "6"]})
-    try:
-        outputs = {role: p.communicate(timeout=180) for role, p in procs.items()}
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
+    outputs = outputs_of(procs, 180)
     assert procs["rollout"].returncode == 1, outputs["rollout"][1][-3000:]
     stderr = outputs["rollout"][1]
     assert re.search(r"PolicyGone: engine engine0 failed mid-step\. .*\(\d groups of step 1 published, a training "

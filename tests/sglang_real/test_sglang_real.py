@@ -38,6 +38,7 @@ from tests.conftest import (
     SMALL,
     final_weights,
     node_environ,
+    outputs_of,
     read_metrics,
     read_samples,
     samples,
@@ -489,12 +490,7 @@ def test_an_sglang_server_killed_mid_broadcast_is_replaced_and_the_policy_sent_a
                         "rollout.num_engines=2", "pipeline.weight_sync_bucket_mb=0.01",  # 10 KiB buckets
                         commands={"rollout": ["-m", "tests.faults.inject", "engine_server_killed_mid_broadcast", "1"]},
                         environ=CPU_ENVIRON)
-    try:
-        outputs = {role: p.communicate(timeout=800) for role, p in procs.items()}
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
+    outputs = outputs_of(procs, 800)
     for role, p in procs.items():
         assert p.returncode == 0, outputs[role][1][-4000:]
     stderr = outputs["rollout"][1]
