@@ -3,6 +3,7 @@ floor, in one invocation.
 
     python bench/weight_sync.py                          # about two minutes on 2 CPU cores, ~12 GB of memory
     python bench/weight_sync.py --bucket-mb 128 512 --dir /path/on/the/run/file/system
+    python bench/weight_sync.py --device cuda            # on a GPU machine: adds the GPU rows
 
 The rows run in rounds, each round every row once in turn, so a burst of other work on a shared machine lands on
 one round, not on one row; each row is the median of ``--rounds``, each ratio the median of its rounds' ratios.
@@ -34,10 +35,15 @@ Rows:
                          checks the bucket before it would load it
     raw broadcast        the floor of that transport: one ``torch.distributed.broadcast`` of every byte as one flat
                          tensor, on the same process group
+With ``--device cuda`` (a GPU machine), as on a GPU cluster today: the trainer's policy starts on the GPU and each
+backend hands weight sync a host copy (distributed.py ``weight_sync_backend``: gloo), and the engine receives into
+GPU memory, as an SGLang server's scheduler does (every broadcast row then ends on the GPU). Rows added:
+    device: memory copy  one copy of every tensor on the GPU: the floor there
+    device: to host      the hand-over: every tensor copied into pinned host memory (one transfer each)
 
 The disk rows write where a one-node run does (disk.py ``Sender.place``: /dev/shm unless the working directory's
 file system is memory-backed; ``--dir`` to choose). Not in it: an engine's own work after the bytes arrive
-(SGLang's load into its weight layout), the gather of FSDP shards, and a GPU (NCCL, PCIe copies).
+(SGLang's load into its weight layout), the gather of FSDP shards, NCCL (it needs a GPU per rank: two GPUs).
 """
 
 from __future__ import annotations
@@ -173,7 +179,7 @@ def read_and_check(path: Path, written) -> None:
 
 
 def broadcast_rank(rank: int, port: int, store_port: int, model_shape: str, bucket_mbs: list[float], rounds: int,
-                   results) -> None:
+                   device: str, results) -> None:
     import json
     from datetime import timedelta
 
@@ -212,13 +218,18 @@ def broadcast_rank(rank: int, port: int, store_port: int, model_shape: str, buck
         dist.barrier(group=pg)
         start = time.perf_counter()
         fn()
+        landed()
         dist.barrier(group=pg)
         return time.perf_counter() - start
 
     # The engine receives into memory it holds already, as the embedded engine's server reuses its receive buffer
     # and SGLang's CUDA caching allocator its blocks: a fresh CPU buffer costs a page fault every 4 KiB, which on a
     # VM that hands freed memory back to its host takes longer than the bytes' move (2026-12-05: 8.5 s, not 1 s).
-    inbox = torch.zeros(num_bytes, dtype=torch.uint8) if rank == 1 else None
+    inbox = torch.zeros(num_bytes, dtype=torch.uint8, device=device) if rank == 1 else None
+
+    def landed() -> None:  # (gloo's work on a CUDA tensor is done once its copy onto the GPU is)
+        if device == "cuda":
+            torch.cuda.synchronize()
     plans = {mb: plan_buckets(state, int(mb * 2**20)) for mb in bucket_mbs}
     megatron_plans = {mb: hf_plan(megatron, layout, int(mb * 2**20)) for mb in bucket_mbs}
     sources = hf_sources(layout)
@@ -256,6 +267,25 @@ def broadcast_rank(rank: int, port: int, store_port: int, model_shape: str, buck
     dist.destroy_process_group(pg)
 
 
+def device_rows(state: dict, rounds: int, rows: dict[str, list[float]]) -> None:
+    """The GPU rows (``--device cuda``): a copy on the GPU, and the hand-over to host memory, each timed to the
+    GPU's end."""
+    import torch
+
+    on_gpu = {name: t.to("cuda") for name, t in state.items()}
+    host = {name: torch.empty_like(t).pin_memory() for name, t in state.items()}
+
+    def synchronized(fn):
+        return lambda: (fn(), torch.cuda.synchronize())
+
+    for _ in range(rounds):
+        for name, fn in [("device: memory copy", lambda: [t.clone() for t in on_gpu.values()]),
+                         ("device: to host (pinned)",
+                          lambda: [host[n].copy_(t, non_blocking=True) for n, t in on_gpu.items()])]:
+            rows.setdefault(name, []).append(timed(synchronized(fn)))
+    assert all(torch.equal(host[name], state[name]) for name in state)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-shape", default="qwen3-1.7b")
@@ -263,9 +293,14 @@ def main() -> None:
                         help="bucket sizes to broadcast with (the disk file is written by the first)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=None, help="where the disk rows write (default: as a one-node run)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: the policy starts on the GPU and the engine receives into GPU memory (docstring)")
     args = parser.parse_args()
     import torch
     import torch.multiprocessing as mp
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a GPU that torch can use (torch.cuda.is_available() is False here)")
 
     from rolloutpipe.control.env import free_port
     from rolloutpipe.control.weights.disk import SHM, memory_backed
@@ -291,13 +326,15 @@ def main() -> None:
                              (read_into_weights, lambda: read_into(path, weights)),
                              (read_check_into, lambda: read_and_check_into(path, written[-1], weights))]:
                 rows.setdefault(name, []).append(timed(fn))
+    if args.device == "cuda":
+        device_rows(state, args.rounds, rows)
     rows[DISK_TOTAL] = [a + b for a, b in zip(rows[write_mac], rows[read_check], strict=True)]
     rows[DISK_TOTAL_IN_PLACE] = [a + b for a, b in zip(rows[write_mac], rows[read_check_into], strict=True)]
     state.clear()  # the broadcast processes allocate their own
     weights.clear()
     results = mp.Manager().dict()
-    mp.spawn(broadcast_rank, args=(free_port(), free_port(), args.model_shape, args.bucket_mb, args.rounds, results),
-             nprocs=2, join=True)
+    mp.spawn(broadcast_rank, args=(free_port(), free_port(), args.model_shape, args.bucket_mb, args.rounds, args.device,
+                                   results), nprocs=2, join=True)
     raw = "raw broadcast (gloo, one flat tensor)"
     rows[raw] = [max(results[("raw", 0, r)], results[("raw", 1, r)]) for r in range(args.rounds)]
     for mb in args.bucket_mb:
@@ -305,7 +342,8 @@ def main() -> None:
                           ("mac", bucket_row(mb))):
             rows[row] = [max(results[(mb, kind, 0, r)], results[(mb, kind, 1, r)]) for r in range(args.rounds)]
     floor = median(rows[copy])
-    print(f"{args.model_shape} bfloat16: {size / GB:.2f} GB, {os.cpu_count()} CPUs, disk rows in {where}, "
+    gpu = f", {torch.cuda.get_device_name()} (the engine receives there)" if args.device == "cuda" else ""
+    print(f"{args.model_shape} bfloat16: {size / GB:.2f} GB, {os.cpu_count()} CPUs{gpu}, disk rows in {where}, "
           f"median of {args.rounds} rounds, {time.perf_counter() - wall:.0f} s wall")
     print("| transport | seconds | GB/s | x memory copy |")
     print("|---|---|---|---|")

@@ -14,8 +14,8 @@ Parts, in this order (tools/gpu_checks/; each module's docstring says what is he
     fsdp_nccl               FSDP over NCCL on the GPUs (at most 2): it trains
     logprobs, parity        a real SGLang server against the trainer (need sglang; skipped without it)
 
-Everything but the SGLang parts needs only the project's run-time dependencies and a CUDA torch, and takes under 5
-minutes on one H200. A part that crashes is a MISS row with its error; the others still run. With one GPU the
+Everything but the SGLang parts needs only the project's run-time dependencies and a CUDA torch (the check stops
+before any part, naming them, when one is missing: docs/gpu.md's wheel folder), and takes under 5 minutes on one H200. A part that crashes is a MISS row with its error; the others still run. With one GPU the
 multi-rank runs use one rank (NCCL takes one GPU per rank); with two or more, two. The table goes to stdout and,
 with a JSON summary, to OUT/gpu_check.md and OUT/gpu_check.json; each part's runs are under OUT/<part>/.
 """
@@ -42,6 +42,27 @@ PARTS = ("trainer_size", "distributed_optimizer", "default_run", "resume", "bit_
 SGLANG_PARTS = ("logprobs", "parity")
 TIME_GOAL_S = 300
 """Every part that needs no SGLang, on one H200 (issue 43)."""
+
+
+def missing_dependencies() -> list[str]:
+    """The project's run-time dependencies and its megatron extra (pyproject.toml) that this Python lacks, or has at a
+    version they exclude: a GPU image has torch and transformers, the rest comes as a wheel folder (docs/gpu.md)."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    missing = []
+    for line in [*project["dependencies"], *project["optional-dependencies"]["megatron"]]:
+        requirement = Requirement(line)
+        try:
+            version = importlib.metadata.version(requirement.name)
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(f"{requirement} (absent)")
+            continue
+        if not requirement.specifier.contains(version, prereleases=True):
+            missing.append(f"{requirement} (has {version})")
+    return missing
 
 
 def part_function(name: str, args: argparse.Namespace):
@@ -135,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     parts = args.parts.split(",")
     if unknown := set(parts) - set(PARTS):
         parser.error(f"unknown part(s) {', '.join(sorted(unknown))}; the parts: {', '.join(PARTS)}")
+    if missing := missing_dependencies():  # (before anything runs: each part would fail on its first import)
+        print(f"error: missing here: {', '.join(missing)}. Install them (pip install -e '.[megatron]'); on a machine "
+              "with no package index, from a wheel folder: docs/gpu.md, 'A bare GPU machine'.", file=sys.stderr)
+        return 2
     if args.cpu_smoke:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch initialises CUDA; the launched jobs inherit it
     import torch
