@@ -15,9 +15,10 @@ Parts, in this order (tools/gpu_checks/; each module's docstring says what is he
     logprobs, parity        a real SGLang server against the trainer (need sglang; skipped without it)
 
 Everything but the SGLang parts needs only the project's run-time dependencies and a CUDA torch (the check stops
-before any part, naming them, when one is missing: docs/gpu.md's wheel folder), and takes under 5 minutes on one H200. A part that crashes is a MISS row with its error; the others still run. With one GPU the
-multi-rank runs use one rank (NCCL takes one GPU per rank); with two or more, two. The table goes to stdout and,
-with a JSON summary, to OUT/gpu_check.md and OUT/gpu_check.json; each part's runs are under OUT/<part>/.
+before any part, naming them, when one is missing: docs/gpu.md's wheel folder), and takes under 5 minutes on one
+H200. A part that crashes is a MISS row with its error; the others still run. With one GPU the multi-rank runs use
+one rank (NCCL takes one GPU per rank); with two or more, two. The table goes to stdout and, with a JSON summary, to
+OUT/gpu_check.md and OUT/gpu_check.json; each part's runs are under OUT/<part>/.
 """
 
 from __future__ import annotations
