@@ -214,6 +214,10 @@ def broadcast_rank(rank: int, port: int, store_port: int, model_shape: str, buck
     else:
         pg = join_group(group, 1, timeout_s=120)
 
+    def landed() -> None:  # (gloo's work on a CUDA tensor is done once its copy onto the GPU is)
+        if device == "cuda":
+            torch.cuda.synchronize()
+
     def timed_together(fn) -> float:
         dist.barrier(group=pg)
         start = time.perf_counter()
@@ -226,10 +230,6 @@ def broadcast_rank(rank: int, port: int, store_port: int, model_shape: str, buck
     # and SGLang's CUDA caching allocator its blocks: a fresh CPU buffer costs a page fault every 4 KiB, which on a
     # VM that hands freed memory back to its host takes longer than the bytes' move (2026-12-05: 8.5 s, not 1 s).
     inbox = torch.zeros(num_bytes, dtype=torch.uint8, device=device) if rank == 1 else None
-
-    def landed() -> None:  # (gloo's work on a CUDA tensor is done once its copy onto the GPU is)
-        if device == "cuda":
-            torch.cuda.synchronize()
     plans = {mb: plan_buckets(state, int(mb * 2**20)) for mb in bucket_mbs}
     megatron_plans = {mb: hf_plan(megatron, layout, int(mb * 2**20)) for mb in bucket_mbs}
     sources = hf_sources(layout)
