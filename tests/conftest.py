@@ -66,8 +66,14 @@ SLURM_EXTRA = ("submitit", "torchx", "hydra_plugins.hydra_submitit_launcher")
 """What the slurm extra installs: every test marked ``slurm`` (the local cluster's) needs all of it."""
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the groups
 def pytest_collection_modifyitems(items) -> None:
-    for item in items:  # a skip marker: reported at the test's own line, and before its fixtures
+    for item in items:
+        # pytest-xdist's groups (--dist loadgroup, the README's test command): a module's tests run in one worker,
+        # so a module-scoped fixture (a reference run) runs once; the cluster tier's in one, one Slurm job at a time
+        item.add_marker(pytest.mark.xdist_group("slurm" if item.get_closest_marker("slurm")
+                                                else item.nodeid.split("::")[0]))
+        # a skip marker: reported at the test's own line, and before its fixtures
         if item.get_closest_marker("slurm"):
             item.add_marker(needs_extra("slurm", *SLURM_EXTRA))
         for mark in item.iter_markers("needs_extra"):
@@ -83,8 +89,13 @@ def pytest_runtest_setup(item) -> None:
 
 @pytest.fixture(autouse=True, scope="session")
 def _simulator_build_cache(tmp_path_factory):
-    """The compiled simulator (rolloutpipe/sim/compiled.py) is built once per test session, not in ~/.cache."""
-    os.environ.setdefault("ROLLOUTPIPE_CACHE", str(tmp_path_factory.mktemp("rolloutpipe-cache")))
+    """The compiled simulator (rolloutpipe/sim/compiled.py) is built once per test session, not in ~/.cache: in the
+    folder pytest-xdist's workers share (their own temporary folders' parent; a concurrent build is harmless)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    (cache := root / "rolloutpipe-cache").mkdir(exist_ok=True)
+    os.environ.setdefault("ROLLOUTPIPE_CACHE", str(cache))
 
 
 def node_environ() -> dict[str, str]:
