@@ -69,12 +69,12 @@ SLURM_EXTRA = ("submitit", "torchx", "hydra_plugins.hydra_submitit_launcher")
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the groups
 def pytest_collection_modifyitems(items) -> None:
     for item in items:
+        slurm = item.get_closest_marker("slurm") is not None
         # pytest-xdist's groups (-n 2 --dist loadgroup: docs/testing.md): a module's tests run in one worker, so a
         # module-scoped fixture (a reference run) runs once; the cluster tier's in one, one Slurm job at a time
-        item.add_marker(pytest.mark.xdist_group("slurm" if item.get_closest_marker("slurm")
-                                                else item.nodeid.split("::")[0]))
+        item.add_marker(pytest.mark.xdist_group("slurm" if slurm else item.nodeid.split("::")[0]))
         # a skip marker: reported at the test's own line, and before its fixtures
-        if item.get_closest_marker("slurm"):
+        if slurm:
             item.add_marker(needs_extra("slurm", *SLURM_EXTRA))
         for mark in item.iter_markers("needs_extra"):
             if (why := missing_extra(*mark.args)) is not None and not _required(mark.args[0]):
