@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 REPO = Path(__file__).resolve().parent.parent
 
 # A small, fast workload: 4 prompts x 4 samples per step; every run of it takes a few seconds. W&B is off: an
-# offline run costs 1-2 s a job, so the tests of W&B (and of every file a run writes) add wandb.mode=offline.
+# offline run costs 1-2 s a job, so the tests of W&B (and of every file a run writes) add wandb.mode=offline. So is
+# timeline.png (~0.5 s of each run's end, on 2 cores): the tests of the picture add run.draw_timeline=true.
 SMALL = [
     "num_rollout=2",
     "rollout_batch_size=4",
@@ -28,6 +29,7 @@ SMALL = [
     "pipeline.peer_timeout_s=10",
     "pipeline.heartbeat_s=0.5",
     "wandb.mode=disabled",
+    "run.draw_timeline=false",
 ]
 DENSE_REWARD = ["reward.name=letter_fraction", "reward.import_modules=[tests.fixtures.dense_rewards]"]
 

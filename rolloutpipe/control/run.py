@@ -73,6 +73,10 @@ class RunConfig:
     """Names the run's store keys. Null: derived from the run directory plus a random suffix."""
     save_samples: bool = False
     """Write every sample of every step to run_dir/rollouts/step=<k>.jsonl."""
+    draw_timeline: bool = True
+    """Draw run_dir/timeline.png (and W&B's timeline/picture) at the end of the run: about a second of trainer rank
+    0 (matplotlib, the viz extra). false: trace.json, lifecycle.jsonl and the W&B tables only; tools/timeline.py
+    draws the picture afterwards."""
     resume: ResumeMode = ResumeMode.never
     """``auto``: continue from the run directory's last complete checkpoint (start fresh if there is none)."""
     checkpoint_every: int = 100

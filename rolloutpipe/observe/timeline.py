@@ -266,8 +266,9 @@ def _gaps(busy: list[tuple[float, float]], start: float, end: float) -> list[tup
     return gaps
 
 
-def finish_run(run_dir: Path, tracker=None) -> None:
-    """Merge the trace, draw the picture, hand both to the tracker. Never raises: the run's work is done."""
+def finish_run(run_dir: Path, tracker=None, *, draw: bool = True) -> None:
+    """Merge the trace, draw the picture (``draw``: run.draw_timeline), hand both to the tracker. Never raises: the
+    run's work is done."""
     try:
         merged = merge_run(run_dir)
     except Exception as err:  # noqa: BLE001 - a broken trace must not fail a finished run
@@ -275,7 +276,7 @@ def finish_run(run_dir: Path, tracker=None) -> None:
               file=sys.stderr)
         merged = None
     picture = None
-    if merged is not None:
+    if merged is not None and draw:
         try:
             picture = run_dir / "timeline.png"
             draw_timeline([load_run(run_dir, spans=merged.spans)], picture)

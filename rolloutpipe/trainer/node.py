@@ -405,7 +405,8 @@ class TrainerNode:
             final = self.trainer.hf_model() if self.is_writer else None
         if self.is_writer:
             save_final(final, self.tokenizer, self.env.run_dir)
-            finish_run(self.env.run_dir, self.tracker)  # trace.json, lifecycle.jsonl, timeline.png, W&B
+            # trace.json, lifecycle.jsonl, timeline.png (run.draw_timeline), W&B
+            finish_run(self.env.run_dir, self.tracker, draw=self.cfg.run.draw_timeline)
             self._write_outcome(finished=True, requeue=False, reason="every step trained; the final policy is written")
             self._finished = True
             self.transport.liveness.finish()

@@ -39,7 +39,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     dirs = {}
     for mode in ("sync", "cgp"):
         run_dir = base / mode
-        result = run_job(run_dir, *SMALL, f"pipeline.mode={mode}", "wandb.mode=offline")
+        draw = f"run.draw_timeline={mode == 'cgp'}"  # the picture of cgp's run only
+        result = run_job(run_dir, *SMALL, f"pipeline.mode={mode}", "wandb.mode=offline", draw)
         assert result.returncode == 0, result.stderr[-3000:]
         dirs[mode] = run_dir
     return dirs
@@ -107,6 +108,7 @@ def test_every_group_has_a_lifecycle_from_admission_to_its_optimizer_step(runs):
 
 def test_timeline_picture_of_both_runs_is_written_as_png_and_svg(runs, tmp_path):
     assert (runs["cgp"] / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # drawn at the end of the run
+    assert (runs["sync"] / "trace.json").is_file() and not (runs["sync"] / "timeline.png").exists()  # not drawn
     out = tmp_path / "sync_vs_cgp"
     result = subprocess.run([sys.executable, str(REPO / "tools" / "timeline.py"), str(runs["sync"]), str(runs["cgp"]),
                              "--out", str(out), "--steps", "0-1"], env=node_environ(), capture_output=True, text=True,

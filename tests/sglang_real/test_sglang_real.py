@@ -240,12 +240,30 @@ def test_the_embedded_sampler_picks_sglangs_tokens_from_the_same_logits():
     print(result.stdout.strip())
 
 
-def test_fgd_priorities_put_the_frontier_group_first_on_a_server_that_queues(client):
+def waiting_requests(server) -> int:
+    """Requests in the SGLang scheduler's waiting queue, as it answers ``GET /v1/loads`` (every data-parallel rank)."""
+    return sum(load["num_waiting_reqs"] for load in sglang_api.call(server.endpoint, "/v1/loads?include=core")["loads"])
+
+
+def test_fgd_priorities_put_the_frontier_group_first_on_a_server_that_queues(server, client, monkeypatch):
     """One request at a time (--max-running-requests 1) and a blocker running: the six queued requests of groups
     2, 1, 0 (submitted in that order) run by priority, the group index, so group 0 (FGD's frontier) ends first.
-    Before the fix group 0's requests went without a priority and SGLang ran them last. The check holds only if all
-    six reached the server while the blocker ran: on a loaded machine the blocker may end first, and then the round
-    is played again (up to three rounds) instead of asserting an order the server never had to choose."""
+    Before the fix group 0's requests went without a priority and SGLang ran them last.
+
+    The order is the server's: each response's ``meta_info.response_sent_to_client_ts``, stamped as the server's
+    tokenizer manager takes the finished request from the scheduler (one at a time here). The order the client
+    reads the six responses in is not it: under load two answers sent milliseconds apart arrive swapped. And the
+    check holds only if all six were in the scheduler's waiting queue while the blocker ran (``/v1/loads`` says
+    so): on a loaded machine the blocker may end first, and then the round is played again (up to three rounds)
+    instead of asserting an order the server never had to choose."""
+    sent_s: dict[str, float] = {}  # rid -> when the server answered it
+    parse = sglang_api.parse_generate_response
+
+    def parse_and_stamp(body):
+        sent_s[body["meta_info"]["id"]] = body["meta_info"]["response_sent_to_client_ts"]
+        return parse(body)
+
+    monkeypatch.setattr(sglang_api, "parse_generate_response", parse_and_stamp)
     for step in (10, 11, 12):  # (ids of their own: the module's client has reported others)
         blocker = request(f"step={step}/group=9/sample=0", [5, 6, 7], max_new_tokens=LONG)
         client.submit(blocker)
@@ -254,16 +272,17 @@ def test_fgd_priorities_put_the_frontier_group_first_on_a_server_that_queues(cli
         time.sleep(0.5)  # the blocker runs (for seconds: LONG) while the others queue behind it
         for r in queued:
             client.submit(r)
-        wait_for(lambda: all(r.request_id in client._running or r.request_id in client.results.by_id for r in queued),
-                 "the six requests to be posted", timeout_s=60)
-        time.sleep(0.2)  # (their posts reach the server)
-        blocked = blocker.request_id not in client.results.by_id
+        blocked = False  # all six waiting: none was admitted yet, so the scheduler chooses among all of them
+        while blocker.request_id not in client.results.by_id and not blocked:
+            blocked = waiting_requests(server) == len(queued)
+            time.sleep(0.05)
         wait_for(lambda: all(r.request_id in client.results.by_id for r in [blocker, *queued]), "the round's results",
                  timeout_s=120)
-        order = [i for i in client.results.order if i.startswith(f"step={step}/")]
         if blocked:
-            finished = [i.split("/")[1] for i in order if i != blocker.request_id]
-            assert finished == ["group=0", "group=0", "group=1", "group=1", "group=2", "group=2"], order
+            answered = sorted(queued, key=lambda r: sent_s[sglang_api.engine_rid(r.request_id)])
+            assert [r.request_id.split("/")[1] for r in answered] == [
+                "group=0", "group=0", "group=1", "group=1", "group=2", "group=2"], {
+                r.request_id: sent_s[sglang_api.engine_rid(r.request_id)] for r in queued}
             return
     pytest.fail("in three rounds the blocker ended before the six requests reached the server: too loaded to check")
 
