@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,17 @@ def run_job(run_dir: Path, *overrides: str, timeout_s: float = 240,
         cwd=run_dir.parent, env={**node_environ(), **(environ or {})}, capture_output=True, text=True,
         timeout=timeout_s,
     )
+
+
+def run_jobs(jobs: dict[str, tuple[Path, list[str], dict[str, str] | None]], *, timeout_s: float = 240,
+             at_once: int = 2) -> dict[str, subprocess.CompletedProcess]:
+    """``run_job`` for each of ``jobs`` (name: run directory, overrides, more variables), ``at_once`` of them side by
+    side: for runs that mostly wait (an environment's delays), not for runs that compute. Measured on 2 cores: two
+    parity runs at once took the time of one after the other, with 10-15% more CPU."""
+    with ThreadPoolExecutor(max_workers=at_once) as pool:
+        futures = {name: pool.submit(run_job, run_dir, *overrides, timeout_s=timeout_s, environ=environ)
+                   for name, (run_dir, overrides, environ) in jobs.items()}
+        return {name: future.result() for name, future in futures.items()}
 
 
 def assert_import_pulls_none_of(modules: list[str], heavy: list[str]) -> None:

@@ -165,7 +165,8 @@ def test_a_host_whose_heart_beat_stalled_is_used_again_once_it_beats(tmp_path, f
                      details=lambda: log.read_text()[-3000:])
         finally:
             os.kill(pid, signal.SIGCONT)
-        wait_for(lambda: all(f"engine {e} restarted as {e}-restart1" in log.read_text() for e in ("engine2", "engine3")),
+        back = [f"engine {e} restarted as {e}-restart1" for e in ("engine2", "engine3")]
+        wait_for(lambda: all(line in log.read_text() for line in back),
                  "both engines of rollout rank 1 back in service", running=[launcher],
                  details=lambda: log.read_text()[-3000:])
         assert len(read_metrics(run_dir)) <= 2, "step 2 waits for the gate"

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.conftest import SMALL, needs_extra, read_metrics, read_samples, run_job
+from tests.conftest import SMALL, needs_extra, read_metrics, read_samples, run_job, run_jobs
 from tests.helpers.parity import EXACT, weights_digests
 from tests.multiprocess.test_pipeline import publish_order
 
@@ -23,14 +23,14 @@ def test_multiturn_sync_and_cgp_with_fgd_train_the_same_bits(job_dir):
     """Ten steps of three-turn episodes: sync on one rank, cgp with FGD on two, the environment's seeded delays making
     the groups complete in other orders. The same episodes (ids and masks), and every step's weights the same bits.
     Evaluation rides in the tail (steps 0 and 5, the synthetic task's held-out rows as episodes): the same metrics."""
-    runs = {}
-    for mode, jitter, extra in (("sync", "1", ["trainer.num_ranks=1"]),
-                                ("cgp", "5", ["trainer.num_ranks=2", "rollout.admission=fgd"])):
-        runs[mode] = job_dir(mode)
-        result = run_job(runs[mode], *SMALL, *SCRIPTED, *EXACT, "num_rollout=10", "rollout.num_engines=2",
-                         "eval.interval=5", "environment.num_workers=4",
-                         "rollout.concurrency=6", f"pipeline.mode={mode}", *extra, timeout_s=600,
-                         environ={"RP_TEST_ENV_JITTER": jitter})
+    runs = {mode: job_dir(mode) for mode in ("sync", "cgp")}
+    results = run_jobs({mode: (runs[mode], [*SMALL, *SCRIPTED, *EXACT, "num_rollout=10", "rollout.num_engines=2",
+                                            "eval.interval=5", "environment.num_workers=4", "rollout.concurrency=6",
+                                            f"pipeline.mode={mode}", *extra], {"RP_TEST_ENV_JITTER": jitter})
+                        for mode, jitter, extra in (("sync", "1", ["trainer.num_ranks=1"]),
+                                                    ("cgp", "5", ["trainer.num_ranks=2", "rollout.admission=fgd"]))},
+                       timeout_s=600)
+    for result in results.values():
         assert result.returncode == 0, result.stderr[-3000:]
     samples = {mode: [(s["id"], s["batch"], s["response_ids"], s["response_mask"]) for s in read_samples(run_dir)]
                for mode, run_dir in runs.items()}

@@ -21,13 +21,13 @@ WORKLOAD = [*SMALL, *DENSE_REWARD, *EXACT, "run.save_samples=true", "run.checkpo
 """Exact accumulation and batch-invariant engines, so that the groups' arrival order cannot move a bit either."""
 
 
-MEGATRON_DISTRIBUTED = ["trainer.backend=megatron", "trainer.megatron.distributed_optimizer=true", "trainer.num_ranks=2",
-                        "model.dtype=float32", "trainer.megatron.ddp_bucket_size=4000"]
+MEGATRON_DISTRIBUTED = ["trainer.backend=megatron", "trainer.megatron.distributed_optimizer=true",
+                        "trainer.num_ranks=2", "model.dtype=float32", "trainer.megatron.ddp_bucket_size=4000"]
 """Megatron's DistributedOptimizer on two data-parallel ranks (on the CPU under trainer/megatron/cpu.py's redirection):
 each rank checkpoints its own shards and reads back the ranges its layout needs on resume, also on one rank, torch's
 AdamW step counts in state.json. DDP buckets of 4000 parameters: each step's last update is stepped and all-gathered
-a bucket at a time as weight sync reads the policy. float32, where the shards are views of the parameters (copied into under no_grad);
-bfloat16's masters on one rank: tests/unit/test_megatron_checkpoint.py."""
+a bucket at a time as weight sync reads the policy. float32, where the shards are views of the parameters (copied
+into under no_grad); bfloat16's masters on one rank: tests/unit/test_megatron_checkpoint.py."""
 
 
 MKL_ANY_RANKS = {} if "GenuineIntel" in Path("/proc/cpuinfo").read_text() else {"MKL_CBWR": "COMPATIBLE"}
@@ -38,7 +38,7 @@ alike, the bits agreed. On Intel CPUs the package's own setting gave them the sa
 
 
 @pytest.mark.parametrize("backend", [
-    ["model.dtype=bfloat16"],  # where a resume that rebuilt the float32 masters from the bf16 policy would land elsewhere
+    ["model.dtype=bfloat16"],  # where a resume rebuilding the float32 masters from the bf16 policy would land elsewhere
     pytest.param(MEGATRON_DISTRIBUTED, marks=needs_extra("megatron", "megatron.core")),
 ], ids=["torch-bfloat16", "megatron-distributed-optimizer-2-ranks"])
 def test_resumed_run_ends_with_the_weights_of_an_uninterrupted_run(job_dir, backend):

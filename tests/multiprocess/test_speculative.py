@@ -9,9 +9,11 @@ import pytest
 from tests.conftest import read_metrics, read_samples, run_job
 from tests.helpers.parity import EXACT, weights_digests
 
+QUIET = ["wandb.mode=disabled", "run.draw_timeline=false"]
+"""No W&B run and no timeline.png: neither changes what a run trains, and each costs a small run a second or two."""
 RUN = ["num_rollout=5", "model.dtype=float64", "run.save_samples=true", "trainer.exact_accumulation=true",
        "pipeline.mode=cgp", "rollout.admission=fgd", "rollout.filter_zero_variance=true",
-       "rollout.over_sampling_groups=2"]
+       "rollout.over_sampling_groups=2", *QUIET]
 """The default run in float64, with FGD and dynamic sampling (drafts of over-sampled groups too); exact accumulation
 so that the groups' other arrival order cannot change the weights' bits (trainer/exact_sum.py)."""
 
@@ -46,7 +48,7 @@ def test_cgp_fgd_with_speculation_trains_the_bits_of_sync_in_float32_and_bfloat1
     log-probs enter through TIS and old_logprobs=engine. A draft's positions attend as decode steps
     (engines/verify.py); with one causal attention over prompt + draft instead, float32 with TIS trains other weights
     (other engine log-probs) and bfloat16 at top_p 0.9 samples other tokens."""
-    common = ["num_rollout=10", "run.save_samples=true", *EXACT, *setting]
+    common = ["num_rollout=10", "run.save_samples=true", *EXACT, *setting, *QUIET]
     runs = {"sync": job_dir("sync"), "spec": job_dir("spec")}
     for name, mode in (("sync", ["pipeline.mode=sync"]),
                        ("spec", ["pipeline.mode=cgp", "rollout.admission=fgd", "rollout.speculative=true"])):
