@@ -64,17 +64,17 @@ from unittest import mock
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import torch
-import torch.distributed as dist
-from pipeline_bench import aligned_table  # bench/ is on sys.path when this script runs
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from pipeline_bench import aligned_table  # noqa: E402 (bench/ is on sys.path when this script runs)
 
-from rolloutpipe.model import DType, ModelConfig, TinyModelConfig, build_tiny_tokenizer, load_model
-from rolloutpipe.trainer import torch_backend
-from rolloutpipe.trainer.backend import PolicyBackend, trainer_class
-from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerBackend, TrainerConfig
-from rolloutpipe.trainer.exact_sum import BYTES_PER_ELEMENT, ExactGradientSum
-from rolloutpipe.trainer.grpo_trainer import TrainSample
-from rolloutpipe.trainer.torch_backend import PolicyTrainer
+from rolloutpipe.model import DType, ModelConfig, TinyModelConfig, build_tiny_tokenizer, load_model  # noqa: E402
+from rolloutpipe.trainer import torch_backend  # noqa: E402
+from rolloutpipe.trainer.backend import PolicyBackend, trainer_class  # noqa: E402
+from rolloutpipe.trainer.config import GRPOConfig, OldLogprobSource, TrainerBackend, TrainerConfig  # noqa: E402
+from rolloutpipe.trainer.exact_sum import BYTES_PER_ELEMENT, ExactGradientSum  # noqa: E402
+from rolloutpipe.trainer.grpo_trainer import TrainSample  # noqa: E402
+from rolloutpipe.trainer.torch_backend import PolicyTrainer  # noqa: E402
 
 VOCAB_SIZE = len(build_tiny_tokenizer())
 VARIANTS = ("float 32/mb", "float group/mb", "grid group/mb", "exact group/mb")

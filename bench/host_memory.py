@@ -40,7 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.fsdp_memory import reset_peak, rss_bytes
+from bench.fsdp_memory import reset_peak, rss_bytes  # noqa: E402
 
 MiB = 1 << 20
 GLIBC_RETURNS_FREED_BLOCKS = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}

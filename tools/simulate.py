@@ -23,8 +23,8 @@ from rolloutpipe.sim import compiled
 
 COMPILED = compiled.activate()  # before the modules it compiles are imported (sim/compiled.py)
 
-from rolloutpipe.config import ConfigError, bind, check_command_line, register_hydra_schema
-from rolloutpipe.sim.sweep import LISTED_BY, SimulateConfig, draw, format_table, run_sweep, write_csv
+from rolloutpipe.config import ConfigError, bind, check_command_line, register_hydra_schema  # noqa: E402
+from rolloutpipe.sim.sweep import LISTED_BY, SimulateConfig, draw, format_table, run_sweep, write_csv  # noqa: E402
 
 register_hydra_schema("simulate_schema", SimulateConfig)
 

@@ -44,9 +44,9 @@ import sys  # noqa: E402
 import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from rolloutpipe.control.attempt import read_outcome
-from rolloutpipe.control.env import attempt_key
-from rolloutpipe.control.lifetime import requeue_margin_s
+from rolloutpipe.control.attempt import read_outcome  # noqa: E402
+from rolloutpipe.control.env import attempt_key  # noqa: E402
+from rolloutpipe.control.lifetime import requeue_margin_s  # noqa: E402
 
 WARNED_ENV = "RP_SLURM_WARNED"
 """Set by the batch script's ``trap`` when Slurm's warning came before this wrapper started."""

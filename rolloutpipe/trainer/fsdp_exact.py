@@ -8,7 +8,8 @@ in before the reduction:
 - The reduce-scatter (``FSDPModule.set_custom_reduce_scatter``, one per sharded module): each rank's flat
   unsharded gradient, its own micro-batch's, is cut into bins in bounded chunks: the ranks all-reduce each
   element's top bin (max, int8), cut their values into the common window, all-reduce the lowest bin reached (min,
-  int8) and reduce-scatter the int64 bins. The float output FSDP receives is zeros; the integer shard waits in ``_shard``.
+  int8) and reduce-scatter the int64 bins. The float output FSDP receives is zeros; the integer shard waits in
+  ``_shard``.
 - Each parameter's post-accumulate-grad hook, which FSDP2 calls in the order of its flat layout: the parameter's
   rows of that integer shard go into its sums, and its float gradient is dropped. On one rank FSDP2 reduces
   nothing (no reduce-scatter call): the hook cuts the gradient itself.

@@ -201,6 +201,6 @@ def test_megatrons_fused_softmax_only_where_its_kernels_import(monkeypatch, cuda
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name: (object() if kernels else None) if name.endswith("softmax_cuda") else find_spec(name))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: (
+        (object() if kernels else None) if name.endswith("softmax_cuda") else find_spec(name)))
     assert fused_softmax_kernels() is fused

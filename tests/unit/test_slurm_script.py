@@ -106,8 +106,9 @@ def test_values_with_quotes_substitutions_and_backslashes_are_one_word_to_sbatch
     to both sbatch and bash, and bash running the script hands srun the Python path and the task folder as single
     words; no command in them runs."""
     def values(value: str) -> dict:
+        trainer = {"partition": value + "'", "sbatch": [f"--comment={value}"]}
         return {"run": {"id": value}, "launcher": {"job_name": value, "partition": value, "account": value,
-                                                   "trainer": {"partition": value + "'", "sbatch": [f"--comment={value}"]}}}
+                                                   "trainer": trainer}}
 
     cfg = cfg_of(values(HOSTILE))
     check_launch(cfg)  # refused: only control characters
