@@ -520,7 +520,7 @@ def test_an_sglang_server_killed_mid_broadcast_is_replaced_and_the_policy_sent_a
     assert (f"engine {engine} restarted as {engine}-restart1" in stderr
             and "it joined the new weight-update group and receives policy_version 1 with the others" in stderr), \
         stderr[-3000:]
-    assert stderr.count("restarted as") == 1, "the survivor gave the broken broadcast up: it is not replaced"
+    assert stderr.count("restarted as") == 1, "the survivor did not give the broken broadcast up: replaced too"
     ours, theirs = samples(run_dir), samples(sync_run)
     assert len(ours) == 2 * 16 and ours == theirs
     assert max_weight_diff(run_dir, sync_run) < 1e-5

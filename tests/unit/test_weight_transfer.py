@@ -21,6 +21,7 @@ from rolloutpipe.control.weights.buckets import BucketMac, pack, packed, plan_bu
 from rolloutpipe.control.weights.digest import Digest, weights_digest
 from rolloutpipe.control.weights.disk import Receiver, file_mac, weights_file, write_weights
 from rolloutpipe.control.weights.distributed import authenticated, bucket_mac, check_bucket
+from rolloutpipe.control.weights.group import Broadcaster
 from rolloutpipe.control.weights.mac import weights_key
 
 REPO = Path(__file__).resolve().parents[2]
@@ -323,6 +324,27 @@ def test_a_changed_bucket_is_refused(monkeypatch, where):
     else:
         data[-1] ^= 0x80
     assert not check_bucket(bucket, unpack(bucket, data), mac)
+
+
+def test_rank_0_destroys_a_broken_group_once_the_other_buffers_broadcast_has_failed_too(monkeypatch):
+    """The first broadcast of a broken group fails while the other buffer's is still in flight (it fails a moment
+    later, once the dead member's closed connection is seen). Leaving must wait for it and destroy the group: this
+    rank's open connections are what keep a surviving SGLang server waiting in the broken broadcast."""
+    destroyed = []
+    monkeypatch.setattr(torch.distributed, "destroy_process_group", destroyed.append)
+
+    class Work:  # a broadcast that ends (fails) ``after_s`` from now
+        def __init__(self, after_s: float) -> None:
+            self.ends = time.monotonic() + after_s
+
+        def is_completed(self) -> bool:
+            return time.monotonic() >= self.ends
+
+    rank0 = object.__new__(Broadcaster)  # (no group to join: only leave's own state)
+    rank0.group, rank0._pg = SimpleNamespace(group_name="broken"), "the group"
+    rank0._in_flight = [(Work(0.0), None), (Work(0.3), None)]
+    rank0.leave()
+    assert destroyed == ["the group"] and rank0._pg is None
 
 
 def test_a_bucket_mac_travels_as_a_header_and_a_malformed_one_is_an_error():

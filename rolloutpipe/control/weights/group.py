@@ -74,6 +74,12 @@ def join_group(group: WeightGroup, rank: int, *, timeout_s: float = 1800.0) -> d
     return pg
 
 
+SETTLE_S = 5.0
+"""How long ``Broadcaster.leave`` waits for a broadcast still in flight to end (fail) before it leaves the group
+undestroyed. Left undestroyed, a real SGLang survivor stays in the broken broadcast until supervisor.py replaces it
+(tests/sglang_real's mid-broadcast test with ``leave`` made to skip the destruction: the survivor was replaced too)."""
+
+
 class BroadcastBroken(RuntimeError):
     """A broadcast of the weight-update group failed (a member died during it): the group cannot be used again."""
 
@@ -147,12 +153,22 @@ class Broadcaster:
         """(the broadcast, the flat tensor it sends) from each buffer slot (``stream``)."""
 
     def leave(self) -> None:
-        """Leave the group (it is replaced by a new one): a member that died cannot hold this rank up. A broadcast
-        still in flight (a member stopped receiving) would hold up the group's destruction until its timeout, so
-        such a group is left as it is, registered with torch (which keeps it alive): its broadcast ends then."""
+        """Leave the group (it is replaced by a new one): a member that died cannot hold this rank up.
+
+        Destroying the group closes this rank's connections, and that is what frees the surviving members: an SGLang
+        scheduler waiting in the broken broadcast for this rank's bytes gives it up only when its receive fails
+        (otherwise supervisor.py replaces it after ``LEAVE_GRACE_S``). The other buffer's broadcast may still be in
+        flight when the first one fails; it fails too once the dead member's connection is seen closed, so ``leave``
+        waits up to ``SETTLE_S`` for it. A broadcast still in flight then (a member stopped receiving) would hold up
+        the group's destruction until its timeout, so such a group is left as it is, registered with torch (which
+        keeps it alive): its broadcast ends then."""
         if self._pg is None:
             return
-        if all(sent is None or sent[0].is_completed() for sent in self._in_flight):
+        works = [sent[0] for sent in self._in_flight if sent is not None]
+        settled_by = time.monotonic() + SETTLE_S
+        while not all(work.is_completed() for work in works) and time.monotonic() < settled_by:
+            time.sleep(0.01)
+        if all(work.is_completed() for work in works):
             dist.destroy_process_group(self._pg)
         else:
             log.warning("left the weight-update group %s with a broadcast in flight; it ends on the group's timeout",
