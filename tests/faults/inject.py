@@ -15,7 +15,10 @@ The process runs ``rolloutpipe.launch.node`` as usual, except that the ``nth`` c
   publishes the ``nth`` group of the run (before it does);
 - ``engine_server_killed_mid_broadcast`` SIGKILLs the server of the engine making the ``nth`` broadcast weight load of
   the run (``update_weights_from_distributed``) once it has received the policy's first bucket, before the second:
-  every other engine of the group has the first bucket and waits for the second.
+  every other engine of the group has the first bucket and waits for the second;
+- ``weight_group_left_open`` makes trainer rank 0's ``nth`` leave of a weight-update group (after a broken broadcast)
+  drop the group without destroying it, as a broadcast still in flight makes it (and as an NCCL collective would
+  hold the survivors whatever rank 0 does): its connections stay open, so a survivor waits in the broken broadcast.
 This wrapper is the only place faults are injected; production code has no hooks for it.
 """
 
@@ -67,6 +70,15 @@ class _KillsAtSecond(list):
 kill_server_before_second_bucket.wraps = True
 
 
+def leave_group_open(original, broadcaster):
+    """Wraps ``Broadcaster.leave``: the group is dropped, not destroyed (its branch for a broadcast in flight)."""
+    print(f"injected: trainer rank 0 leaves {broadcaster.group.group_name} open", file=sys.stderr, flush=True)
+    broadcaster._pg, broadcaster._in_flight = None, [None, None]
+
+
+leave_group_open.wraps = True
+
+
 def crash_engine(engine, *args, **kwargs):
     raise RuntimeError(f"injected crash of engine {engine.name}")
 
@@ -107,6 +119,7 @@ POINTS = {
     "engine_server_killed_mid_broadcast": ("rolloutpipe.rollout.engines.http_client",
                                            "SGLangEngine.update_weights_from_distributed",
                                            kill_server_before_second_bucket),
+    "weight_group_left_open": ("rolloutpipe.control.weights.group", "Broadcaster.leave", leave_group_open),
 }
 
 

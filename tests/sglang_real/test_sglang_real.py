@@ -496,18 +496,24 @@ def test_a_killed_sglang_engine_is_restarted_and_its_requests_resubmitted_with_t
 
 
 @pytest.mark.timeout(900)
-def test_an_sglang_server_killed_mid_broadcast_is_replaced_and_the_policy_sent_again(model_dir, sync_run, tmp_path):
+@pytest.mark.parametrize("survivor", ["leaves", "stuck"])
+def test_an_sglang_server_killed_mid_broadcast_is_replaced_and_the_policy_sent_again(model_dir, sync_run, tmp_path,
+                                                                                     survivor):
     """Two SGLang servers in the weight-update group; one is SIGKILLed as it takes the second bucket of step 0's
-    policy (tests/faults/inject.py). Trainer rank 0's broadcast breaks, and it leaves the group; the survivor's
+    policy (tests/faults/inject.py). Trainer rank 0's broadcast breaks, and it destroys the group; the survivor's
     receive then fails too (gloo: "Connection closed by peer"), so SGLang answers its leave at once and only the
-    dead server is replaced. The policy goes again to a new group of both, and the run trains on sync_run's samples
-    to its weights."""
+    dead server is replaced. ``stuck``: rank 0 leaves the group open instead (as a broadcast still in flight makes it,
+    and as NCCL would hold the survivor whatever rank 0 does), so the survivor stays in the broken broadcast, and the
+    supervisor replaces it too once ``LEAVE_GRACE_S`` has passed. Either way the policy goes again to a new group of
+    both, and the run trains on sync_run's samples to its weights."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
+    commands = {"rollout": ["-m", "tests.faults.inject", "engine_server_killed_mid_broadcast", "1"]}
+    if survivor == "stuck":
+        commands["trainer"] = ["-m", "tests.faults.inject", "weight_group_left_open", "1"]
     procs = start_nodes(run_dir, *workload(model_dir), "pipeline.mode=sync", "pipeline.weight_sync=distributed", TIS,
                         "rollout.num_engines=2", "pipeline.weight_sync_bucket_mb=0.01",  # 10 KiB buckets
-                        commands={"rollout": ["-m", "tests.faults.inject", "engine_server_killed_mid_broadcast", "1"]},
-                        environ=CPU_ENVIRON)
+                        commands=commands, environ=CPU_ENVIRON)
     outputs = outputs_of(procs, 800)
     for role, p in procs.items():
         assert p.returncode == 0, outputs[role][1][-4000:]
@@ -520,7 +526,14 @@ def test_an_sglang_server_killed_mid_broadcast_is_replaced_and_the_policy_sent_a
     assert (f"engine {engine} restarted as {engine}-restart1" in stderr
             and "it joined the new weight-update group and receives policy_version 1 with the others" in stderr), \
         stderr[-3000:]
-    assert stderr.count("restarted as") == 1, "the survivor did not give the broken broadcast up: replaced too"
+    if survivor == "leaves":
+        assert stderr.count("restarted as") == 1, "the survivor did not give the broken broadcast up: replaced too"
+    else:
+        assert "injected: trainer rank 0 leaves rolloutpipe_weights-1 open" in outputs["trainer"][1]
+        other = "engine1" if engine == "engine0" else "engine0"
+        assert (f"engine {other} failed during the broadcast of policy_version 1 (it did not give up the broken "
+                f"broadcast of policy_version 1 within 30s: stuck)" in stderr
+                and f"engine {other} restarted as {other}-restart1" in stderr), stderr[-3000:]
     ours, theirs = samples(run_dir), samples(sync_run)
     assert len(ours) == 2 * 16 and ours == theirs
     assert max_weight_diff(run_dir, sync_run) < 1e-5
