@@ -7,7 +7,9 @@ with the step's record (store record ``step=<k>/eval``), which puts them in metr
 
 With an environment (``environment.name``) each eval sample is an episode of the run's environment
 (rollout/environments/episodes.py): its turns ride as single eval requests do, a finished turn's next one goes first
-in line, and its reward is the environment's; the scoring threads take the environment's steps.
+in line, back to the engine of its previous turn while that engine has a free slot (its prefix cache holds the
+conversation: FGD's rule for training's turns), and its reward is the environment's; the scoring threads take the
+environment's steps.
 
 Two modes (``eval.mode``):
 - ``tail`` (default): the eval requests of step k ride behind the step's training requests. They are held on the
@@ -197,6 +199,8 @@ class _EvalRequest:
     """The engine holding it, while it is submitted."""
     episode: Episode | None = None
     """A multi-turn episode's (environment.name): the request is its latest turn."""
+    previous: str = ""
+    """An episode's next turn: the engine that served its previous turn."""
 
 
 EpisodeRunners = Callable[[TurnRequest, int], EpisodeRunner]
@@ -244,6 +248,8 @@ class Evaluation:
                                                     import_modules=list(reward.import_modules))) for name in names}
         self.step, self.policy_version, self.active = 0, 0, False
         self._pending: collections.deque[_EvalRequest] = collections.deque()
+        self._turns: collections.deque[_EvalRequest] = collections.deque()
+        """Episodes' next turns, in line before ``_pending``."""
         self._assigned: dict[str, _EvalRequest] = {}
         self._held: dict[str, int] = collections.defaultdict(int)
         self._scored: list[EvalSample] = []
@@ -290,8 +296,9 @@ class Evaluation:
 
     def pump(self, num_held: Callable[[object], int]) -> None:
         """Hand waiting eval requests to the slots training leaves free: an engine in service gets
-        ``concurrency - num_held(engine) - eval requests it holds`` of them. Call it right after admission has
-        placed what training can (``num_held``: the training requests an engine holds)."""
+        ``concurrency - num_held(engine) - eval requests it holds`` of them, first the next turns of the episodes
+        whose previous turn it served, then the line (next turns first). Call it right after admission has placed
+        what training can (``num_held``: the training requests an engine holds)."""
         if not self.active:
             return
         with self._lock:
@@ -301,20 +308,25 @@ class Evaluation:
                     self._held[r.engine.name] -= 1
                     r.engine = None
                     self._pending.appendleft(r)
-            if not self._pending:
+            if not self._pending and not self._turns:
                 return
+            serving = [engine for engine in self.engines if engine.error is None]
+            free = {engine.name: self.concurrency - num_held(engine) - self._held[engine.name] for engine in serving}
             out = []
-            for engine in self.engines:
-                if engine.error is not None:
-                    continue
-                free = self.concurrency - num_held(engine) - self._held[engine.name]
-                while free > 0 and self._pending:
-                    r = self._pending.popleft()
-                    r.engine = engine
-                    self._assigned[r.request.request_id] = r
-                    self._held[engine.name] += 1
-                    out.append((engine, r.request))
-                    free -= 1
+
+            def assign(r: _EvalRequest, engine) -> None:
+                r.engine = engine
+                self._assigned[r.request.request_id] = r
+                self._held[engine.name] += 1
+                free[engine.name] -= 1
+                out.append((engine, r.request))
+
+            for r in [r for r in self._turns if free.get(r.previous, 0) > 0]:
+                self._turns.remove(r)
+                assign(r, next(engine for engine in serving if engine.name == r.previous))
+            for engine in serving:
+                while free[engine.name] > 0 and (self._turns or self._pending):
+                    assign((self._turns or self._pending).popleft(), engine)
         for engine, request in out:
             try:
                 engine.submit(request)
@@ -347,21 +359,23 @@ class Evaluation:
 
     def done(self) -> bool:
         with self._lock:
-            return not self._pending and not self._assigned and self._outstanding == 0
+            return not self._pending and not self._turns and not self._assigned and self._outstanding == 0
 
     def wait(self, check: Callable[[], None], num_held: Callable[[object], int] = lambda engine: 0) -> float:
         """Until every eval request of the step is generated and scored (``check``: the node's health check,
-        every poll); returns the seconds waited."""
+        every poll); returns the seconds waited. Raises if scoring one failed, the last one too (its set's metrics
+        would miss it)."""
         start, next_check_s = time.time(), 0.0
-        while not self.done():
+        while True:
+            if self.error is not None:
+                raise RuntimeError(f"evaluation failed: {self.error!r}") from self.error
+            if self.done():
+                return time.time() - start
             if time.monotonic() >= next_check_s:
                 check()
                 next_check_s = time.monotonic() + 0.5
-            if self.error is not None:
-                raise RuntimeError(f"evaluation failed: {self.error!r}") from self.error
             self.pump(num_held)
             time.sleep(0.005)
-        return time.time() - start
 
     def metrics(self, *, rollout_end_s: float | None, wait_s: float) -> dict[str, float | int]:
         """The step's eval record; ``rollout_end_s``: when the training rollout ended (tail mode), else None."""
@@ -414,12 +428,13 @@ class Evaluation:
             self._scored.append(sample)
 
     def _step_episode(self, r: _EvalRequest, result: GenerationResult) -> None:
-        """An eval episode's turn came back: its next turn goes first in line, or the finished episode is scored."""
+        """An eval episode's turn came back: its next turn goes first in line (``pump``: to the same engine while it
+        has a free slot), or the finished episode is scored."""
         out = self._runners[r.set_index].on_turn(r.episode, result)
         if isinstance(out, GenerationRequest):
             with self._lock:
-                self._pending.appendleft(_EvalRequest(request=out, set_index=r.set_index, prompt=r.prompt,
-                                                      episode=r.episode))
+                self._turns.append(_EvalRequest(request=out, set_index=r.set_index, prompt=r.prompt,
+                                                episode=r.episode, previous=result.engine))
             return
         sample = EvalSample(set_name=self.sets[r.set_index][0].name, prompt=r.episode.group, reward=out.reward,
                             num_tokens=len(out.response_ids), reward_error=out.reward_error,

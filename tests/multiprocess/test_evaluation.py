@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
 
 import pytest
 from omegaconf import OmegaConf
@@ -15,7 +16,7 @@ from rolloutpipe.rollout.data import DataConfig
 from rolloutpipe.rollout.evaluation import EVAL_PRIORITY, EvalConfig, EvalSample, EvalSetConfig, Evaluation, set_metrics
 from rolloutpipe.rollout.rewards import RewardConfig
 from rolloutpipe.rollout.tasks import ReversalTaskConfig, heldout_rows, reversal_rows
-from rolloutpipe.types import FinishReason, GenerationResult
+from rolloutpipe.types import EpisodeEnd, FinishReason, GenerationResult
 from tests.conftest import REPO, SMALL, read_metrics, run_job
 from tests.fakes import FakeEngine, Rollout
 
@@ -109,6 +110,80 @@ def test_eval_requests_take_only_the_slots_training_leaves_free_and_survive_a_fa
         assert not evaluation.on_result(_result("step=3/group=0/sample=0", "e1")), "training results are not eval's"
         record = evaluation.metrics(rollout_end_s=None, wait_s=0.0)
         assert record["eval/heldout/num_samples"] == 10 and record["eval/heldout/policy_version"] == 3
+    finally:
+        evaluation.close()
+
+
+class ThreeTurns:
+    """An eval set's episode runner (``Evaluation``'s ``episodes``): every episode takes three model turns."""
+
+    def __init__(self, turn_request, max_response_len: int) -> None:
+        self.turn_request = turn_request
+
+    def first_request(self, episode):
+        return self.turn_request(episode, 0, [1, 2], 4)
+
+    def on_turn(self, episode, result: GenerationResult):
+        turn = int(result.request_id.split("/turn=")[1]) if "/turn=" in result.request_id else 0
+        if turn < 2:
+            return self.turn_request(episode, turn + 1, [1, 2, 3], 4)
+        return SimpleNamespace(reward=1.0, response_ids=[5], reward_error=None, episode_end=EpisodeEnd.done,
+                               policy_version=3)
+
+
+def test_an_eval_episodes_next_turn_goes_back_to_its_engine_while_that_engine_has_a_free_slot(tmp_path):
+    """Its prefix cache holds the conversation so far: the next turn goes there, not to the first engine with a slot;
+    when training fills that engine, the turn goes to one that has a slot rather than wait."""
+    engines = [FakeEngine("e0"), FakeEngine("e1")]
+    cfg = EvalConfig(interval=1, sets=[EvalSetConfig(name="heldout", n_samples_per_prompt=1, max_prompts=1)])
+    evaluation = Evaluation(cfg=cfg, data=DataConfig(), reward=RewardConfig(), tokenizer=build_tiny_tokenizer(),
+                            engines=engines, concurrency=1, run_seed=1, max_response_len=4, run_dir=tmp_path,
+                            episodes=ThreeTurns, openings=None)
+
+    def answer(engine: FakeEngine, training: dict[str, int]) -> None:
+        """``engine`` answers its latest request; pump until the episode's next turn is out (the scoring thread
+        makes it)."""
+        assert evaluation.on_result(_result(engine.submitted[-1].request_id, engine.name))
+        submitted = sum(len(e.submitted) for e in engines)
+        while sum(len(e.submitted) for e in engines) == submitted:
+            evaluation.pump(lambda e: training[e.name])
+            time.sleep(0.005)
+
+    try:
+        evaluation.begin(step=3, policy_version=3)
+        evaluation.pump(lambda e: {"e0": 1, "e1": 0}[e.name])  # training fills e0: turn 0 goes to e1
+        assert [len(e.submitted) for e in engines] == [0, 1]
+        answer(engines[1], {"e0": 0, "e1": 0})  # both free: turn 1 goes back to e1
+        assert [len(e.submitted) for e in engines] == [0, 2] and engines[1].submitted[-1].request_id.endswith("/turn=1")
+        answer(engines[1], {"e0": 0, "e1": 1})  # training fills e1: turn 2 goes to e0
+        assert [len(e.submitted) for e in engines] == [1, 2] and engines[0].submitted[-1].request_id.endswith("/turn=2")
+        assert evaluation.on_result(_result(engines[0].submitted[-1].request_id, "e0"))
+        evaluation.wait(check=lambda: None)
+        assert evaluation.metrics(rollout_end_s=None, wait_s=0.0)["eval/heldout/num_samples"] == 1
+    finally:
+        evaluation.close()
+
+
+def test_a_failure_scoring_the_steps_last_eval_sample_stops_the_wait(tmp_path):
+    """The set's metrics would otherwise go out without that sample."""
+
+    class Broken(ThreeTurns):
+        def on_turn(self, episode, result: GenerationResult):
+            raise RuntimeError("the environment broke")
+
+    engines = [FakeEngine("e0")]
+    cfg = EvalConfig(interval=1, sets=[EvalSetConfig(name="heldout", n_samples_per_prompt=1, max_prompts=1)])
+    evaluation = Evaluation(cfg=cfg, data=DataConfig(), reward=RewardConfig(), tokenizer=build_tiny_tokenizer(),
+                            engines=engines, concurrency=1, run_seed=1, max_response_len=4, run_dir=tmp_path,
+                            episodes=Broken, openings=None)
+    try:
+        evaluation.begin(step=0, policy_version=3)
+        evaluation.pump(lambda e: 0)
+        assert evaluation.on_result(_result(engines[0].submitted[-1].request_id, "e0"))
+        while not evaluation.done():  # (the scoring thread has failed: nothing is left to wait for)
+            time.sleep(0.005)
+        with pytest.raises(RuntimeError, match="evaluation failed: .*the environment broke"):
+            evaluation.wait(check=lambda: None)
     finally:
         evaluation.close()
 
