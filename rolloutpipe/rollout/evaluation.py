@@ -321,9 +321,10 @@ class Evaluation:
                 free[engine.name] -= 1
                 out.append((engine, r.request))
 
-            for r in [r for r in self._turns if free.get(r.previous, 0) > 0]:
-                self._turns.remove(r)
-                assign(r, next(engine for engine in serving if engine.name == r.previous))
+            for r in list(self._turns):
+                if free.get(r.previous, 0) > 0:
+                    self._turns.remove(r)
+                    assign(r, next(engine for engine in serving if engine.name == r.previous))
             for engine in serving:
                 while free[engine.name] > 0 and (self._turns or self._pending):
                     assign((self._turns or self._pending).popleft(), engine)

@@ -164,6 +164,27 @@ def test_an_eval_episodes_next_turn_goes_back_to_its_engine_while_that_engine_ha
         evaluation.close()
 
 
+def test_next_turns_take_no_more_of_their_engine_than_its_free_slots(tmp_path):
+    """Two episodes' turns both served by e1, which has one slot free: one goes back to it, the other to e0."""
+    engines = [FakeEngine("e0"), FakeEngine("e1")]
+    cfg = EvalConfig(interval=1, sets=[EvalSetConfig(name="heldout", n_samples_per_prompt=2, max_prompts=1)])
+    evaluation = Evaluation(cfg=cfg, data=DataConfig(), reward=RewardConfig(), tokenizer=build_tiny_tokenizer(),
+                            engines=engines, concurrency=2, run_seed=1, max_response_len=4, run_dir=tmp_path,
+                            episodes=ThreeTurns, openings=None, num_threads=2)
+    try:
+        evaluation.begin(step=0, policy_version=3)
+        evaluation.pump(lambda e: {"e0": 2, "e1": 0}[e.name])  # training fills e0: both first turns go to e1
+        assert [len(e.submitted) for e in engines] == [0, 2]
+        for request in engines[1].submitted:
+            assert evaluation.on_result(_result(request.request_id, "e1"))
+        while len(evaluation._turns) < 2:  # (the scoring threads make the next turns; both wait for one pump)
+            time.sleep(0.005)
+        evaluation.pump(lambda e: {"e0": 0, "e1": 1}[e.name])
+        assert [len(e.submitted) for e in engines] == [1, 3]
+    finally:
+        evaluation.close()
+
+
 def test_a_failure_scoring_the_steps_last_eval_sample_stops_the_wait(tmp_path):
     """The set's metrics would otherwise go out without that sample."""
 
