@@ -310,8 +310,8 @@ class Evaluation:
                     self._pending.appendleft(r)
             if not self._pending and not self._turns:
                 return
-            serving = [engine for engine in self.engines if engine.error is None]
-            free = {engine.name: self.concurrency - num_held(engine) - self._held[engine.name] for engine in serving}
+            serving = {engine.name: engine for engine in self.engines if engine.error is None}
+            free = {name: self.concurrency - num_held(engine) - self._held[name] for name, engine in serving.items()}
             out = []
 
             def assign(r: _EvalRequest, engine) -> None:
@@ -324,8 +324,8 @@ class Evaluation:
             for r in list(self._turns):
                 if free.get(r.previous, 0) > 0:
                     self._turns.remove(r)
-                    assign(r, next(engine for engine in serving if engine.name == r.previous))
-            for engine in serving:
+                    assign(r, serving[r.previous])
+            for engine in serving.values():
                 while free[engine.name] > 0 and (self._turns or self._pending):
                     assign((self._turns or self._pending).popleft(), engine)
         for engine, request in out:

@@ -77,11 +77,19 @@ def test_eval_metrics_are_the_mean_the_per_prompt_mean_and_the_per_prompt_best()
 
 
 # ---- slots: eval only where training leaves them free -------------------------------------------------------
+def heldout_evaluation(engines: list, tmp_path, *, n_samples: int, max_prompts: int, concurrency: int,
+                       **kwargs) -> Evaluation:
+    """Evaluation of the synthetic task's held-out split every step on ``engines`` (``kwargs``: an environment's)."""
+    cfg = EvalConfig(interval=1, sets=[EvalSetConfig(name="heldout", n_samples_per_prompt=n_samples,
+                                                     max_prompts=max_prompts)])
+    return Evaluation(cfg=cfg, data=DataConfig(), reward=RewardConfig(), tokenizer=build_tiny_tokenizer(),
+                      engines=engines, concurrency=concurrency, run_seed=1, max_response_len=4, run_dir=tmp_path,
+                      **kwargs)
+
+
 def test_eval_requests_take_only_the_slots_training_leaves_free_and_survive_a_failed_engine(tmp_path):
     engines = [FakeEngine("e0"), FakeEngine("e1")]
-    cfg = EvalConfig(interval=1, sets=[EvalSetConfig(name="heldout", n_samples_per_prompt=2, max_prompts=5)])
-    evaluation = Evaluation(cfg=cfg, data=DataConfig(), reward=RewardConfig(), tokenizer=build_tiny_tokenizer(),
-                            engines=engines, concurrency=4, run_seed=1, max_response_len=4, run_dir=tmp_path)
+    evaluation = heldout_evaluation(engines, tmp_path, n_samples=2, max_prompts=5, concurrency=4)
     try:
         evaluation.begin(step=3, policy_version=3)
         training = {"e0": 4, "e1": 6}  # e1 holds more than its slots (FIFO queues them at the engine)
@@ -135,10 +143,7 @@ def test_an_eval_episodes_next_turn_goes_back_to_its_engine_while_that_engine_ha
     """Its prefix cache holds the conversation so far: the next turn goes there, not to the first engine with a slot;
     when training fills that engine, the turn goes to one that has a slot rather than wait."""
     engines = [FakeEngine("e0"), FakeEngine("e1")]
-    cfg = EvalConfig(interval=1, sets=[EvalSetConfig(name="heldout", n_samples_per_prompt=1, max_prompts=1)])
-    evaluation = Evaluation(cfg=cfg, data=DataConfig(), reward=RewardConfig(), tokenizer=build_tiny_tokenizer(),
-                            engines=engines, concurrency=1, run_seed=1, max_response_len=4, run_dir=tmp_path,
-                            episodes=ThreeTurns, openings=None)
+    evaluation = heldout_evaluation(engines, tmp_path, n_samples=1, max_prompts=1, concurrency=1, episodes=ThreeTurns)
 
     def answer(engine: FakeEngine, training: dict[str, int]) -> None:
         """``engine`` answers its latest request; pump until the episode's next turn is out (the scoring thread
@@ -167,10 +172,8 @@ def test_an_eval_episodes_next_turn_goes_back_to_its_engine_while_that_engine_ha
 def test_next_turns_take_no_more_of_their_engine_than_its_free_slots(tmp_path):
     """Two episodes' turns both served by e1, which has one slot free: one goes back to it, the other to e0."""
     engines = [FakeEngine("e0"), FakeEngine("e1")]
-    cfg = EvalConfig(interval=1, sets=[EvalSetConfig(name="heldout", n_samples_per_prompt=2, max_prompts=1)])
-    evaluation = Evaluation(cfg=cfg, data=DataConfig(), reward=RewardConfig(), tokenizer=build_tiny_tokenizer(),
-                            engines=engines, concurrency=2, run_seed=1, max_response_len=4, run_dir=tmp_path,
-                            episodes=ThreeTurns, openings=None, num_threads=2)
+    evaluation = heldout_evaluation(engines, tmp_path, n_samples=2, max_prompts=1, concurrency=2, episodes=ThreeTurns,
+                                    num_threads=2)
     try:
         evaluation.begin(step=0, policy_version=3)
         evaluation.pump(lambda e: {"e0": 2, "e1": 0}[e.name])  # training fills e0: both first turns go to e1
@@ -193,10 +196,7 @@ def test_a_failure_scoring_the_steps_last_eval_sample_stops_the_wait(tmp_path):
             raise RuntimeError("the environment broke")
 
     engines = [FakeEngine("e0")]
-    cfg = EvalConfig(interval=1, sets=[EvalSetConfig(name="heldout", n_samples_per_prompt=1, max_prompts=1)])
-    evaluation = Evaluation(cfg=cfg, data=DataConfig(), reward=RewardConfig(), tokenizer=build_tiny_tokenizer(),
-                            engines=engines, concurrency=1, run_seed=1, max_response_len=4, run_dir=tmp_path,
-                            episodes=Broken, openings=None)
+    evaluation = heldout_evaluation(engines, tmp_path, n_samples=1, max_prompts=1, concurrency=1, episodes=Broken)
     try:
         evaluation.begin(step=0, policy_version=3)
         evaluation.pump(lambda e: 0)

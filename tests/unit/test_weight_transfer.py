@@ -333,16 +333,17 @@ def test_rank_0_destroys_a_broken_group_once_the_other_buffers_broadcast_has_fai
     destroyed = []
     monkeypatch.setattr(torch.distributed, "destroy_process_group", destroyed.append)
 
-    class Work:  # a broadcast that ends (fails) ``after_s`` from now
-        def __init__(self, after_s: float) -> None:
-            self.ends = time.monotonic() + after_s
+    class Work:  # a broadcast that has ended (failed) once it has been asked ``polls`` times
+        def __init__(self, polls: int) -> None:
+            self.polls = polls
 
         def is_completed(self) -> bool:
-            return time.monotonic() >= self.ends
+            self.polls -= 1
+            return self.polls <= 0
 
     rank0 = object.__new__(Broadcaster)  # (no group to join: only leave's own state)
     rank0.group, rank0._pg = SimpleNamespace(group_name="broken"), "the group"
-    rank0._in_flight = [(Work(0.0), None), (Work(0.3), None)]
+    rank0._in_flight = [(Work(1), None), (Work(5), None)]
     rank0.leave()
     assert destroyed == ["the group"] and rank0._pg is None
 
