@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from safetensors.torch import load_file
 from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
 from rolloutpipe.observe.metrics import read_spans
 from rolloutpipe.trainer.config import TrainerConfig
+from rolloutpipe.types import sample_id
 from tests.conftest import DENSE_REWARD, SMALL, needs_extra, read_metrics, read_samples, run_job
 from tests.helpers.parity import EXACT, assert_digests_tell_identical_from_different, weights_digests
 
@@ -33,7 +35,8 @@ CGP_JITTER = "5"
 """The cgp runs' delays: step 0's groups 0-3 wait 0.50, 0.32, 0.26 and 0.13 s, so group 1's rewards end before
 group 0's whatever the engines do (FIFO puts groups 0 and 2 on one engine, 1 and 3 on the other, and the first
 two groups' samples take the eight reward workers first), and cgp publishes out of group order. (With "2", 0.25,
-0.31, 0.21, 0.41 s, the reward workers' queue put the groups back in order once FIFO kept each group on one engine.)"""
+0.31, 0.21, 0.41 s, the reward workers' queue put the groups back in order once FIFO kept each group on one engine.)
+On a loaded machine generation can outlast these gaps: run_sync_then_cgp makes the orders differ by construction."""
 CLIPPED = 1e-3
 """A trainer.max_grad_norm every step's gradient exceeds."""
 
@@ -89,6 +92,31 @@ def publish_order(run_dir) -> list[tuple[int, int]]:
             if s.name == "dispatch/publish"]
 
 
+def run_sync_then_cgp(runs: dict[str, Path], common: list[str], per_mode: dict[str, list[str]], *,
+                      hold: bool = True) -> None:
+    """The sync run, then the cgp run with ``common`` and each its ``per_mode`` overrides, and (``hold``) the groups
+    published in other orders by construction: in the cgp run, the rewards of the group that sync published first hold
+    it until another group is scored (tests/fixtures/dense_rewards.py ``letter_fraction_jittered``), so it is not
+    first. (The seeded delays alone left the order to the machine's load: in CI both runs once published in group
+    order.) No ``hold`` for another reward (MULTI_STEP_FILTERED's), whose runs check filtering instead of the order."""
+    result = run_job(runs["sync"], *common, "pipeline.mode=sync", *per_mode.get("sync", []),
+                     environ={"RP_TEST_REWARD_JITTER": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    environ = {"RP_TEST_REWARD_JITTER": CGP_JITTER}
+    if hold:
+        first = publish_order(runs["sync"])[0]
+        prompt = next(s["prompt"] for s in read_samples(runs["sync"]) if s["id"] == sample_id(*first, 0))
+        assert prompt.endswith("="), prompt  # (the reversal task: "abd=" is labelled "dba")
+        held = runs["cgp"].parent / f"{runs['cgp'].name}-held"
+        held.mkdir()
+        environ |= {"RP_TEST_REWARD_HOLD": str(held), "RP_TEST_REWARD_HOLD_LABEL": prompt[:-1][::-1],
+                    "RP_TEST_REWARD_HOLD_AFTER": "4"}
+    result = run_job(runs["cgp"], *common, "pipeline.mode=cgp", "reward.timeout_s=60", *per_mode.get("cgp", []),
+                     environ=environ)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not hold or publish_order(runs["cgp"])[0] != first, "the held group must not be published first"
+
+
 # Two optimizer steps per rollout (batches of 2 groups), with dynamic sampling dropping about a quarter of
 # the groups (reward constant for labels starting with 'a') and replacing them; FGD admission.
 MULTI_STEP_FILTERED = ["global_batch_size=8", "reward.name=sometimes_flat", "rollout.filter_zero_variance=true",
@@ -128,14 +156,10 @@ a reward, the loss) the two runs would differ."""
 def test_pipelined_update_equals_synchronous_update(job_dir, dtype, num_ranks, extra, mode_extra):
     """``mode_extra`` applies to one mode's run only (sync keeps micro_batch_size micro-batches)."""
     cgp_extra = mode_extra.get("cgp", [])
-    runs = {}
-    for mode, jitter in (("sync", "1"), ("cgp", CGP_JITTER)):
-        only = mode_extra.get(mode, [])
-        run_dir = job_dir(f"{mode}-{num_ranks}")
-        result = run_job(run_dir, *PARITY, f"model.dtype={dtype}", f"pipeline.mode={mode}",
-                         f"trainer.num_ranks={num_ranks}", *extra, *only, environ={"RP_TEST_REWARD_JITTER": jitter})
-        assert result.returncode == 0, result.stderr[-3000:]
-        runs[mode] = run_dir
+    filtered = set(MULTI_STEP_FILTERED) <= set(extra)
+    runs = {mode: job_dir(f"{mode}-{num_ranks}") for mode in ("sync", "cgp")}
+    run_sync_then_cgp(runs, [*PARITY, f"model.dtype={dtype}", f"trainer.num_ranks={num_ranks}", *extra], mode_extra,
+                      hold=not filtered)
     num_steps = 1 if dtype != "float64" else 2
 
     sync_samples, cgp_samples = read_samples(runs["sync"]), read_samples(runs["cgp"])
@@ -143,7 +167,6 @@ def test_pipelined_update_equals_synchronous_update(job_dir, dtype, num_ranks, e
     assert [(s["id"], s["batch"], s["response_ids"], s["reward"]) for s in sync_samples] == [
         (s["id"], s["batch"], s["response_ids"], s["reward"]) for s in cgp_samples
     ], "same seed must give the same samples in the same batches in both modes"
-    filtered = set(MULTI_STEP_FILTERED) <= set(extra)
     if filtered:  # (FGD and filtering fix much of the order)
         metrics = read_metrics(runs["cgp"])
         assert sum(m["rollout/num_filtered_groups"] for m in metrics) > 0, "the workload must exercise filtering"
@@ -229,15 +252,13 @@ def test_exact_accumulation_makes_sync_and_cgp_with_fgd_on_two_ranks_the_same_bi
     float32 only: at this size bfloat16 gradients add up exactly in FSDP's float32 shards, so the float path would
     pass too (tests/unit/test_exact_sum.py runs FSDP's exact path in bfloat16). Megatron: data parallel over the two
     ranks, the sums put back into DDP's buffers on data-parallel rank 0; float32 (bfloat16 needs CUDA there)."""
-    runs = {}
-    for mode, jitter, ranks in (("sync", "1", 1), ("cgp", CGP_JITTER, 2)):
-        runs[mode] = job_dir(mode)
-        result = run_job(runs[mode], *PARITY, *EXACT, f"model.dtype={dtype}", f"pipeline.mode={mode}",
-                         f"trainer.num_ranks={ranks}", *extra, environ={"RP_TEST_REWARD_JITTER": jitter})
-        assert result.returncode == 0, result.stderr[-3000:]
+    filtered = set(MULTI_STEP_FILTERED) <= set(extra)
+    runs = {mode: job_dir(mode) for mode in ("sync", "cgp")}
+    run_sync_then_cgp(runs, [*PARITY, *EXACT, f"model.dtype={dtype}", *extra],
+                      {"sync": ["trainer.num_ranks=1"], "cgp": ["trainer.num_ranks=2"]}, hold=not filtered)
     assert [(s["id"], s["batch"], s["response_ids"]) for s in read_samples(runs["sync"])] == [
         (s["id"], s["batch"], s["response_ids"]) for s in read_samples(runs["cgp"])]
-    if set(MULTI_STEP_FILTERED) <= set(extra):  # (FGD and filtering fix much of the order; the ranks still split it)
+    if filtered:  # (FGD and filtering fix much of the order; the ranks still split it)
         assert sum(m["rollout/num_filtered_groups"] for m in read_metrics(runs["cgp"])) > 0
     else:
         assert publish_order(runs["sync"]) != publish_order(runs["cgp"]), "the groups must arrive in other orders"
