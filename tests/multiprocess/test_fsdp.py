@@ -17,6 +17,7 @@ from rolloutpipe.control.checkpoint import ShardedState
 from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
 from rolloutpipe.observe.metrics import read_spans
 from tests.conftest import SMALL, read_metrics, read_samples, run_job
+from tests.helpers.parity import hold_first_group, publish_order
 
 pytestmark = pytest.mark.multiprocess
 
@@ -28,8 +29,10 @@ WORKLOAD = [*SMALL, "model.dtype=float64", "rollout_batch_size=6", "global_batch
 """Two training batches of three groups of 4 a step, micro-batches of 3: on 2 ranks, rank 0 trains two groups of a
 batch (3 micro-batches) and rank 1 one (2); on 4 ranks, ranks 0-2 one group (2) and rank 3 none. So FSDP's lockstep
 pads, the second batch clips against policy k's shards (swapped in), and KL takes the reference's shards. Two
-engines and jittered rewards make cgp's arrival order differ from sync's. Buckets of 50 KB: FSDP gathers the 0.6 MB
-policy in about a dozen of them, for the engines' file (step 1's samples come from it) and the final policy."""
+engines and jittered rewards make cgp's arrival order differ from sync's, and by construction: the cgp runs' rewards
+hold back the group the sync run published first (tests/helpers/parity.py ``hold_first_group``). Buckets of 50 KB:
+FSDP gathers the 0.6 MB policy in about a dozen of them, for the engines' file (step 1's samples come from it) and
+the final policy."""
 RUNS = {"fsdp-sync-1": ("fsdp", "sync", 1, "1"), "fsdp-cgp-2": ("fsdp", "cgp", 2, "5"),
         "fsdp-cgp-4": ("fsdp", "cgp", 4, "5"), "torch-cgp-2": ("torch", "cgp", 2, "5")}
 """name: backend, pipeline.mode, trainer.num_ranks, the reward jitter seed. fsdp-cgp-4 stops after step 0 and its
@@ -52,6 +55,9 @@ class Runs:
             run_dir = self.base / name
             common = [*WORKLOAD, f"trainer.backend={backend}", f"pipeline.mode={mode}", *EXTRA.get(name, [])]
             environ = {"RP_TEST_REWARD_JITTER": jitter}
+            if mode == "cgp":  # (the sync run first: its first group is held back here, so the orders differ)
+                environ |= hold_first_group(self["fsdp-sync-1"], self.base / f"{name}-held")[1]
+                common.append("reward.timeout_s=60")
             if name in RESUMED_ON:
                 first = run_job(run_dir, *common, f"trainer.num_ranks={num_ranks}", "num_rollout=1",
                                 "run.checkpoint_every=1", environ=environ)
@@ -101,8 +107,7 @@ def test_sharded_update_equals_the_replicated_backends(runs):
 @pytest.mark.parametrize("cgp_run", ["fsdp-cgp-2", "fsdp-cgp-4"])
 def test_sharded_pipelined_update_equals_synchronous_update(runs, cgp_run):
     """FSDP cgp on 2 and 4 ranks against FSDP sync on 1: another arrival order, rank split and sharding."""
-    publish = [[(s.step, s.attrs["group"]) for s in sorted(read_spans(runs[r]), key=lambda s: s.start_s)
-                if s.name == "dispatch/publish"] for r in ("fsdp-sync-1", cgp_run)]
+    publish = [publish_order(runs[r]) for r in ("fsdp-sync-1", cgp_run)]
     assert publish[0] != publish[1], "the groups must arrive in other orders"
     assert_same_update(runs, "fsdp-sync-1", cgp_run)
 

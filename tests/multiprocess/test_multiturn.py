@@ -8,8 +8,7 @@ import json
 import pytest
 
 from tests.conftest import SMALL, needs_extra, read_metrics, read_samples, run_job, run_jobs
-from tests.helpers.parity import EXACT, weights_digests
-from tests.multiprocess.test_pipeline import publish_order
+from tests.helpers.parity import EXACT, publish_order, weights_digests
 
 pytestmark = pytest.mark.multiprocess
 

@@ -13,9 +13,14 @@ from safetensors.torch import load_file
 from rolloutpipe.model import DType, ModelConfig, build_tiny_tokenizer, load_model
 from rolloutpipe.observe.metrics import read_spans
 from rolloutpipe.trainer.config import TrainerConfig
-from rolloutpipe.types import sample_id
 from tests.conftest import DENSE_REWARD, SMALL, needs_extra, read_metrics, read_samples, run_job
-from tests.helpers.parity import EXACT, assert_digests_tell_identical_from_different, weights_digests
+from tests.helpers.parity import (
+    EXACT,
+    assert_digests_tell_identical_from_different,
+    hold_first_group,
+    publish_order,
+    weights_digests,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -87,30 +92,19 @@ def final_weights(run_dir):
     return load_file(str(run_dir / "checkpoints" / "final" / "model.safetensors"))
 
 
-def publish_order(run_dir) -> list[tuple[int, int]]:
-    return [(s.step, s.attrs["group"]) for s in sorted(read_spans(run_dir), key=lambda s: s.start_s)
-            if s.name == "dispatch/publish"]
-
-
 def run_sync_then_cgp(runs: dict[str, Path], common: list[str], per_mode: dict[str, list[str]], *,
                       hold: bool = True) -> None:
     """The sync run, then the cgp run with ``common`` and each its ``per_mode`` overrides, and (``hold``) the groups
     published in other orders by construction: in the cgp run, the rewards of the group that sync published first hold
-    it until another group is scored (tests/fixtures/dense_rewards.py ``letter_fraction_jittered``), so it is not
-    first. (The seeded delays alone left the order to the machine's load: in CI both runs once published in group
-    order.) No ``hold`` for another reward (MULTI_STEP_FILTERED's), whose runs check filtering instead of the order."""
+    it until another group is scored (tests/helpers/parity.py ``hold_first_group``), so it is not first. No ``hold``
+    for another reward (MULTI_STEP_FILTERED's), whose runs check filtering instead of the order."""
     result = run_job(runs["sync"], *common, "pipeline.mode=sync", *per_mode.get("sync", []),
                      environ={"RP_TEST_REWARD_JITTER": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     environ = {"RP_TEST_REWARD_JITTER": CGP_JITTER}
     if hold:
-        first = publish_order(runs["sync"])[0]
-        prompt = next(s["prompt"] for s in read_samples(runs["sync"]) if s["id"] == sample_id(*first, 0))
-        assert prompt.endswith("="), prompt  # (the reversal task: "abd=" is labelled "dba")
-        held = runs["cgp"].parent / f"{runs['cgp'].name}-held"
-        held.mkdir()
-        environ |= {"RP_TEST_REWARD_HOLD": str(held), "RP_TEST_REWARD_HOLD_LABEL": prompt[:-1][::-1],
-                    "RP_TEST_REWARD_HOLD_AFTER": "4"}
+        first, held = hold_first_group(runs["sync"], runs["cgp"].parent / f"{runs['cgp'].name}-held")
+        environ |= held
     result = run_job(runs["cgp"], *common, "pipeline.mode=cgp", "reward.timeout_s=60", *per_mode.get("cgp", []),
                      environ=environ)
     assert result.returncode == 0, result.stderr[-3000:]
