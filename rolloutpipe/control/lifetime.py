@@ -33,7 +33,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 PARENT_PID_ENV = "RP_PARENT_PID"
 """Set by a parent for a child it starts: the child dies with that process (``die_with_parent``)."""
@@ -150,6 +150,29 @@ def stop_groups(processes: list[subprocess.Popen], grace_s: float) -> list[bool]
     for p in processes:
         p.wait()
     return killed
+
+
+def call_side_by_side(calls: dict[str, Callable[[], object]]) -> None:
+    """Each call on a thread of its own, all at once; returns once every one has returned, then raises the first
+    exception (in ``calls``' order) that any raised. For stops that each wait for a process to exit, as an engine's
+    shutdown waits for its server (up to STOP_GRACE_S): one after another, a node's eight servers would take eight
+    of those, past the margin a warned job has to end in (launch/requeue.py)."""
+    errors: dict[str, BaseException] = {}
+
+    def call(name: str) -> None:
+        try:
+            calls[name]()
+        except BaseException as err:  # noqa: BLE001 - raised below, once every call has returned
+            errors[name] = err
+
+    threads = [threading.Thread(target=call, args=(name,), name=f"stop-{name}", daemon=True) for name in calls]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for name in calls:
+        if name in errors:
+            raise errors[name]
 
 
 def _signal_group(pgid: int, signum: int) -> None:

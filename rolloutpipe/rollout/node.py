@@ -36,6 +36,7 @@ from rolloutpipe.control.attempt import FreshStart, Outcome, read_outcome, write
 from rolloutpipe.control.checkpoint import latest_checkpoint
 from rolloutpipe.control.clock import sync_clock
 from rolloutpipe.control.env import NodeEnv
+from rolloutpipe.control.lifetime import call_side_by_side
 from rolloutpipe.control.transport import PeerGone, Transport
 from rolloutpipe.control.weights import WeightSync, receiver, weights_record_key
 from rolloutpipe.model import context_len, load_tokenizer
@@ -350,8 +351,7 @@ class RolloutNode:
             reason=f"{type(err).__name__}: {err} (written by rollout rank 0: trainer rank 0 wrote none)"))
 
     def close(self) -> None:
-        for engine in self.engines:
-            engine.shutdown()
+        call_side_by_side({engine.name: engine.shutdown for engine in self.engines})  # (each waits for its server)
         self.dispatcher.close()
         self.rewards.close()
         for pool in (self.rewards.pool, self.environment):

@@ -36,14 +36,15 @@ def run_processes(run_id: str) -> list[tuple[int, str]]:
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
 
 TIME_LIMIT_STEPS = 12
-LONG_STEPS = {"RP_TEST_REWARD_SLEEP_UNTIL_REQUEUED_S": "1.2"}
-"""Until the job is requeued, each reward waits 1.2 s (one reward worker, 16 samples a step: at least 19.2 s a step),
-longer than the 15 s trainer rank 0 gives the step in progress after Slurm's warning (launcher.requeue_grace_s=30
-minus two margins of 7.5 s): the warning lands in a step that cannot end in time, as with GPU steps of minutes, and
-the first start cannot finish 12 steps within its 2 minutes. The last margin leaves every task the time to stop, so
+LONG_STEPS = {"RP_TEST_REWARD_SLEEP_UNTIL_REQUEUED_S": "1.5"}
+"""Until the job is requeued, each reward waits 1.5 s (one reward worker, 16 samples a step: at least 24 s a step),
+longer than the 20 s trainer rank 0 gives the step in progress after Slurm's warning (launcher.requeue_grace_s=40
+minus two margins of 10 s): the warning lands in a step that cannot end in time, as with GPU steps of minutes, and
+the first start cannot finish 12 steps within its 3 minutes. The last margin leaves every task the time to stop, so
 srun ends (137: the killed engine host) before the wrapper would requeue at the margin, and the decision is the
-outcome's. The requeued start runs without the wait; the uninterrupted reference too (the same rewards, the same
-update)."""
+outcome's. (With a grace of 30 s, margins of 7.5 s: the tasks took 5.1 to 6.6 s to stop on a loaded machine, and
+once in CI more.) The requeued start runs without the wait; the uninterrupted reference too (the same rewards, the
+same update)."""
 SLOW = {"RP_TEST_REWARD_SLEEP_UNTIL_REQUEUED_S": "0.3"}
 """With it, the preempted run's first start cannot end before the test requeues it (30 steps of at least 4.8 s, at
 least 2 minutes; the requeue comes after 5). The requeued start runs without the wait."""
@@ -91,10 +92,10 @@ def assert_resumed_to_the_uninterrupted_run(run_dir: Path, reference: Path, num_
     return metrics
 
 
-@pytest.mark.timeout(900)  # two starts of a 2-minute job
+@pytest.mark.timeout(900)  # two starts of a 3-minute job
 def test_a_job_warned_in_a_long_step_requeues_itself_keeping_every_finished_step(job_dir, uninterrupted):
     """launcher=slurm, two rollout nodes and two trainer ranks; an engine host's task is SIGKILLed after step 0 (srun
-    then exits 137 however the run ends). Warned of the 2-minute time limit in a step longer than the grace period,
+    then exits 137 however the run ends). Warned of the 3-minute time limit in a step longer than the grace period,
     trainer rank 0 writes the last finished step's checkpoint at once and drops the step in progress (or stops after
     it, when the warning came in its last seconds);
     the wrapper requeues the job because the run's sealed outcome says it stopped for it; the requeued job continues
@@ -102,8 +103,8 @@ def test_a_job_warned_in_a_long_step_requeues_itself_keeping_every_finished_step
     run_dir = job_dir("time-limit")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     overrides = [*workload(TIME_LIMIT_STEPS), *HOSTS, "run.id=time-limit", "launcher.trainer.nodes=2",
-                 "launcher.rollout.cpus_per_task=1", "launcher.trainer.cpus_per_task=1", "launcher.time_min=2",
-                 "launcher.requeue_grace_s=30", "launcher.max_requeues=3"]
+                 "launcher.rollout.cpus_per_task=1", "launcher.trainer.cpus_per_task=1", "launcher.time_min=3",
+                 "launcher.requeue_grace_s=40", "launcher.max_requeues=3"]
     launcher = launch(run_dir, *overrides, wait=False, environ=LONG_STEPS, stdout=True)
     try:
         wait_for((run_dir / "metrics.jsonl").exists, "step 0", running=[launcher], timeout_s=240)

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rolloutpipe.control.env import NodeEnv, node_address
+from rolloutpipe.control.lifetime import call_side_by_side
 from rolloutpipe.control.transport import Transport
 
 if TYPE_CHECKING:
@@ -145,11 +146,7 @@ class NodeServers:
         return list(range(self._local[name] * per_engine, (self._local[name] + 1) * per_engine))
 
     def stop_all(self) -> None:
-        threads = [threading.Thread(target=s.stop, daemon=True) for s in self.servers.values()]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        call_side_by_side({name: server.stop for name, server in self.servers.items()})
 
     def _server(self, j: int, name: str) -> ServerProcess:
         from omegaconf import OmegaConf
