@@ -63,6 +63,24 @@ def test_an_engine_host_stops_its_servers_side_by_side():
     assert sorted(done) == ["engine1", "engine2"]
 
 
+def test_servers_that_failed_to_start_are_stopped_side_by_side_and_the_failure_raised():
+    done: list[str] = []
+    stop = meeting(2, done)
+
+    def server(name: str, ready: bool) -> SimpleNamespace:
+        def wait_ready(timeout_s: float) -> None:
+            if not ready:
+                raise RuntimeError(f"injected: {name} exited with code 3")
+        return SimpleNamespace(name=name, start=lambda: None, wait_ready=wait_ready, stop=stop(name))
+
+    servers = NodeServers.__new__(NodeServers)
+    servers.cfg = SimpleNamespace(rollout=SimpleNamespace(server_start_timeout_s=1.0))
+    servers._server = lambda j, name: server(name, ready=name != "engine2")
+    with pytest.raises(RuntimeError, match="injected: engine2"):
+        servers.start([(0, "engine1"), (1, "engine2")])
+    assert sorted(done) == ["engine1", "engine2"]
+
+
 def test_a_failed_stop_is_raised_once_every_other_stop_has_returned():
     done: list[str] = []
     stop = meeting(2, done)

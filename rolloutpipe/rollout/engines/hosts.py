@@ -125,8 +125,7 @@ class NodeServers:
             for server in servers:
                 server.wait_ready(timeout_s=self.cfg.rollout.server_start_timeout_s)
         except BaseException:
-            for server in servers:
-                server.stop()
+            call_side_by_side({server.name: server.stop for server in servers})
             raise
         self.servers.update((s.name, s) for s in servers)
         self._local.update((name, j) for j, name in engines)
