@@ -351,13 +351,14 @@ class RolloutNode:
             reason=f"{type(err).__name__}: {err} (written by rollout rank 0: trainer rank 0 wrote none)"))
 
     def close(self) -> None:
-        call_side_by_side({engine.name: engine.shutdown for engine in self.engines})  # (each waits for its server)
+        """Stops what waits for something else side by side: each engine's server, the reward calls in progress
+        and the evaluation's (a warned job has a margin of seconds to end in, not their sum); then the rest."""
+        call_side_by_side({**{engine.name: engine.shutdown for engine in self.engines},
+                           "rewards": self.rewards.close, "evaluation": self.evaluation.close})
         self.dispatcher.close()
-        self.rewards.close()
         for pool in (self.rewards.pool, self.environment):
             if pool is not None:
                 pool.close()
-        self.evaluation.close()
         self.spans.flush()
 
 

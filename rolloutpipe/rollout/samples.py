@@ -109,7 +109,9 @@ class RewardThreads:
 
     def close(self) -> None:
         """Stops after the reward calls in progress: the results still queued are dropped, so a stop does not wait
-        for the rewards of a step that will be redone (with a slow reward, a whole step's worth of calls)."""
+        for the rewards of a step that will be redone (with a slow reward, a whole step's worth of calls). What a
+        call in progress returns is dropped too: no group completes and no turn is asked for once this has begun, so
+        the node may close its engines and its dispatcher while the call ends (RolloutNode.close)."""
         self._closing = True
         for _ in self._threads:
             self.results.put(None)
@@ -141,12 +143,14 @@ class RewardThreads:
             return
         if ctx.episode is not None:
             sample = self.episodes.on_turn(ctx.episode, result)
-            if isinstance(sample, GenerationRequest):  # the episode goes on: its next turn goes in line
-                self.in_flight[sample.request_id] = ctx
-                self._on_turn(ctx.group, sample, result.engine)
-                return
         else:
             sample = self._score(result, ctx, step)
+        if self._closing:  # a call that was in progress when the node began to stop: nothing follows from it
+            return
+        if isinstance(sample, GenerationRequest):  # the episode goes on: its next turn goes in line
+            self.in_flight[sample.request_id] = ctx
+            self._on_turn(ctx.group, sample, result.engine)
+            return
         group = self._assembler.add(sample)
         if group is not None:
             self.spans.add("rollout/group_complete", step=step, start_s=group.completed_s,

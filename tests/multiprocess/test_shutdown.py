@@ -16,6 +16,7 @@ import json
 import subprocess
 import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 from omegaconf import OmegaConf
@@ -25,6 +26,7 @@ from rolloutpipe.control.clock import ClockServer
 from rolloutpipe.control.env import NodeEnv, Role, attempt_key, loopback_interface
 from rolloutpipe.control.transport import StoreAddress, Transport
 from rolloutpipe.rollout.samples import RewardThreads
+from rolloutpipe.types import FinishReason
 from tests.conftest import REPO, SMALL, node_environ, wait_for
 
 pytestmark = pytest.mark.multiprocess
@@ -126,6 +128,32 @@ def test_a_stopping_rollout_node_rewards_none_of_the_results_still_queued():
     release.set()
     closer.join(timeout=30)
     assert not closer.is_alive() and rewarded == [0] and threads.idle()
+
+
+def test_a_reward_call_in_progress_when_the_node_stops_completes_no_group():
+    """The node stops its engines and its dispatcher while the reward calls in progress end (RolloutNode.close): what
+    such a call returns must not complete a group, which the dispatcher would then publish into a closing run."""
+    threads = RewardThreads(pool=None, tokenizer=None, num_threads=1, spans=SimpleNamespace(add=lambda *a, **k: None))
+    started, release, completed = threading.Event(), threading.Event(), []
+
+    def score(result, ctx, step):  # the one call in progress holds until the stop has begun
+        started.set()
+        release.wait(timeout=30)
+        return SimpleNamespace(group=ctx.group, completed_s=0.0)
+
+    threads._score = score
+    assembler = SimpleNamespace(step=0, add=lambda sample: sample)  # every sample completes its group
+    threads.begin_step(assembler, {"r0": SimpleNamespace(group=0, sample=0, episode=None)}, completed.append)
+    threads.on_result(SimpleNamespace(request_id="r0", started_s=0.0, finished_s=0.0, submitted_s=0.0, engine="e0",
+                                      output_ids=[], finish_reason=FinishReason.STOP, policy_version=0))
+    assert started.wait(timeout=30)
+    closer = threading.Thread(target=threads.close)
+    closer.start()
+    wait_for(lambda: threads.results.qsize() == 1, "close to queue its stop")
+    release.set()
+    closer.join(timeout=30)
+    assert not closer.is_alive() and threads.error is None and threads.idle()
+    assert completed == []
 
 
 LEAVING = """

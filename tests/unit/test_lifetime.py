@@ -1,6 +1,7 @@
 """Stops that wait for processes run side by side (control/lifetime.py ``call_side_by_side``): a rollout node's engines
-and an engine host's servers. One after another, a node of eight SGLang servers would take eight of their exits, past
-the margin a job warned of its time limit has to end in (seen on the local Slurm cluster with one: 6.6 s of 7.5)."""
+and its reward calls in progress, and an engine host's servers. One after another, a node of eight SGLang servers
+would take eight of their exits, past the margin a job warned of its time limit has to end in (seen on the local
+Slurm cluster with one: 6.6 s of 7.5)."""
 
 from __future__ import annotations
 
@@ -43,15 +44,17 @@ class Closes:
         self.done.append(self.name)
 
 
-def test_a_rollout_node_shuts_its_engines_down_side_by_side_then_closes_the_rest():
+def test_a_rollout_node_stops_its_engines_and_its_reward_calls_side_by_side_then_closes_the_rest():
+    """The engines' servers, the reward calls in progress and the evaluation's all wait for something else."""
     done: list[str] = []
-    stop = meeting(3, done)
+    stop = meeting(5, done)
     node = SimpleNamespace(engines=[SimpleNamespace(name=f"engine{i}", shutdown=stop(f"engine{i}")) for i in range(3)],
-                           dispatcher=Closes(done, "dispatcher"), rewards=Closes(done, "rewards"), environment=None,
-                           evaluation=Closes(done, "evaluation"), spans=Closes(done, "spans"))
+                           rewards=SimpleNamespace(close=stop("rewards"), pool=None), environment=None,
+                           evaluation=SimpleNamespace(close=stop("evaluation")), dispatcher=Closes(done, "dispatcher"),
+                           spans=Closes(done, "spans"))
     RolloutNode.close(node)
-    assert sorted(done[:3]) == ["engine0", "engine1", "engine2"]
-    assert done[3:] == ["dispatcher", "rewards", "evaluation", "spans"]
+    assert sorted(done[:5]) == ["engine0", "engine1", "engine2", "evaluation", "rewards"]
+    assert done[5:] == ["dispatcher", "spans"]
 
 
 def test_an_engine_host_stops_its_servers_side_by_side():
