@@ -256,6 +256,8 @@ class Evaluation:
         self._outstanding = 0
         self._lock = threading.Lock()
         self._results: queue.Queue = queue.Queue()
+        self._closing = False
+        """Set by ``close``: results still queued are dropped, not scored (the node is stopping)."""
         self._threads = [threading.Thread(target=self._run, name=f"eval-scoring-{i}", daemon=True)
                          for i in range(num_threads)]
         for thread in self._threads:
@@ -398,6 +400,10 @@ class Evaluation:
         return record
 
     def close(self) -> None:
+        """Stops after the scoring calls in progress: the results still queued are dropped, as the training
+        rewards' are (samples.py ``RewardThreads.close``). A finished step's evaluation has none left (``wait``
+        comes before its record), so only a stop drops any."""
+        self._closing = True
         for _ in self._threads:
             self._results.put(None)
         for thread in self._threads:
@@ -408,7 +414,8 @@ class Evaluation:
     def _run(self) -> None:
         while (item := self._results.get()) is not None:
             try:
-                self._score(*item)
+                if not self._closing:
+                    self._score(*item)
             except BaseException as err:  # noqa: BLE001 - kept for the rollout loop, which stops the run
                 self.error = err
             with self._lock:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from types import SimpleNamespace
 
@@ -17,7 +18,7 @@ from rolloutpipe.rollout.evaluation import EVAL_PRIORITY, EvalConfig, EvalSample
 from rolloutpipe.rollout.rewards import RewardConfig
 from rolloutpipe.rollout.tasks import ReversalTaskConfig, heldout_rows, reversal_rows
 from rolloutpipe.types import EpisodeEnd, FinishReason, GenerationResult
-from tests.conftest import REPO, SMALL, read_metrics, run_job
+from tests.conftest import REPO, SMALL, read_metrics, run_job, wait_for
 from tests.fakes import FakeEngine, Rollout
 
 
@@ -120,6 +121,32 @@ def test_eval_requests_take_only_the_slots_training_leaves_free_and_survive_a_fa
         assert record["eval/heldout/num_samples"] == 10 and record["eval/heldout/policy_version"] == 3
     finally:
         evaluation.close()
+
+
+def test_a_stopping_evaluation_scores_none_of_the_results_still_queued(tmp_path):
+    """A stop (RolloutNode.close) waits for the eval scoring calls in progress only, as for training's rewards."""
+    engines = [FakeEngine("e0")]
+    evaluation = heldout_evaluation(engines, tmp_path, n_samples=1, max_prompts=5, concurrency=8)
+    scored, started, release = [], threading.Event(), threading.Event()
+
+    def score(r, result) -> None:  # the one call in progress holds until the stop has begun
+        scored.append(result.request_id)
+        started.set()
+        release.wait(timeout=30)
+
+    evaluation._score = score
+    evaluation.begin(step=0, policy_version=0)
+    evaluation.pump(lambda e: 0)
+    assert len(engines[0].submitted) == 5
+    for request in engines[0].submitted:
+        assert evaluation.on_result(_result(request.request_id, "e0"))
+    assert started.wait(timeout=30)
+    closer = threading.Thread(target=evaluation.close)
+    closer.start()
+    wait_for(lambda: evaluation._results.qsize() == 4 + len(evaluation._threads), "close to queue its stops")
+    release.set()
+    closer.join(timeout=30)
+    assert not closer.is_alive() and scored == [engines[0].submitted[0].request_id] and evaluation.error is None
 
 
 class ThreeTurns:
