@@ -32,10 +32,10 @@ def meeting(parties: int, done: list[str]):
 
 
 class Closes:
-    """What RolloutNode.close closes after its engines, recording the order."""
+    """What RolloutNode.close closes after the stops that wait (the dispatcher, the spans), recording the order."""
 
     def __init__(self, done: list[str], name: str) -> None:
-        self.done, self.name, self.pool = done, name, None
+        self.done, self.name = done, name
 
     def close(self) -> None:
         self.done.append(self.name)
